@@ -1,0 +1,39 @@
+"""``mp-bridge`` command line: ``plan`` (rank tables) and ``demo`` (train + oracle parity)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+__all__ = ["main"]
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    from mp_bridge.commands import plan
+
+    parser = argparse.ArgumentParser(prog="mp-bridge", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    plan.add_arguments(sub.add_parser("plan", help="print every rank's coordinates and groups"))
+    try:
+        from mp_bridge.commands import demo
+    except ImportError:  # the demo lands with the pipeline
+        demo = None
+    if demo is not None:
+        demo.add_arguments(sub.add_parser("demo", help="train the tiny MIMO model + oracle parity"))
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point; returns the process exit code (0 ok, 2 bad arguments, 1 failure)."""
+    parser = _build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.run(args) or 0)
+    except ValueError as exc:  # bad specs: one line with the fix, no traceback
+        print(f"mp-bridge {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

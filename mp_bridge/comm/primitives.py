@@ -1,0 +1,211 @@
+"""Differentiable collectives along a tensor dim, each with its written adjoint.
+
+Every op takes its process group explicitly (``None`` = a single process, never a hidden
+global) and is a no-op for a group of size 1. Shapes: ``x`` is this rank's piece; with
+``n = group size`` and ``d = dim``, gathered outputs have ``n * x.shape[d]`` along ``d``,
+in group rank order.
+
+| op                    | forward                    | backward (adjoint)           | Megatron name |
+|-----------------------|----------------------------|------------------------------|---------------|
+| ``copy_to_group``     | identity                   | all-reduce(SUM)              | f             |
+| ``reduce_from_group`` | all-reduce(SUM)            | identity                     | g             |
+| ``gather_along``      | all-gather along d         | reduce-scatter(SUM) along d  | g (SP)        |
+| ``gather_keep_grad``  | all-gather along d         | keep own slice of grad       | -             |
+| ``scatter_along``     | keep own slice along d     | all-gather along d           | -             |
+| ``reduce_scatter_along`` | reduce-scatter(SUM) along d | all-gather along d      | g-bar (SP)    |
+
+Collectives are called as ``dist.<name>`` at call time, so a ``CollectiveCounter`` sees them.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "all_gather_tensor",
+    "copy_to_group",
+    "gather_along",
+    "gather_keep_grad",
+    "group_rank",
+    "group_size",
+    "reduce_from_group",
+    "reduce_scatter_along",
+    "reduce_scatter_tensor",
+    "scatter_along",
+]
+
+
+def group_size(group: dist.ProcessGroup | None) -> int:
+    """Size of ``group``; ``None`` means a single process (size 1)."""
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def group_rank(group: dist.ProcessGroup | None) -> int:
+    """This process's rank inside ``group``; ``None`` means rank 0 of a single process."""
+    return 0 if group is None else dist.get_rank(group)
+
+
+# ------------------------------------------------------- plain (non-autograd) helpers
+def all_gather_tensor(x: torch.Tensor, group: dist.ProcessGroup | None, dim: int = 0):
+    """All-gather ``x`` along ``dim`` in group rank order (one collective; no autograd)."""
+    n = group_size(group)
+    if n == 1:
+        return x
+    moved = x.movedim(dim, 0).contiguous()
+    out = torch.empty(
+        (n * moved.shape[0],) + tuple(moved.shape[1:]), dtype=x.dtype, device=x.device
+    )
+    _all_gather_single(out, moved, group)
+    return out.movedim(0, dim).contiguous()
+
+
+def reduce_scatter_tensor(x: torch.Tensor, group: dist.ProcessGroup | None, dim: int = 0):
+    """Sum ``x`` over the group and keep this rank's slice along ``dim`` (no autograd)."""
+    n = group_size(group)
+    if n == 1:
+        return x
+    if x.shape[dim] % n:
+        raise ValueError(f"reduce-scatter needs x.shape[{dim}]={x.shape[dim]} divisible by {n}")
+    moved = x.movedim(dim, 0).contiguous()
+    out = torch.empty(
+        (moved.shape[0] // n,) + tuple(moved.shape[1:]), dtype=x.dtype, device=x.device
+    )
+    _reduce_scatter_single(out, moved, group)
+    return out.movedim(0, dim).contiguous()
+
+
+def _all_gather_single(out: torch.Tensor, inp: torch.Tensor, group) -> None:
+    # torch >= 2.13 names it all_gather_single; older torch has all_gather_into_tensor.
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    fn(out, inp, group=group)
+
+
+def _reduce_scatter_single(out: torch.Tensor, inp: torch.Tensor, group) -> None:
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    fn(out, inp, group=group)
+
+
+def _all_reduce_sum(x: torch.Tensor, group) -> torch.Tensor:
+    out = x.clone(memory_format=torch.contiguous_format)  # never mutate autograd buffers
+    dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
+    return out
+
+
+def _own_slice(x: torch.Tensor, group, dim: int) -> torch.Tensor:
+    n = group_size(group)
+    if x.shape[dim] % n:
+        raise ValueError(f"cannot split dim {dim} of size {x.shape[dim]} into {n} equal parts")
+    size = x.shape[dim] // n
+    return x.narrow(dim, group_rank(group) * size, size).contiguous()
+
+
+# ----------------------------------------------------------------- autograd ops
+class _CopyToGroup(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_reduce_sum(grad, ctx.group), None
+
+
+class _ReduceFromGroup(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        return _all_reduce_sum(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _GatherAlong(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, dim, sum_grad):
+        ctx.group, ctx.dim, ctx.sum_grad = group, dim, sum_grad
+        return all_gather_tensor(x, group, dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if ctx.sum_grad:
+            return reduce_scatter_tensor(grad, ctx.group, ctx.dim), None, None, None
+        return _own_slice(grad, ctx.group, ctx.dim), None, None, None
+
+
+class _ScatterAlong(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        return _own_slice(x, group, dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_gather_tensor(grad, ctx.group, ctx.dim), None, None
+
+
+class _ReduceScatterAlong(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        return reduce_scatter_tensor(x, group, dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_gather_tensor(grad, ctx.group, ctx.dim), None, None
+
+
+def _dim(x: torch.Tensor, dim: int) -> int:
+    if not -x.dim() <= dim < x.dim():
+        raise ValueError(
+            f"dim={dim} is out of range for a {x.dim()}-d tensor of shape {tuple(x.shape)}"
+        )
+    return dim % x.dim()
+
+
+def copy_to_group(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Identity forward; all-reduce(SUM) of the gradient backward (Megatron's *f*)."""
+    return x if group_size(group) == 1 else _CopyToGroup.apply(x, group)
+
+
+def reduce_from_group(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """All-reduce(SUM) forward (out of place); identity backward (Megatron's *g*)."""
+    return x if group_size(group) == 1 else _ReduceFromGroup.apply(x, group)
+
+
+def gather_along(x: torch.Tensor, group: dist.ProcessGroup | None, dim: int) -> torch.Tensor:
+    """All-gather along ``dim``; backward reduce-scatters (sums the per-rank gradients).
+
+    Use when every rank consumes the gathered tensor in a *different* partial loss.
+    """
+    if group_size(group) == 1:
+        return x
+    return _GatherAlong.apply(x, group, _dim(x, dim), True)
+
+
+def gather_keep_grad(x: torch.Tensor, group: dist.ProcessGroup | None, dim: int) -> torch.Tensor:
+    """All-gather along ``dim``; backward keeps this rank's slice of the (replicated) grad.
+
+    Use when the gradient of the gathered tensor is already identical on every rank.
+    """
+    if group_size(group) == 1:
+        return x
+    return _GatherAlong.apply(x, group, _dim(x, dim), False)
+
+
+def scatter_along(x: torch.Tensor, group: dist.ProcessGroup | None, dim: int) -> torch.Tensor:
+    """Keep this rank's contiguous slice along ``dim``; backward all-gathers the grad."""
+    if group_size(group) == 1:
+        return x
+    return _ScatterAlong.apply(x, group, _dim(x, dim))
+
+
+def reduce_scatter_along(
+    x: torch.Tensor, group: dist.ProcessGroup | None, dim: int
+) -> torch.Tensor:
+    """Reduce-scatter(SUM) along ``dim``; backward all-gathers the grad (SP's *g-bar*)."""
+    if group_size(group) == 1:
+        return x
+    return _ReduceScatterAlong.apply(x, group, _dim(x, dim))

@@ -1,0 +1,1 @@
+"""Sub-commands of the ``mp-bridge`` CLI, one module each."""

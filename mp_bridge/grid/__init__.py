@@ -1,0 +1,7 @@
+"""Rank geometry (pure) and process-group creation on megatron-core's ``HyperCommGrid``."""
+
+from .layout import GridLayout
+from .make import make_grid
+from .spec import AXIS_NAMES, parse_layout_spec
+
+__all__ = ["AXIS_NAMES", "GridLayout", "make_grid", "parse_layout_spec"]

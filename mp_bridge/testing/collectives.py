@@ -1,0 +1,126 @@
+"""Count the collectives (and bytes) a piece of code issues, for budget tests.
+
+Wraps the ``torch.distributed`` functions our code and megatron-core call through the
+module attribute (``dist.all_reduce(...)``), so the count covers both. Use as::
+
+    with CollectiveCounter() as counter:
+        y = bridge.communicate(x)
+    assert counter.counts() == {"all_gather": 1}
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["CollectiveCall", "CollectiveCounter"]
+
+# Canonical name of each wrapped function: the two spellings of one collective count alike.
+_WRAPPED = {
+    "all_reduce": "all_reduce",
+    "all_gather": "all_gather",
+    "all_gather_into_tensor": "all_gather",
+    "all_gather_single": "all_gather",
+    "_all_gather_base": "all_gather",
+    "reduce_scatter": "reduce_scatter",
+    "reduce_scatter_tensor": "reduce_scatter",
+    "reduce_scatter_single": "reduce_scatter",
+    "_reduce_scatter_base": "reduce_scatter",
+    "all_to_all": "all_to_all",
+    "all_to_all_single": "all_to_all",
+    "broadcast": "broadcast",
+    "reduce": "reduce",
+    "gather": "gather",
+    "scatter": "scatter",
+    "barrier": "barrier",
+    "all_gather_object": "all_gather_object",
+    "send": "send",
+    "recv": "recv",
+    "isend": "send",
+    "irecv": "recv",
+}
+
+
+@dataclass(frozen=True)
+class CollectiveCall:
+    """One observed collective: canonical name, group size and bytes this rank received."""
+
+    name: str
+    group_size: int
+    bytes_received: int
+
+
+def _tensor_bytes(obj: Any) -> int:
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, (list, tuple)):
+        return sum(_tensor_bytes(o) for o in obj)
+    return 0
+
+
+def _received_bytes(name: str, args: tuple, kwargs: dict, group_size: int) -> int:
+    """Bytes arriving from other ranks (the payload a bandwidth bound talks about)."""
+    first = args[0] if args else next(iter(kwargs.values()), None)
+    if name == "all_gather":
+        # output holds group_size pieces; one of them is our own.
+        return _tensor_bytes(first) * (group_size - 1) // max(group_size, 1)
+    if name == "all_reduce":
+        return _tensor_bytes(first)
+    if name == "reduce_scatter":
+        return _tensor_bytes(first) * (group_size - 1)
+    return _tensor_bytes(first)
+
+
+class CollectiveCounter:
+    """Context manager recording every wrapped collective issued inside it (this rank)."""
+
+    def __init__(self) -> None:
+        self.calls: list[CollectiveCall] = []
+        self._saved: dict[str, Any] = {}
+
+    def __enter__(self) -> CollectiveCounter:
+        for attr, canonical in _WRAPPED.items():
+            original = getattr(dist, attr, None)
+            if original is None:
+                continue
+            self._saved[attr] = original
+            setattr(dist, attr, self._wrap(original, canonical))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for attr, original in self._saved.items():
+            setattr(dist, attr, original)
+        self._saved.clear()
+
+    def _wrap(self, original: Any, canonical: str) -> Any:
+        counter = self
+
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            group = kwargs.get("group")
+            if group is None:
+                group = next((a for a in args if isinstance(a, dist.ProcessGroup)), None)
+            size = dist.get_world_size(group)
+            nbytes = _received_bytes(canonical, args, kwargs, size)
+            # Inner spellings (all_gather_single -> all_gather_into_tensor) record once.
+            if not getattr(counter, "_inside", False):
+                counter.calls.append(CollectiveCall(canonical, size, nbytes))
+                counter._inside = True
+                try:
+                    return original(*args, **kwargs)
+                finally:
+                    counter._inside = False
+            return original(*args, **kwargs)
+
+        return wrapper
+
+    def counts(self) -> dict[str, int]:
+        """``{canonical name: number of calls}``."""
+        return dict(Counter(c.name for c in self.calls))
+
+    def bytes_received(self, name: str | None = None) -> int:
+        """Total bytes received by this rank (optionally for one collective name)."""
+        return sum(c.bytes_received for c in self.calls if name is None or c.name == name)

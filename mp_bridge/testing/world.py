@@ -1,0 +1,138 @@
+"""Run many test cases inside one distributed world (one start-up per test file).
+
+Usage in a test module::
+
+    world = DistributedWorld(8)
+
+    @world.case
+    def test_all_reduce_sums():      # runs on every rank of the shared world
+        ...
+
+The first test that pytest runs starts the world once, runs *every* registered case on
+every rank (in registration order), and caches the per-rank outcomes; each test then
+reports its own case, with the failing rank's traceback. Backend: ``MP_BRIDGE_BACKEND``
+(default ``gloo``). Under ``torchrun`` (``RANK``/``WORLD_SIZE`` set by the launcher) the
+cases run in the launched processes themselves, e.g. on 8 GPUs::
+
+    MP_BRIDGE_BACKEND=nccl torchrun --nproc-per-node 8 -m pytest tests/functional
+"""
+
+from __future__ import annotations
+
+import datetime
+import functools
+import os
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .launcher import DEFAULT_TIMEOUT_S, DistributedError, run_distributed
+
+__all__ = ["DistributedWorld", "world_backend"]
+
+Outcome = tuple[str, Any]  # ("ok", value) or ("error", traceback text)
+
+
+def world_backend() -> str:
+    """The backend tests use: ``MP_BRIDGE_BACKEND`` (``gloo`` or ``nccl``), default gloo."""
+    backend = os.environ.get("MP_BRIDGE_BACKEND", "gloo").lower()
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"MP_BRIDGE_BACKEND={backend!r}; use 'gloo' or 'nccl'")
+    return backend
+
+
+def _under_torchrun() -> bool:
+    return "TORCHELASTIC_RUN_ID" in os.environ and "RANK" in os.environ
+
+
+class DistributedWorld:
+    """A lazily started world of ``world_size`` ranks shared by the cases of one module."""
+
+    def __init__(self, world_size: int, *, timeout_s: float = DEFAULT_TIMEOUT_S):
+        self.world_size = world_size
+        self.timeout_s = timeout_s
+        self._cases: list[tuple[str, Callable[[], Any]]] = []
+        self._outcomes: dict[str, list[Outcome]] | None = None
+        self._failure: BaseException | None = None
+
+    def case(self, fn: Callable[[], Any]) -> Callable[[], None]:
+        """Register ``fn`` (no arguments) to run on every rank; return a pytest test."""
+        name = fn.__name__
+        if any(n == name for n, _ in self._cases):
+            raise ValueError(f"case {name!r} registered twice; give each case a unique name")
+        self._cases.append((name, fn))
+
+        @functools.wraps(fn)
+        def test() -> None:
+            self.check(name)
+
+        return test
+
+    def check(self, name: str) -> list[Any]:
+        """Per-rank return values of case ``name``; raises with the failing rank's traceback."""
+        outcomes = self._run()[name]
+        for rank, (status, value) in enumerate(outcomes):
+            if status == "error":
+                raise DistributedError(f"case {name!r} failed on rank {rank}:\n{value}", rank)
+        return [value for _, value in outcomes]
+
+    # ----------------------------------------------------------------- running
+    def _run(self) -> dict[str, list[Outcome]]:
+        if self._failure is not None:
+            raise DistributedError(f"the shared world failed earlier: {self._failure}")
+        if self._outcomes is None:
+            try:
+                if _under_torchrun():
+                    self._outcomes = self._run_in_process()
+                else:
+                    per_rank = run_distributed(
+                        self._run_cases,
+                        self.world_size,
+                        backend=world_backend(),
+                        timeout_s=self.timeout_s,
+                    )
+                    self._outcomes = {
+                        name: [rank_result[name] for rank_result in per_rank]
+                        for name, _ in self._cases
+                    }
+            except BaseException as exc:
+                self._failure = exc
+                raise
+        return self._outcomes
+
+    def _run_cases(self) -> dict[str, Outcome]:
+        results: dict[str, Outcome] = {}
+        for name, fn in self._cases:
+            torch.manual_seed(1234)
+            try:
+                results[name] = ("ok", fn())
+            except Exception:  # noqa: BLE001 - reported per case
+                results[name] = ("error", traceback.format_exc())
+        return results
+
+    def _run_in_process(self) -> dict[str, list[Outcome]]:
+        import pytest
+
+        world = int(os.environ["WORLD_SIZE"])
+        if world != self.world_size:
+            pytest.skip(f"needs {self.world_size} ranks, torchrun launched {world}")
+        if not dist.is_initialized():
+            backend = world_backend()
+            if backend == "nccl":
+                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+            dist.init_process_group(backend, timeout=datetime.timedelta(seconds=self.timeout_s))
+        mine = self._run_cases()
+        gathered: list[dict[str, Outcome] | None] = [None] * world
+        # Only statuses travel: results may hold device tensors.
+        dist.all_gather_object(
+            gathered, {n: (s, v if s == "error" else None) for n, (s, v) in mine.items()}
+        )
+        out = {}
+        for name, _ in self._cases:
+            per_rank = [g[name] for g in gathered]  # type: ignore[index]
+            per_rank[dist.get_rank()] = mine[name]
+            out[name] = per_rank
+        return out

@@ -1,0 +1,28 @@
+"""Packaging for mp_bridge.
+
+Install torch==2.13.0 (or the build your machine needs) *before* this package so pip never
+resolves an unpinned torch (which pulls several GB of CUDA wheels on a CPU machine).
+"""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="mp_bridge",
+    version="0.1.0",
+    description="Megatron-style model-parallel building blocks for colocated MIMO models",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["mp_bridge", "mp_bridge.*"]),
+    install_requires=[
+        "torch>=2.6",
+        "megatron-core>=0.16,<0.17",
+        "einops",
+        "numpy",
+    ],
+    extras_require={
+        "test": ["pytest", "hypothesis", "ruff"],
+        "viz": ["matplotlib"],
+    },
+    entry_points={"console_scripts": ["mp-bridge=mp_bridge.cli:main"]},
+)

@@ -1,0 +1,57 @@
+"""make_grid inside an 8-rank world: groups hold exactly the ranks GridLayout predicts."""
+
+from __future__ import annotations
+
+import pytest
+import torch.distributed as dist
+
+from mp_bridge.grid import GridLayout, make_grid
+from mp_bridge.testing import DistributedWorld
+
+world = DistributedWorld(8)
+
+
+def _members(group) -> list[int]:
+    return sorted(dist.get_process_group_ranks(group))
+
+
+def _check_grid(kwargs, dims_list):
+    grid = make_grid(**kwargs, create=dims_list)
+    layout = GridLayout.from_grid(grid)
+    rank = dist.get_rank()
+    for dims in dims_list:
+        predicted = layout.group_of(rank, dims)
+        assert _members(grid.get_pg(list(dims) if not isinstance(dims, str) else dims)) == sorted(
+            predicted
+        ), (dims, predicted)
+    return layout
+
+
+@world.case
+def test_default_order_groups():
+    layout = _check_grid(dict(tp=2, cp=2, dp=2), ["tp", "cp", "dp", ("dp", "cp")])
+    assert layout.dim_names == ("tp", "cp", "pp", "dp")
+
+
+@world.case
+def test_custom_order_groups():
+    _check_grid(dict(tp=2, dp=4, dim_names=("dp", "tp", "cp", "pp")), ["tp", "dp"])
+
+
+@world.case
+def test_offset_grid_on_part_of_the_world():
+    # Every rank of the world takes part in group creation, even those outside the grid.
+    grid = make_grid(tp=2, dp=2, rank_offset=4, create=["tp"])
+    layout = GridLayout.from_grid(grid)
+    if dist.get_rank() >= 4:
+        assert _members(grid.get_pg("tp")) == layout.group_of(dist.get_rank(), "tp")
+
+
+@world.case
+def test_world_too_small_is_a_clear_error():
+    with pytest.raises(ValueError, match=r"needs 16 ranks .* world has only 8"):
+        make_grid(tp=2, dp=8)
+    with pytest.raises(ValueError, match="must be a permutation"):
+        make_grid(tp=2, dim_names=("tp", "dp"))
+    with pytest.raises(ValueError, match=r"unknown axis name\(s\) \['ep'\]"):
+        make_grid(tp=2, create=["ep"])

@@ -1,0 +1,48 @@
+"""`mp-bridge plan` and layout-spec parsing (pure; no process group)."""
+
+from __future__ import annotations
+
+import pytest
+
+from mp_bridge.cli import main
+from mp_bridge.grid import GridLayout, parse_layout_spec
+
+
+def test_parse_spec_keeps_written_order_and_appends_unit_axes():
+    assert parse_layout_spec("tp=2,dp=4") == GridLayout((2, 4, 1, 1), ("tp", "dp", "cp", "pp"))
+    assert parse_layout_spec("dp=2, tp=4", world_size=8).dim_names[:2] == ("dp", "tp")
+
+
+@pytest.mark.parametrize(
+    ("spec", "match"),
+    [
+        ("", "is empty"),
+        ("tp2", "is not NAME=SIZE"),
+        ("xp=2", r"unknown axis 'xp'; valid axes are \['tp', 'cp', 'pp', 'dp'\]"),
+        ("tp=2,tp=2", "given twice"),
+        ("tp=two", "is not an integer"),
+        ("tp=0", "must be >= 1"),
+        ("tp=2,dp=2", "covers 4 ranks but the world has 8"),
+    ],
+)
+def test_parse_spec_errors(spec, match):
+    with pytest.raises(ValueError, match=match):
+        parse_layout_spec(spec, world_size=8)
+
+
+def test_plan_prints_every_rank(capsys):
+    code = main(["plan", "--world", "8", "--encoder", "tp=2,dp=4", "--llm", "tp=2,cp=2,dp=2"])
+    out = capsys.readouterr().out
+    assert code == 0
+    rows = [line.split() for line in out.splitlines() if line[:1].isdigit()]
+    by_rank = {int(r[0]): r[1:] for r in rows}
+    assert sorted(by_rank) == list(range(8))
+    assert by_rank[5][:2] == ["tp=1", "dp=2"]
+    assert by_rank[5][2:5] == ["tp=1", "cp=0", "dp=1"]
+
+
+def test_plan_bad_spec_is_one_line_error(capsys):
+    code = main(["plan", "--world", "8", "--encoder", "tp=3,dp=4"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2
+    assert len(err) == 1 and "covers 12 ranks but the world has 8" in err[0]
