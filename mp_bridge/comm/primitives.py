@@ -5,14 +5,12 @@ global) and is a no-op for a group of size 1. Shapes: ``x`` is this rank's piece
 ``n = group size`` and ``d = dim``, gathered outputs have ``n * x.shape[d]`` along ``d``,
 in group rank order.
 
-| op                    | forward                    | backward (adjoint)           | Megatron name |
-|-----------------------|----------------------------|------------------------------|---------------|
-| ``copy_to_group``     | identity                   | all-reduce(SUM)              | f             |
-| ``reduce_from_group`` | all-reduce(SUM)            | identity                     | g             |
-| ``gather_along``      | all-gather along d         | reduce-scatter(SUM) along d  | g (SP)        |
-| ``gather_keep_grad``  | all-gather along d         | keep own slice of grad       | -             |
-| ``scatter_along``     | keep own slice along d     | all-gather along d           | -             |
-| ``reduce_scatter_along`` | reduce-scatter(SUM) along d | all-gather along d      | g-bar (SP)    |
+- ``copy_to_group``: identity; backward all-reduce(SUM) (Megatron's *f*).
+- ``reduce_from_group``: all-reduce(SUM); backward identity (Megatron's *g*).
+- ``gather_along``: all-gather along d; backward reduce-scatter(SUM) along d.
+- ``gather_keep_grad``: all-gather along d; backward keeps this rank's slice of the grad.
+- ``scatter_along``: keep this rank's slice along d; backward all-gather along d.
+- ``reduce_scatter_along``: reduce-scatter(SUM) along d; backward all-gather (SP's g-bar).
 
 Collectives are called as ``dist.<name>`` at call time, so a ``CollectiveCounter`` sees them.
 """

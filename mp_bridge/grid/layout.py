@@ -6,7 +6,8 @@ over rank ids, so for ``shape=(TP, CP, DP)`` and ``dim_names=("tp", "cp", "dp")`
     rank = rank_offset + tp + TP * (cp + CP * dp)
 
 Example, ``GridLayout((2, 2, 2), ("tp", "cp", "dp"))``:
-    ``coords(5) -> {"tp": 1, "cp": 0, "dp": 1}``, ``groups("tp") -> [[0, 1], [2, 3], [4, 5], [6, 7]]``,
+    ``coords(5) -> {"tp": 1, "cp": 0, "dp": 1}``,
+    ``groups("tp") -> [[0, 1], [2, 3], [4, 5], [6, 7]]``,
     ``groups("cp") -> [[0, 2], [1, 3], [4, 6], [5, 7]]``.
 """
 
