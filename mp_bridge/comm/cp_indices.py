@@ -1,0 +1,151 @@
+"""Load-balanced context-parallel token indices (pure: no process group, no collectives).
+
+Causal attention costs more for late tokens than for early ones, so a sequence of length
+``S`` is cut into ``2·cp`` equal chunks and CP rank ``i`` keeps chunks ``i`` and
+``2·cp−1−i``, in that order: every rank then does the same number of (query, key ≤ query)
+pairs. Packed (THD) batches apply the same cut to each sequence separately.
+
+Example, ``S = 8``, ``cp = 2`` (chunks of 2)::
+
+    rank 0 -> [0, 1, 6, 7]
+    rank 1 -> [2, 3, 4, 5]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+__all__ = [
+    "cp_gather_order",
+    "cp_shard_indices",
+    "cp_shard_indices_packed",
+    "normalize_cu_seqlens",
+]
+
+
+def _check_int(name: str, value: object, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name}={value} must be >= {minimum}")
+    return value
+
+
+def _check_cp(cp_size: object, cp_rank: object) -> tuple[int, int]:
+    cp = _check_int("cp_size", cp_size, 1)
+    rank = _check_int("cp_rank", cp_rank, 0)
+    if rank >= cp:
+        raise ValueError(f"cp_rank={rank} is out of range for cp_size={cp}; use 0..{cp - 1}")
+    return cp, rank
+
+
+def normalize_cu_seqlens(
+    cu_seqlens: Sequence[int] | torch.Tensor, factor: int, *, total: int | None = None
+) -> list[int]:
+    """Validate cumulative sequence lengths and return them as a list of ints.
+
+    ``cu_seqlens`` is ``[0, l0, l0+l1, ...]`` (1-D, non-decreasing, starting at 0); every
+    length must be divisible by ``factor`` (``2·cp``) and, if given, the last entry must
+    equal ``total`` (the packed token count). Raises ``ValueError``/``TypeError``.
+    """
+    if isinstance(cu_seqlens, torch.Tensor):
+        if cu_seqlens.dim() != 1 or cu_seqlens.dtype.is_floating_point or cu_seqlens.is_complex():
+            raise TypeError(
+                f"cu_seqlens must be a 1-D integer tensor, got shape {tuple(cu_seqlens.shape)} "
+                f"dtype {cu_seqlens.dtype}"
+            )
+        values = [int(v) for v in cu_seqlens.tolist()]
+    else:
+        values = list(cu_seqlens)
+        for v in values:
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise TypeError(f"cu_seqlens must hold ints, got {values!r}")
+    if len(values) < 2 or values[0] != 0:
+        raise ValueError(
+            f"cu_seqlens={values} must start at 0 and hold at least one sequence, "
+            "e.g. [0, 8, 24] for lengths 8 and 16"
+        )
+    lengths = [b - a for a, b in zip(values[:-1], values[1:])]
+    if any(n < 0 for n in lengths):
+        raise ValueError(f"cu_seqlens={values} must be non-decreasing (lengths {lengths})")
+    bad = [n for n in lengths if n % factor]
+    if bad:
+        raise ValueError(
+            f"packed sequence lengths {lengths} (cu_seqlens={values}) must each be divisible "
+            f"by 2·cp={factor}; lengths {bad} are not: pad each sequence to a multiple of {factor}"
+        )
+    if total is not None and values[-1] != total:
+        raise ValueError(
+            f"cu_seqlens[-1]={values[-1]} must equal the packed sequence length {total}"
+        )
+    return values
+
+
+def cp_shard_indices(
+    seq_len: int, cp_size: int, cp_rank: int, *, device: torch.device | str | None = None
+) -> torch.Tensor:
+    """Indices (LongTensor ``[seq_len // cp_size]``) of the tokens CP rank ``cp_rank`` keeps.
+
+    Chunks ``cp_rank`` and ``2·cp_size−1−cp_rank`` of ``2·cp_size`` equal chunks, in that
+    order. ``S=16, cp=4``: rank 0 -> [0, 1, 14, 15], rank 1 -> [2, 3, 12, 13], ...
+    ``seq_len`` must be divisible by ``2·cp_size`` (``ValueError`` with the factor otherwise).
+    """
+    cp, rank = _check_cp(cp_size, cp_rank)
+    seq_len = _check_int("seq_len", seq_len, 0)
+    if seq_len % (2 * cp):
+        raise ValueError(
+            f"seq_len={seq_len} must be divisible by 2·cp={2 * cp} (cp_size={cp}); "
+            f"pad the sequence to a multiple of {2 * cp}"
+        )
+    chunk = seq_len // (2 * cp)
+    first = torch.arange(rank * chunk, (rank + 1) * chunk, device=device)
+    mirror = 2 * cp - 1 - rank
+    second = torch.arange(mirror * chunk, (mirror + 1) * chunk, device=device)
+    return torch.cat([first, second])
+
+
+def cp_shard_indices_packed(
+    cu_seqlens: Sequence[int] | torch.Tensor,
+    cp_size: int,
+    cp_rank: int,
+    *,
+    device: torch.device | str | None = None,
+) -> torch.Tensor:
+    """:func:`cp_shard_indices` applied to each sequence of a packed (THD) batch.
+
+    ``cu_seqlens`` = ``[0, l0, l0+l1, ...]`` (global, over the full packed length); each
+    length must be divisible by ``2·cp_size``. Returns indices into the packed token dim,
+    sequence by sequence; the local cumulative lengths are ``cu_seqlens // cp_size``.
+    ``cu_seqlens=[0, 4, 12], cp=2``: rank 0 -> [0, 3, 4, 5, 10, 11], rank 1 -> [1, 2, 6, 7, 8, 9].
+    """
+    cp, rank = _check_cp(cp_size, cp_rank)
+    bounds = normalize_cu_seqlens(cu_seqlens, 2 * cp)
+    parts = [
+        start + cp_shard_indices(end - start, cp, rank, device=device)
+        for start, end in zip(bounds[:-1], bounds[1:])
+    ]
+    return torch.cat(parts)
+
+
+def cp_gather_order(
+    seq_len: int,
+    cp_size: int,
+    *,
+    cu_seqlens: Sequence[int] | torch.Tensor | None = None,
+    device: torch.device | str | None = None,
+) -> torch.Tensor:
+    """Global index of each token after an all-gather of the CP shards in rank order.
+
+    ``cat([idx(rank 0), idx(rank 1), ...])``, a permutation of ``range(seq_len)``;
+    ``gathered.index_select(d, cp_gather_order(...).argsort())`` restores sequence order.
+    ``S=8, cp=2`` -> [0, 1, 6, 7, 2, 3, 4, 5].
+    """
+    cp = _check_int("cp_size", cp_size, 1)
+    if cu_seqlens is None:
+        parts = [cp_shard_indices(seq_len, cp, r, device=device) for r in range(cp)]
+    else:
+        bounds = normalize_cu_seqlens(cu_seqlens, 2 * cp, total=seq_len)
+        parts = [cp_shard_indices_packed(bounds, cp, r, device=device) for r in range(cp)]
+    return torch.cat(parts)
