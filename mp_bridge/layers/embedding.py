@@ -1,0 +1,178 @@
+"""Vocab-parallel token embedding (Megatron layout; any vocab size, explicit TP group).
+
+Each TP rank holds rows ``[vocab_start_index, vocab_end_index)`` of the padded vocab
+(``vocab_shard_ranges``; padding rows past ``num_embeddings`` are zero). A lookup takes
+the rows this rank owns, writes zeros for the others, and sums over TP:
+
+- default: all-reduce(SUM) over ``tp_group`` (``reduce_from_group``; backward identity),
+  output ``[..., H]`` TP-replicated;
+- ``sequence_parallel=True``: reduce-scatter(SUM) along ``seq_dim`` instead (backward
+  all-gather), output holds this rank's contiguous ``1/tp`` of the sequence.
+
+Example (vocab 1001, TP 4): rank 2 owns ids ``[502, 753)``; its weight is ``[251, H]``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from mp_bridge.comm.primitives import (
+    group_rank,
+    group_size,
+    reduce_from_group,
+    reduce_scatter_along,
+)
+
+from .vocab_shards import vocab_shard_ranges
+
+__all__ = ["VocabParallelEmbedding"]
+
+
+def positive_int(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {value!r}")
+    if value < 1:
+        raise ValueError(f"{name}={value} must be >= 1")
+    return value
+
+
+def token_dim(seq_dim: int, ndim: int, what: str) -> int:
+    """Normalize ``seq_dim`` against the ``ndim`` token dims (the hidden dim excluded)."""
+    if isinstance(seq_dim, bool) or not isinstance(seq_dim, int):
+        raise TypeError(f"seq_dim must be an int, got {seq_dim!r}")
+    if not -ndim <= seq_dim < ndim:
+        raise ValueError(
+            f"seq_dim={seq_dim} is out of range for {what} with {ndim} token dim(s); "
+            f"use a dim in [0, {ndim}) (batch-first [b, s, h] -> seq_dim=1)"
+        )
+    return seq_dim % ndim
+
+
+def check_seq_split(length: int, tp: int, dim: int) -> None:
+    """Sequence parallelism splits ``length`` tokens equally over ``tp`` ranks."""
+    if length % tp:
+        raise ValueError(
+            f"sequence_parallel needs the sequence dim {dim} (length {length}) divisible by "
+            f"the TP size {tp}; pad the sequence to a multiple of {tp}"
+        )
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding ``[V, H]`` split by vocab rows over ``tp_group`` (``None`` = one process).
+
+    Args: ``num_embeddings`` (true vocab V), ``embedding_dim`` (H), ``multiple`` (rows per
+    rank are a multiple of it), ``init_method`` (in-place init of the local ``[V_local, H]``
+    shard; default normal(0, 0.02); use ``from_full`` for TP-independent weights).
+    Forward: ``ids [...]`` (integer, in ``[0, num_embeddings)``, checked locally before the
+    collective; same on every TP rank) -> ``[..., H]`` (see the module docstring for SP).
+    """
+
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        *,
+        tp_group: dist.ProcessGroup | None = None,
+        sequence_parallel: bool = False,
+        seq_dim: int = 1,
+        multiple: int = 1,
+        init_method: Callable[[torch.Tensor], object] | None = None,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+    ):
+        super().__init__()
+        self.num_embeddings = positive_int("num_embeddings", num_embeddings)
+        self.embedding_dim = positive_int("embedding_dim", embedding_dim)
+        positive_int("multiple", multiple)
+        if isinstance(seq_dim, bool) or not isinstance(seq_dim, int):
+            raise TypeError(f"seq_dim must be an int, got {seq_dim!r}")
+        self.tp_group = tp_group
+        self.tp_size = group_size(tp_group)
+        self.sequence_parallel = bool(sequence_parallel)
+        self.seq_dim = seq_dim
+        self.multiple = multiple
+        ranges = vocab_shard_ranges(num_embeddings, self.tp_size, multiple=multiple)
+        self.vocab_start_index, self.vocab_end_index = ranges[group_rank(tp_group)]
+        local = self.vocab_end_index - self.vocab_start_index
+        self.weight = nn.Parameter(torch.empty(local, embedding_dim, dtype=dtype, device=device))
+        with torch.no_grad():
+            if init_method is None:
+                nn.init.normal_(self.weight, mean=0.0, std=0.02)
+            else:
+                init_method(self.weight)
+            self._zero_padding_rows()
+
+    def _zero_padding_rows(self) -> None:
+        real = max(self.num_embeddings - self.vocab_start_index, 0)
+        self.weight[real:].zero_()
+
+    @classmethod
+    def from_full(
+        cls,
+        weight: torch.Tensor,
+        *,
+        tp_group: dist.ProcessGroup | None,
+        sequence_parallel: bool = False,
+        seq_dim: int = 1,
+        multiple: int = 1,
+    ) -> VocabParallelEmbedding:
+        """Keep this rank's rows of a full ``[V, H]`` weight (padding rows zero); copies."""
+        if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+            raise ValueError(
+                f"weight must be a [V, H] tensor, got {getattr(weight, 'shape', weight)}"
+            )
+        emb = cls(
+            weight.shape[0],
+            weight.shape[1],
+            tp_group=tp_group,
+            sequence_parallel=sequence_parallel,
+            seq_dim=seq_dim,
+            multiple=multiple,
+            init_method=nn.init.zeros_,
+            dtype=weight.dtype,
+            device=weight.device,
+        )
+        stop = min(emb.vocab_end_index, weight.shape[0])
+        with torch.no_grad():
+            emb.weight[: max(stop - emb.vocab_start_index, 0)].copy_(
+                weight[emb.vocab_start_index : stop]
+            )
+        return emb
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """``ids [...]`` -> embeddings ``[..., H]`` (SP: seq_dim split over TP)."""
+        if not isinstance(ids, torch.Tensor):
+            raise TypeError(f"ids must be a torch.Tensor, got {type(ids).__name__}")
+        if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+            raise TypeError(f"ids must be an integer tensor (e.g. torch.long), got {ids.dtype}")
+        if self.sequence_parallel and self.tp_size > 1:
+            dim = token_dim(self.seq_dim, ids.dim(), f"ids of shape {tuple(ids.shape)}")
+            check_seq_split(ids.shape[dim], self.tp_size, dim)
+        bad = (ids < 0) | (ids >= self.num_embeddings)
+        if bool(bad.any()):  # host sync, but a bad id must not become a silent zero row
+            raise ValueError(
+                f"ids hold {int(ids[bad].flatten()[0])}, outside [0, {self.num_embeddings}) "
+                f"(num_embeddings={self.num_embeddings}); check the tokenizer / vocab size"
+            )
+        if self.tp_size == 1:
+            return F.embedding(ids, self.weight)
+        outside = (ids < self.vocab_start_index) | (ids >= self.vocab_end_index)
+        local_ids = torch.where(outside, 0, ids - self.vocab_start_index)
+        out = F.embedding(local_ids, self.weight)
+        # masked_fill's adjoint zeroes those grads, so row 0 gets nothing from foreign ids.
+        out = out.masked_fill(outside.unsqueeze(-1), 0.0)
+        if self.sequence_parallel:
+            return reduce_scatter_along(out, self.tp_group, dim)
+        return reduce_from_group(out, self.tp_group)
+
+    def extra_repr(self) -> str:
+        return (
+            f"{self.num_embeddings}, {self.embedding_dim}, tp={self.tp_size}, "
+            f"rows=[{self.vocab_start_index}, {self.vocab_end_index}), "
+            f"sequence_parallel={self.sequence_parallel}"
+        )

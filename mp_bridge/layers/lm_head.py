@@ -1,0 +1,173 @@
+"""Column-parallel output layer producing vocab-parallel logits (optionally tied).
+
+Weight ``[V_local, H]`` holds this TP rank's rows ``[vocab_start_index, vocab_end_index)``
+of the padded vocab (``vocab_shard_ranges``; the same layout as
+``VocabParallelEmbedding``, so the two can share one Parameter). Padding rows (ids >=
+``vocab_size``) are zero; their logits are ignored by ``vocab_parallel_cross_entropy``.
+
+Forward ``h [..., H] -> logits [..., V_local]``:
+
+- default: ``copy_to_group`` (fwd identity, bwd all-reduce(SUM) over TP: every rank's
+  vocab slice contributes to dL/dh), then ``F.linear``;
+- ``sequence_parallel=True``: ``h`` holds ``1/tp`` of the sequence along ``seq_dim``;
+  all-gather it (bwd reduce-scatter(SUM)), then ``F.linear``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from mp_bridge.comm.primitives import copy_to_group, gather_along, group_rank, group_size
+
+from .embedding import VocabParallelEmbedding, positive_int, token_dim
+from .vocab_shards import vocab_shard_ranges
+
+__all__ = ["VocabParallelLMHead"]
+
+
+class VocabParallelLMHead(nn.Module):
+    """Output projection ``H -> V`` split by vocab rows over ``tp_group`` (None = 1 process).
+
+    ``tie_to=embedding`` shares ``embedding.weight`` (same vocab, hidden size, ``multiple``
+    and TP group size required; checked). ``init_method`` initializes the local shard in
+    place (default normal(0, 0.02)); ``from_full`` gives TP-independent weights.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        vocab_size: int,
+        *,
+        tp_group: dist.ProcessGroup | None = None,
+        bias: bool = False,
+        multiple: int = 1,
+        sequence_parallel: bool = False,
+        seq_dim: int = 1,
+        tie_to: VocabParallelEmbedding | None = None,
+        init_method: Callable[[torch.Tensor], object] | None = None,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+    ):
+        super().__init__()
+        self.hidden_size = positive_int("hidden_size", hidden_size)
+        self.vocab_size = positive_int("vocab_size", vocab_size)
+        positive_int("multiple", multiple)
+        if isinstance(seq_dim, bool) or not isinstance(seq_dim, int):
+            raise TypeError(f"seq_dim must be an int, got {seq_dim!r}")
+        self.tp_group = tp_group
+        self.tp_size = group_size(tp_group)
+        self.sequence_parallel = bool(sequence_parallel)
+        self.seq_dim = seq_dim
+        self.multiple = multiple
+        ranges = vocab_shard_ranges(vocab_size, self.tp_size, multiple=multiple)
+        self.vocab_start_index, self.vocab_end_index = ranges[group_rank(tp_group)]
+        local = self.vocab_end_index - self.vocab_start_index
+        if tie_to is not None:
+            self._check_tie(tie_to)
+            self.weight = tie_to.weight
+        else:
+            self.weight = nn.Parameter(torch.empty(local, hidden_size, dtype=dtype, device=device))
+            with torch.no_grad():
+                if init_method is None:
+                    nn.init.normal_(self.weight, mean=0.0, std=0.02)
+                else:
+                    init_method(self.weight)
+                self.weight[self._real_rows() :].zero_()
+        if bias:
+            self.bias = nn.Parameter(
+                torch.zeros(local, dtype=self.weight.dtype, device=self.weight.device)
+            )
+        else:
+            self.register_parameter("bias", None)
+
+    def _real_rows(self) -> int:
+        return max(self.vocab_size - self.vocab_start_index, 0)
+
+    def _check_tie(self, emb: object) -> None:
+        if not isinstance(emb, VocabParallelEmbedding):
+            raise TypeError(f"tie_to must be a VocabParallelEmbedding, got {type(emb).__name__}")
+        mine = (self.vocab_size, self.hidden_size, self.vocab_start_index, self.vocab_end_index)
+        theirs = (
+            emb.num_embeddings,
+            emb.embedding_dim,
+            emb.vocab_start_index,
+            emb.vocab_end_index,
+        )
+        if mine != theirs or emb.tp_size != self.tp_size:
+            raise ValueError(
+                "tie_to: the embedding's (vocab, hidden, shard start, shard end, tp) = "
+                f"{(*theirs, emb.tp_size)} differ from this head's {(*mine, self.tp_size)}; "
+                "build both with the same vocab size, hidden size, multiple and TP group"
+            )
+
+    @classmethod
+    def from_full(
+        cls,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        *,
+        tp_group: dist.ProcessGroup | None,
+        multiple: int = 1,
+        sequence_parallel: bool = False,
+        seq_dim: int = 1,
+    ) -> VocabParallelLMHead:
+        """Keep this rank's rows of a full ``[V, H]`` weight (and ``[V]`` bias); copies."""
+        if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+            raise ValueError(
+                f"weight must be a [V, H] tensor, got {getattr(weight, 'shape', weight)}"
+            )
+        if bias is not None and (
+            not isinstance(bias, torch.Tensor) or bias.shape != weight.shape[:1]
+        ):
+            raise ValueError(
+                f"bias must be a [V] = [{weight.shape[0]}] tensor, "
+                f"got {getattr(bias, 'shape', bias)}"
+            )
+        head = cls(
+            weight.shape[1],
+            weight.shape[0],
+            tp_group=tp_group,
+            bias=bias is not None,
+            multiple=multiple,
+            sequence_parallel=sequence_parallel,
+            seq_dim=seq_dim,
+            init_method=nn.init.zeros_,
+            dtype=weight.dtype,
+            device=weight.device,
+        )
+        start = head.vocab_start_index
+        stop = min(head.vocab_end_index, weight.shape[0])
+        n = max(stop - start, 0)
+        with torch.no_grad():
+            head.weight[:n].copy_(weight[start:stop])
+            if bias is not None:
+                head.bias[:n].copy_(bias[start:stop])
+        return head
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        """``h [..., H]`` -> vocab-parallel logits ``[..., V_local]`` (SP: full sequence)."""
+        if not isinstance(h, torch.Tensor):
+            raise TypeError(f"h must be a torch.Tensor, got {type(h).__name__}")
+        if h.dim() < 1 or h.shape[-1] != self.hidden_size:
+            raise ValueError(
+                f"h must be [..., {self.hidden_size}] (hidden_size), got {tuple(h.shape)}"
+            )
+        if self.sequence_parallel and self.tp_size > 1:
+            dim = token_dim(self.seq_dim, h.dim() - 1, f"h of shape {tuple(h.shape)}")
+            h = gather_along(h, self.tp_group, dim)
+        else:
+            h = copy_to_group(h, self.tp_group)
+        # (..., H) @ (V_local, H)^T -> (..., V_local)
+        return F.linear(h, self.weight, self.bias)
+
+    def extra_repr(self) -> str:
+        return (
+            f"{self.hidden_size}, {self.vocab_size}, tp={self.tp_size}, "
+            f"rows=[{self.vocab_start_index}, {self.vocab_end_index}), "
+            f"bias={self.bias is not None}, sequence_parallel={self.sequence_parallel}"
+        )
