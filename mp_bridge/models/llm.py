@@ -1,0 +1,165 @@
+"""TP/CP(/SP) language model: vocab-parallel embedding, CP attention blocks, vocab-parallel head.
+
+Data flow on one rank (``S`` full sequence, ``c`` CP size, ``t`` TP size):
+
+1. :meth:`TPLLM.embed_tokens`: ids ``[b, S]`` -> ``[b, S, h]`` TP-replicated (vocab-parallel
+   lookup + TP all-reduce). Always full-sequence and never SP-split: the MIMO model
+   places image embeddings on the full sequence before the partition adapter shards it.
+2. :meth:`TPLLM.token_loss`: partitioned embeddings ``[b, S/c (/t with SP), h]`` and
+   original ``position_ids [b, S/c]`` -> blocks (sequence-first inside; attention
+   all-gathers K/V over CP with a causal mask on the original positions) -> final norm ->
+   vocab-parallel logits ``[b, S/c, V/t]`` (the SP head all-gathers the sequence back) ->
+   fp32 per-token cross-entropy ``[b, S/c]`` (TP max / sum-exp all-reduces inside).
+
+Gradients are partial over DP x CP (each rank sees its own tokens) and, with SP, the
+norms' gradients are partial over TP too (``param.sequence_parallel``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from mp_bridge.comm.primitives import copy_to_group, gather_along, group_size
+from mp_bridge.layers import (
+    VocabParallelEmbedding,
+    VocabParallelLMHead,
+    context_parallel_attention,
+    vocab_parallel_cross_entropy,
+)
+
+from .config import MimoConfig
+from .encoder import _check_group
+from .reference import ReferenceLLM
+from .sharding import gather_full_state, load_full_state, mark_sharded
+from .tp_blocks import TPBlock, make_norm, parallel_config
+
+__all__ = ["TPLLM"]
+
+
+class _CausalCPAttention:
+    """``(q, k, v, position_ids)`` -> causal attention over the whole CP group's keys."""
+
+    def __init__(self, cp_group: dist.ProcessGroup | None):
+        self.cp_group = cp_group
+
+    def __call__(self, q, k, v, *, position_ids: torch.Tensor) -> torch.Tensor:
+        return context_parallel_attention(
+            q, k, v, cp_group=self.cp_group, position_ids=position_ids, causal=True
+        )
+
+
+class TPLLM(nn.Module):
+    """The reference LLM sharded over ``tp_group`` (weights) and ``cp_group`` (sequence).
+
+    ``fused_loss=True`` computes the loss with ``fused_linear_cross_entropy`` from the
+    final hidden states and the head's weight shard (no materialized logits).
+    Parameter names equal :class:`ReferenceLLM`'s (``embed``, ``blocks``, ``norm``, ``head``).
+    """
+
+    def __init__(
+        self,
+        cfg: MimoConfig,
+        *,
+        tp_group: dist.ProcessGroup | None = None,
+        cp_group: dist.ProcessGroup | None = None,
+        sequence_parallel: bool = False,
+        fused_loss: bool = False,
+        device: torch.device | None = None,
+    ):
+        super().__init__()
+        _check_group(tp_group, "tp_group")
+        _check_group(cp_group, "cp_group")
+        cfg.check_tp(llm_tp=group_size(tp_group))
+        self.cfg, self.tp_group, self.cp_group = cfg, tp_group, cp_group
+        config = parallel_config(tp_group, sequence_parallel=sequence_parallel)
+        self.sequence_parallel = config.sequence_parallel  # False when TP = 1
+        self.fused_loss = fused_loss
+        self.embed = VocabParallelEmbedding(cfg.vocab_size, cfg.llm_hidden, tp_group=tp_group)
+        mark_sharded(self.embed.weight, dim=0, group=tp_group, full_size=cfg.vocab_size)
+        core = _CausalCPAttention(cp_group)
+        self.blocks = nn.ModuleList(
+            TPBlock(
+                cfg.llm_hidden,
+                cfg.llm_heads,
+                cfg.llm_ffn,
+                eps=cfg.norm_eps,
+                tp_group=tp_group,
+                config=config,
+                core=core,
+                device=device,
+            )  # fmt: skip
+            for _ in range(cfg.llm_layers)
+        )
+        self.norm = make_norm(
+            cfg.llm_hidden, cfg.norm_eps, device=device, sequence_parallel=self.sequence_parallel
+        )
+        self.head = VocabParallelLMHead(
+            cfg.llm_hidden, cfg.vocab_size, tp_group=tp_group,
+            sequence_parallel=self.sequence_parallel, seq_dim=1,
+        )  # fmt: skip
+        mark_sharded(self.head.weight, dim=0, group=tp_group, full_size=cfg.vocab_size)
+
+    # ------------------------------------------------------------------ forward
+    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """``[b, S]`` ids -> ``[b, S, h]`` embeddings, TP-replicated (one TP all-reduce)."""
+        return self.embed(input_ids)
+
+    def final_hidden(self, embeddings: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        """Partitioned ``[b, s_local, h]`` -> normed hidden states of the same shape."""
+        x = embeddings.transpose(0, 1)  # [s_local, b, h]: megatron's SP splits dim 0
+        for block in self.blocks:
+            x = block(x, position_ids=position_ids)
+        return self.norm(x).transpose(0, 1)
+
+    def token_loss(
+        self, embeddings: torch.Tensor, position_ids: torch.Tensor, labels: torch.Tensor
+    ) -> torch.Tensor:
+        """fp32 per-token cross-entropy ``[b, S/c]`` for CP-sharded ``labels [b, S/c]``."""
+        hidden = self.final_hidden(embeddings, position_ids)
+        if not self.fused_loss:
+            logits = self.head(hidden)  # [b, S/c, V/t]
+            return vocab_parallel_cross_entropy(
+                logits, labels, tp_group=self.tp_group, vocab_size=self.cfg.vocab_size
+            )
+        from mp_bridge.layers import fused_linear_cross_entropy
+
+        if self.sequence_parallel:
+            # SP slices -> full CP-local sequence; backward reduce-scatters the partial
+            # (per-vocab-shard) hidden gradients, as the SP LM head does.
+            hidden = gather_along(hidden, self.tp_group, dim=1)
+        else:
+            # Megatron's f: the hidden gradient from one vocab shard is partial over TP.
+            hidden = copy_to_group(hidden, self.tp_group)
+        b, s, h = hidden.shape
+        loss = fused_linear_cross_entropy(
+            hidden.reshape(b * s, h), self.head.weight, labels.reshape(b * s),
+            tp_group=self.tp_group, vocab_size=self.cfg.vocab_size, reduction="none",
+        )  # fmt: skip
+        return loss.view(b, s)
+
+    # ------------------------------------------------------------------ weights
+    @classmethod
+    def from_full(
+        cls,
+        reference: ReferenceLLM,
+        cfg: MimoConfig,
+        *,
+        tp_group: dist.ProcessGroup | None = None,
+        cp_group: dist.ProcessGroup | None = None,
+        sequence_parallel: bool = False,
+        fused_loss: bool = False,
+        device: torch.device | None = None,
+    ) -> TPLLM:
+        """This rank's shards of a single-process :class:`ReferenceLLM` (vocab rows padded)."""
+        model = cls(
+            cfg, tp_group=tp_group, cp_group=cp_group, sequence_parallel=sequence_parallel,
+            fused_loss=fused_loss, device=device,
+        )  # fmt: skip
+        load_full_state(model, reference.state_dict())
+        return model.to(device) if device is not None else model
+
+    def to_full(self) -> dict[str, torch.Tensor]:
+        """Full ``state_dict``-shaped tensors (all-gathers over TP; padding rows dropped)."""
+        return gather_full_state(self)

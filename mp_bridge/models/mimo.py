@@ -1,0 +1,181 @@
+"""The colocated MIMO model: encoder (TP x DP) -> bridge -> LLM (TP x CP x DP) -> loss.
+
+Per step, on every rank of the shared grid:
+
+1. agree on whether images are present (one 2-element MAX all-reduce over the encoder TP
+   group, then over the encoder DP group: ranks that disagreed would otherwise wait in
+   different collectives forever);
+2. encoder + projection on this rank's encoder DP shard ``images [b_e, p, patch_dim]``
+   -> ``[b_e, p, h]`` (TP-replicated);
+3. ``bridge.communicate`` -> this rank's LLM DP shard ``[b_l, p, h]``;
+4. text embeddings of ``input_ids [b_l, S]`` with image rows placed at the image tokens;
+5. ``partition.shard`` -> CP (and SP) shards; LLM -> fp32 per-token loss ``[b_l, S/c]``;
+6. ``masked_mean`` over the LLM DP x CP group: the global mean over every masked token.
+
+Because ``masked_mean``'s backward is the identity, each rank's backward yields the
+gradient of the *global* loss restricted to its own tokens. :meth:`sync_gradients` then
+sums encoder/projection gradients over the encoder DP group and LLM gradients over the
+LLM DP x CP group (plus TP for sequence-parallel norms), one flattened all-reduce per
+group, so an optimizer step equals the single-process step on the global batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from mp_bridge.comm.primitives import group_size
+from mp_bridge.layers import masked_mean
+
+from .placement import check_image_tokens, place_image_embeddings
+
+__all__ = ["ColocatedMimoModel"]
+
+
+class ColocatedMimoModel(nn.Module):
+    """Wire ``encoder -> projection -> bridge -> placement -> partition -> llm -> loss``.
+
+    Args:
+        encoder, projection: TP modules in the encoder grid (``TPEncoder``/``TPProjection``).
+        llm: a ``TPLLM`` in the LLM grid (its ``tp_group``/``cp_group`` are used).
+        bridge: a ``ColocatedBridgeCommunicator(encoder_grid, llm_grid)``.
+        partition: a ``PartitionAdapter`` with the LLM's CP (and TP for SP) groups.
+        image_token_id: placeholder id whose positions receive image embeddings.
+        encoder_dp_group: encoder DP group (grad sync, image-presence check).
+        llm_dp_cp_group: LLM DP x CP group (loss denominator, grad sync).
+    """
+
+    def __init__(
+        self,
+        encoder: nn.Module,
+        projection: nn.Module,
+        llm: nn.Module,
+        bridge,
+        partition,
+        *,
+        image_token_id: int,
+        encoder_dp_group: dist.ProcessGroup | None = None,
+        llm_dp_cp_group: dist.ProcessGroup | None = None,
+    ):
+        super().__init__()
+        if isinstance(image_token_id, bool) or not isinstance(image_token_id, int):
+            raise TypeError(f"image_token_id={image_token_id!r} must be an int vocab id")
+        if not 0 <= image_token_id < llm.cfg.vocab_size:
+            raise ValueError(
+                f"image_token_id={image_token_id} is outside the LLM vocab "
+                f"[0, {llm.cfg.vocab_size}); use the id of the image placeholder token"
+            )
+        self.encoder, self.projection, self.llm = encoder, projection, llm
+        self.bridge, self.partition = bridge, partition
+        self.image_token_id = image_token_id
+        self.encoder_dp_group = encoder_dp_group
+        self.llm_dp_cp_group = llm_dp_cp_group
+
+    # ------------------------------------------------------------------ forward
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor,
+        loss_mask: torch.Tensor,
+        images: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Global masked-mean token loss (fp32 scalar, identical on every rank).
+
+        ``input_ids``/``labels``/``loss_mask``: this rank's LLM DP shard ``[b_l, S]`` (full
+        sequences; CP/SP sharding happens inside). ``images``: this rank's encoder DP
+        shard ``[b_e, p, patch_dim]``, or ``None`` on *every* rank for a text-only step.
+        """
+        self._check_inputs(input_ids, labels, loss_mask, images)
+        has_images = self._agree_on_images(images is not None)
+        image = None
+        if has_images:
+            image = self.projection(self.encoder(images))  # [b_e, p, h] TP-replicated
+            image = self.bridge.communicate(image)  # [b_l, p, h]
+        embeddings = place_image_embeddings(
+            self.llm.embed_tokens(input_ids), image, input_ids, self.image_token_id
+        )
+        shard = self.partition.shard(embeddings, labels=labels, loss_mask=loss_mask)
+        per_token = self.llm.token_loss(shard.embeddings, shard.position_ids, shard.labels)
+        return masked_mean(per_token, shard.loss_mask, group=self.llm_dp_cp_group)
+
+    def _check_inputs(self, input_ids, labels, loss_mask, images) -> None:
+        # Local checks only, before any collective (a bad shape inside one hangs peers).
+        if input_ids.dim() != 2:
+            raise ValueError(
+                f"input_ids must be [batch, seq]; got {tuple(input_ids.shape)}; pass this "
+                "rank's LLM DP shard of full sequences"
+            )
+        for name, t in (("labels", labels), ("loss_mask", loss_mask)):
+            if t.shape != input_ids.shape:
+                raise ValueError(
+                    f"{name} has shape {tuple(t.shape)} but input_ids has "
+                    f"{tuple(input_ids.shape)}; give one value per token"
+                )
+        if images is not None:
+            cfg = self.llm.cfg
+            check_image_tokens(input_ids, self.image_token_id, cfg.num_patches)
+            if images.dim() != 3 or images.shape[1] != cfg.num_patches:
+                raise ValueError(
+                    f"images has shape {tuple(images.shape)}; expected [batch, "
+                    f"num_patches={cfg.num_patches}, patch_dim={cfg.patch_dim}]"
+                )
+
+    def _agree_on_images(self, present: bool) -> bool:
+        """True when every rank has images; ``ValueError`` on every rank if they differ."""
+        groups = [g for g in (self.encoder.tp_group, self.encoder_dp_group) if group_size(g) > 1]
+        if not groups:
+            return present
+        device = next(self.llm.parameters()).device
+        # [max(flag), max(-flag)] = [any, -all]: one MAX all-reduce per group covers the grid.
+        flags = torch.tensor([float(present), -float(present)], device=device)
+        for group in groups:
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
+        any_present, all_present = bool(flags[0] > 0), bool(-flags[1] > 0)
+        if any_present != all_present:
+            raise ValueError(
+                "ranks disagree on whether images are present (some passed images=None); "
+                "pass images on every rank of the grid, or on none for a text-only step"
+            )
+        return all_present
+
+    # ------------------------------------------------------------ gradient sync
+    def gradient_buckets(self) -> list[tuple[dist.ProcessGroup, list[nn.Parameter]]]:
+        """``(group, params)`` pairs whose gradients :meth:`sync_gradients` sums."""
+        encoder_params = [*self.encoder.parameters(), *self.projection.parameters()]
+        llm_params = list(self.llm.parameters())
+        sp_params = [p for p in llm_params if getattr(p, "sequence_parallel", False)]
+        buckets = [
+            (self.encoder_dp_group, encoder_params),
+            (self.llm_dp_cp_group, llm_params),
+            (self.llm.tp_group, sp_params),
+        ]
+        return [(g, ps) for g, ps in buckets if ps and group_size(g) > 1]
+
+    @torch.no_grad()
+    def sync_gradients(self) -> None:
+        """Sum partial gradients across replicas (call after ``backward``, before ``step``).
+
+        Collectives: one all-reduce(SUM) per bucket. A bucket whose parameters all have no
+        gradient (the encoder on a text-only step, agreed by every rank) is skipped; a
+        missing gradient next to present ones counts as zeros, so ranks never diverge.
+        """
+        for group, params in self.gradient_buckets():
+            _all_reduce_grads(params, group)
+
+
+def _all_reduce_grads(params: Iterable[nn.Parameter], group: dist.ProcessGroup) -> None:
+    params = list(params)
+    if all(p.grad is None for p in params):
+        return
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    grads = [p.grad for p in params]
+    flat = _flatten_dense_tensors(grads)
+    dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+    for g, synced in zip(grads, _unflatten_dense_tensors(flat, grads)):
+        g.copy_(synced)

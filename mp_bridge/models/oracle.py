@@ -1,0 +1,177 @@
+"""Train the colocated MIMO model and its single-process reference on the same data; compare.
+
+:func:`run_parity` runs on every rank of an initialized world (collective). It seeds one
+:class:`ReferenceMimo`, shards its weights into a :class:`ColocatedMimoModel` on the two
+requested grids, trains both with Adam on the same global batch, and reports:
+
+- the global loss of every step (distributed vs single-process),
+- the encoder input gradient (this rank's DP shard vs the reference's rows; max over ranks),
+- every parameter after the last step, gathered to full.
+
+Both runs compute in fp32 on ``device``. The reference is run on every rank (it is tiny),
+so every rank returns the same report.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from mp_bridge.grid import GridLayout, make_grid
+
+from .build import build_colocated_mimo, destroy_colocated_mimo
+from .config import MimoConfig
+from .data import MimoBatch, dp_shard, synthetic_batch
+from .reference import ReferenceMimo
+
+__all__ = ["ParityReport", "run_parity"]
+
+StepHook = Callable[[int, float, float], None]  # (step, loss, seconds)
+
+
+@dataclass(frozen=True)
+class ParityReport:
+    """Distributed-vs-reference differences (``rel`` = ``abs / max|reference|``)."""
+
+    encoder: str
+    llm: str
+    dist_losses: list[float]
+    ref_losses: list[float]
+    loss_max_abs: float
+    loss_max_rel: float
+    input_grad_max_abs: float
+    input_grad_max_rel: float
+    weight_max_abs: float
+    weight_max_rel: float
+    worst_weight: str
+    step_seconds: list[float] = field(default_factory=list)
+    tokens_per_step: int = 0
+
+    def passed(self, *, loss_rtol: float = 1e-5, weight_rtol: float = 1e-4) -> bool:
+        """Loss and weights within the relative tolerances (input grad uses ``weight_rtol``)."""
+        return (
+            self.loss_max_rel <= loss_rtol
+            and self.weight_max_rel <= weight_rtol
+            and self.input_grad_max_rel <= weight_rtol
+        )
+
+
+def _layout_str(**sizes: int) -> str:
+    return ",".join(f"{k}={v}" for k, v in sizes.items() if v > 1) or "single"
+
+
+def _rel(diff: float, scale: float) -> float:
+    return diff / scale if scale > 0 else diff
+
+
+def run_parity(
+    cfg: MimoConfig,
+    *,
+    encoder_tp: int,
+    encoder_dp: int,
+    llm_tp: int = 1,
+    llm_cp: int = 1,
+    llm_dp: int = 1,
+    sequence_parallel: bool = False,
+    fused_loss: bool = False,
+    batch: MimoBatch | None = None,
+    batch_size: int = 8,
+    steps: int = 3,
+    lr: float = 1e-3,
+    seed: int = 0,
+    device: torch.device | None = None,
+    on_step: StepHook | None = None,
+) -> ParityReport:
+    """Train both models for ``steps`` Adam steps and compare (collective on every rank).
+
+    Grids are built and destroyed here (``make_grid`` with the default ``tp, cp, pp, dp``
+    order), so many layouts can run one after another in one world.
+    """
+    device = device or torch.device("cpu")
+    torch.manual_seed(seed)
+    reference = ReferenceMimo(cfg).to(device)
+    batch = (batch or synthetic_batch(cfg, batch_size, seed=seed + 1)).to(device)
+    init_state = {k: v.clone() for k, v in reference.state_dict().items()}
+
+    enc_grid = make_grid(tp=encoder_tp, dp=encoder_dp, create=("tp", "dp"))
+    llm_grid = make_grid(tp=llm_tp, cp=llm_cp, dp=llm_dp, create=("tp", "cp", "dp", ("dp", "cp")))
+    model = build_colocated_mimo(
+        reference, enc_grid, llm_grid, sequence_parallel=sequence_parallel,
+        fused_loss=fused_loss, device=device,
+    )  # fmt: skip
+    try:
+        rank = dist.get_rank()
+        enc_dp_rank = GridLayout.from_grid(enc_grid).coords(rank)["dp"]
+        llm_dp_rank = GridLayout.from_grid(llm_grid).coords(rank)["dp"]
+        images = dp_shard(batch.images, enc_dp_rank, encoder_dp)
+        text = [dp_shard(t, llm_dp_rank, llm_dp) for t in (batch.input_ids, batch.labels)]
+        mask = dp_shard(batch.loss_mask, llm_dp_rank, llm_dp)
+        optim = torch.optim.Adam(model.parameters(), lr=lr)
+        dist_losses, dist_grads, seconds = [], [], []
+        for step in range(steps):
+            start = time.perf_counter()
+            optim.zero_grad(set_to_none=True)
+            x = images.clone().requires_grad_(True)
+            loss = model(text[0], text[1], mask, x)
+            loss.backward()
+            model.sync_gradients()
+            optim.step()
+            seconds.append(time.perf_counter() - start)
+            dist_losses.append(float(loss))
+            dist_grads.append(x.grad.detach().clone())
+            if on_step is not None:
+                on_step(step, dist_losses[-1], seconds[-1])
+        full = {f"encoder.{k}": v for k, v in model.encoder.to_full().items()}
+        full |= {f"projection.{k}": v for k, v in model.projection.to_full().items()}
+        full |= {f"llm.{k}": v for k, v in model.llm.to_full().items()}
+    finally:
+        destroy_colocated_mimo(model, enc_grid, llm_grid)
+
+    reference.load_state_dict(init_state)
+    ref_optim = torch.optim.Adam(reference.parameters(), lr=lr)
+    ref_losses, grad_abs, grad_scale = [], 0.0, 0.0
+    n = batch.batch_size // encoder_dp
+    for step in range(steps):
+        ref_optim.zero_grad(set_to_none=True)
+        x = batch.images.clone().requires_grad_(True)
+        loss = reference(batch.input_ids, batch.labels, batch.loss_mask, x)
+        loss.backward()
+        ref_optim.step()
+        ref_losses.append(float(loss))
+        mine = x.grad[enc_dp_rank * n : (enc_dp_rank + 1) * n]
+        grad_abs = max(grad_abs, float((dist_grads[step] - mine).abs().max()))
+        grad_scale = max(grad_scale, float(x.grad.abs().max()))
+    # The input-gradient difference is per rank: take the worst over the world.
+    worst = torch.tensor([grad_abs], dtype=torch.float64, device=device)
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    grad_abs = float(worst)
+
+    loss_abs = max(abs(a - b) for a, b in zip(dist_losses, ref_losses))
+    loss_rel = max(abs(a - b) / abs(b) for a, b in zip(dist_losses, ref_losses))
+    ref_state = reference.state_dict()
+    weight_abs, weight_rel, worst_name = 0.0, 0.0, ""
+    for name, ref in ref_state.items():
+        diff = float((full[name] - ref).abs().max())
+        rel = _rel(diff, float(ref.abs().max()))
+        weight_abs = max(weight_abs, diff)
+        if rel >= weight_rel:
+            weight_rel, worst_name = rel, name
+    return ParityReport(
+        encoder=_layout_str(tp=encoder_tp, dp=encoder_dp),
+        llm=_layout_str(tp=llm_tp, cp=llm_cp, dp=llm_dp) + (",sp" if sequence_parallel else ""),
+        dist_losses=dist_losses,
+        ref_losses=ref_losses,
+        loss_max_abs=loss_abs,
+        loss_max_rel=loss_rel,
+        input_grad_max_abs=grad_abs,
+        input_grad_max_rel=_rel(grad_abs, grad_scale),
+        weight_max_abs=weight_abs,
+        weight_max_rel=weight_rel,
+        worst_weight=worst_name,
+        step_seconds=seconds,
+        tokens_per_step=batch.batch_size * cfg.seq_len,
+    )
