@@ -1,0 +1,220 @@
+"""Fused LM-head cross-entropy / log-probs: hidden states + vocab shard -> loss, no logits.
+
+``hidden [N, H]`` is TP-replicated (identical on every rank of ``tp_group``), ``weight
+[V_local, H]`` is this rank's contiguous vocab shard (rank r owns ids ``[r * V_local,
+(r + 1) * V_local)``, ids ``>= vocab_size`` are padding and never enter a softmax: the
+layout of ``VocabParallelLMHead`` or a tied ``VocabParallelEmbedding``), ``target [N]``.
+Tokens are processed in chunks of ``chunk_size`` rows; at most one chunk's fp32 logits
+``[chunk, V_local]`` exist at a time and the weight is never gathered. Statistics and
+gradients accumulate in fp32 whatever the input dtype; outputs are fp32.
+
+Gradient strategy (memory vs compute):
+
+- ``reduction="sum" | "mean"``: gradients are computed **during forward**, chunk by chunk,
+  while the chunk's logits are alive (Liger-style): 3 matmuls per chunk, like the
+  materialized path, at the cost of holding fp32 ``d hidden [N, H]`` and ``d weight
+  [V_local, H]`` from forward to backward, where they are scaled by the upstream scalar
+  (divided by the number of non-ignored tokens for "mean"). Skipped under ``no_grad``.
+- ``reduction="none"`` and log-probs: the per-token upstream gradients are unknown in
+  forward, and ``d weight`` is not a per-row rescaling of anything storable, so forward
+  keeps only ``lse [N]`` and backward recomputes each chunk's logits (4 matmuls per chunk).
+
+Collectives per call over ``tp_group`` with ``k = ceil(N / chunk)`` chunks (none at TP 1):
+
+- default: forward ``k`` all-gathers of ``[4, chunk]`` fp32 stats; gradients ``k``
+  all-reduce(SUM)s of ``[chunk, H]`` fp32 (in forward for sum/mean, in backward else).
+- ``invariant=True``: ``chunk`` is rounded up to a multiple of ``TOKEN_TILE`` (64); forward
+  ``k`` all-gathers of ``[P, chunk, 4]`` fp32 stats; gradients ``k`` all-gathers of ``[P,
+  chunk, H]`` fp32, ``P`` = the most subtrees a rank holds (1 for power-of-two aligned
+  shards). Values and gradients are then bitwise identical for every TP size whose shard
+  is a multiple of ``VOCAB_BLOCK`` (256) rows, for any ``chunk_size``, and whatever other
+  tokens share the call (see ``mp_bridge.layers.invariant``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from mp_bridge.comm.primitives import group_rank, group_size
+
+from ._fused_engine import DefaultEngine, InvariantEngine
+from ._loss_common import LossSpec, check_float, check_target, check_vocab_size
+from .invariant import TOKEN_TILE, BlockLayout
+
+__all__ = ["DEFAULT_CHUNK_ELEMENTS", "fused_linear_cross_entropy", "fused_linear_logprobs"]
+
+#: Default chunk: about this many fp32 logits (32 MiB) per chunk, at least 64 rows.
+DEFAULT_CHUNK_ELEMENTS = 1 << 23
+_REDUCTIONS = ("mean", "sum", "none")
+
+
+class _FusedLinearLoss(torch.autograd.Function):
+    """Chunked loss; adjoint: ``d hidden`` rows all-reduced (or tree-folded) over TP,
+    ``d weight`` local to the shard. See the module docstring for when each is computed."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, target, engine, spec, chunk, reduction, needs_grad):
+        n, h_dim = hidden.shape
+        eager = needs_grad and reduction != "none"
+        w = spec.token_weight(target)
+        values = torch.zeros(n, dtype=torch.float32, device=hidden.device)
+        lse = torch.zeros_like(values)
+        gh = hidden.new_zeros((n, h_dim), dtype=torch.float32) if eager else None
+        gw = weight.new_zeros(weight.shape, dtype=torch.float32) if eager else None
+        for s in range(0, n, chunk):
+            rows = slice(s, min(s + chunk, n))
+            state, values[rows], lse[rows] = engine.forward_chunk(hidden[rows], target[rows])
+            if eager:
+                gh[rows] = engine.grad_chunk(
+                    state, hidden[rows], target[rows], lse[rows], w[rows], gw
+                )
+            del state  # free this chunk's logits before the next chunk's exist
+        if spec.ignore_index is not None:
+            values.masked_fill_(target == spec.ignore_index, 0.0)
+        ctx.setup = (engine, spec, chunk, reduction, eager)
+        ctx.grads = (gh, gw)
+        ctx.save_for_backward(hidden, weight, target, lse)
+        if reduction == "none":
+            return values
+        total = values.sum()
+        if reduction == "mean":
+            ctx.count = (w != 0).sum().to(torch.float32)
+            return total / ctx.count  # nan when every token is ignored, like F.cross_entropy
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        hidden, weight, target, lse = ctx.saved_tensors
+        engine, spec, chunk, reduction, eager = ctx.setup
+        if eager:
+            gh, gw = ctx.grads
+            if gh is None:
+                raise RuntimeError("fused loss backward ran twice; call forward again")
+            ctx.grads = (None, None)
+            scale = grad_out.float() / ctx.count if reduction == "mean" else grad_out.float()
+            gh.mul_(scale)  # in place: these buffers belong to this call alone
+            gw.mul_(scale)
+        else:
+            w = spec.token_weight(target) * grad_out.float()
+            gh = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
+            gw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+            for s in range(0, hidden.shape[0], chunk):
+                rows = slice(s, min(s + chunk, hidden.shape[0]))
+                state = engine.recompute(hidden[rows])
+                gh[rows] = engine.grad_chunk(
+                    state, hidden[rows], target[rows], lse[rows], w[rows], gw
+                )
+                del state
+        grad_h = gh.to(hidden.dtype) if ctx.needs_input_grad[0] else None
+        grad_w = gw.to(weight.dtype) if ctx.needs_input_grad[1] else None
+        return grad_h, grad_w, None, None, None, None, None, None
+
+
+def _prepare(hidden, weight, target, tp_group, vocab_size, chunk_size, invariant, spec_args):
+    """Validate everything (before any collective) and build the engine."""
+    for name, x in (("hidden", hidden), ("weight", weight)):
+        if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+            raise TypeError(f"{name} must be a floating torch.Tensor, got {type(x).__name__}")
+    if hidden.dim() != 2 or weight.dim() != 2 or weight.shape[1] != hidden.shape[1]:
+        raise ValueError(
+            f"need hidden [N, H] and weight [V_local, H] with the same H, got hidden "
+            f"{tuple(hidden.shape)} and weight {tuple(weight.shape)} (flatten batch dims first)"
+        )
+    if hidden.dtype != weight.dtype or hidden.device != weight.device:
+        raise TypeError(
+            f"hidden ({hidden.dtype}, {hidden.device}) and weight ({weight.dtype}, "
+            f"{weight.device}) must share dtype and device"
+        )
+    if chunk_size is not None and (
+        isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1
+    ):
+        raise ValueError(f"chunk_size={chunk_size!r} must be a positive int or None")
+    tp, v_local = group_size(tp_group), weight.shape[0]
+    vocab = check_vocab_size(vocab_size, v_local * tp, v_local, tp)
+    kind, ignore_index, eps, temperature = spec_args
+    check_target(target, (hidden.shape[0],), vocab, ignore_index)
+    spec = LossSpec(kind, vocab, ignore_index, eps, temperature)
+    if chunk_size is None:
+        chunk_size = max(64, DEFAULT_CHUNK_ELEMENTS // v_local)
+    chunk = max(1, min(chunk_size, hidden.shape[0]))
+    if invariant:
+        layout = BlockLayout.for_shard(v_local, vocab, tp_group)
+        chunk = -(-chunk // TOKEN_TILE) * TOKEN_TILE  # tiles must not depend on the chunk
+        engine = InvariantEngine(weight, tp_group, layout, spec)
+    else:
+        engine = DefaultEngine(weight, tp_group, tp, group_rank(tp_group) * v_local, spec)
+    needs_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    return engine, spec, chunk, needs_grad
+
+
+def fused_linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    tp_group: dist.ProcessGroup | None = None,
+    vocab_size: int | None = None,
+    ignore_index: int = -100,
+    label_smoothing: float = 0.0,
+    reduction: str = "mean",
+    chunk_size: int | None = None,
+    invariant: bool = False,
+) -> torch.Tensor:
+    """Cross-entropy of ``hidden @ full_weight[:vocab_size].T`` without materializing it.
+
+    Equals ``F.cross_entropy(F.linear(hidden, full_weight)[:, :vocab_size].float(), target,
+    ignore_index=, label_smoothing=, reduction=)`` where ``full_weight`` concatenates the
+    TP shards in rank order; "mean" divides by the number of non-ignored tokens of this
+    call (combine across DP/CP with ``masked_mean``). Returns fp32 (scalar, or ``[N]`` for
+    "none"). ``chunk_size=None``: about ``DEFAULT_CHUNK_ELEMENTS`` logits per chunk.
+    """
+    if reduction not in _REDUCTIONS:
+        raise ValueError(f"reduction={reduction!r} must be one of {_REDUCTIONS}")
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+        raise TypeError(f"ignore_index must be an int, got {ignore_index!r}")
+    eps = check_float("label_smoothing", label_smoothing, low=0.0, high=1.0, open_low=False)
+    engine, spec, chunk, needs_grad = _prepare(
+        hidden,
+        weight,
+        target,
+        tp_group,
+        vocab_size,
+        chunk_size,
+        invariant,
+        ("ce", ignore_index, eps, 1.0),
+    )
+    return _FusedLinearLoss.apply(
+        hidden, weight, target, engine, spec, chunk, reduction, needs_grad
+    )
+
+
+def fused_linear_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    tp_group: dist.ProcessGroup | None = None,
+    vocab_size: int | None = None,
+    temperature: float = 1.0,
+    chunk_size: int | None = None,
+    invariant: bool = False,
+) -> torch.Tensor:
+    """``log_softmax(hidden @ full_weight[:vocab_size].T / temperature)[target]`` ``[N]`` fp32.
+
+    Every target must be in ``[0, vocab_size)``. Gradients recompute logits in backward.
+    """
+    temp = check_float("temperature", temperature, low=0.0, high=float("inf"), open_low=True)
+    if temp == float("inf"):
+        raise ValueError("temperature=inf is not allowed; use a finite float > 0")
+    engine, spec, chunk, needs_grad = _prepare(
+        hidden,
+        weight,
+        target,
+        tp_group,
+        vocab_size,
+        chunk_size,
+        invariant,
+        ("logprob", None, 0.0, temp),
+    )
+    return _FusedLinearLoss.apply(hidden, weight, target, engine, spec, chunk, "none", needs_grad)
