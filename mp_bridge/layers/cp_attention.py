@@ -1,0 +1,200 @@
+"""Context-parallel attention: local queries attend over K/V all-gathered across CP ranks.
+
+Each CP rank holds ``s_local = S / cp`` tokens of every sequence (any layout for plain
+input, the load-balanced one of ``PartitionAdapter`` for packed input). K and V are
+all-gathered across the CP group, and the local queries attend over all ``S`` keys with a
+causal mask taken from the tokens' *original* positions, so the result equals
+full-sequence attention in one process whatever order the tokens are held in.
+
+Collectives per call (CP group of size ``n > 1``; none when ``n == 1``):
+
+- forward: **one** all-gather. K, V and the key position ids travel in one byte buffer
+  (``[pos | K | V]`` per rank), so positions cost no extra round trip.
+- backward: **one** reduce-scatter(SUM) of the stacked ``[dK, dV]`` (every rank's queries
+  contribute to every key's gradient; the adjoint of the all-gather).
+
+Memory: the scores are materialised, ``[b, heads, s_local, S]`` in fp32 — this is a
+reference implementation for tests and small models, not a fused kernel.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from mp_bridge.comm.cp_indices import (
+    cp_gather_order,
+    cp_shard_indices_packed,
+    normalize_cu_seqlens,
+)
+from mp_bridge.comm.primitives import (
+    all_gather_tensor,
+    group_rank,
+    group_size,
+    reduce_scatter_tensor,
+)
+
+__all__ = ["context_parallel_attention"]
+
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+class _GatherKV(torch.autograd.Function):
+    """All-gather ``kv`` ``[2, b, s, hk, d]`` (and int64 ``pos`` ``[pb, s]``) over CP.
+
+    Forward: one all-gather of a per-rank byte buffer ``[pos bytes | kv bytes]``; returns
+    ``kv_all [2, b, n·s, hk, d]`` and ``pos_all [pb, n·s]`` (rank-major along the sequence).
+    Backward: reduce-scatter(SUM) of ``d kv_all`` back to ``[2, b, s, hk, d]``.
+    """
+
+    @staticmethod
+    def forward(ctx, kv, pos, group):
+        ctx.group = group
+        n = group_size(group)
+        two, b, s, hk, d = kv.shape
+        pos_bytes = pos.contiguous().reshape(-1).view(torch.uint8)
+        kv_bytes = kv.contiguous().reshape(-1).view(torch.uint8)
+        buf = torch.cat([pos_bytes, kv_bytes]).unsqueeze(0)
+        gathered = all_gather_tensor(buf, group, 0)  # [n, nbytes]
+        npos = pos_bytes.numel()
+        pb = pos.shape[0]
+        if npos:
+            pos_all = gathered[:, :npos].contiguous().view(torch.int64).view(n, pb, s)
+            pos_all = pos_all.permute(1, 0, 2).reshape(pb, n * s)
+        else:  # non-causal call: no positions sent
+            pos_all = pos.new_empty(pb, 0)
+        kv_all = gathered[:, npos:].contiguous().view(kv.dtype).view(n, two, b, s, hk, d)
+        kv_all = kv_all.permute(1, 2, 0, 3, 4, 5).reshape(two, b, n * s, hk, d)
+        ctx.mark_non_differentiable(pos_all)
+        return kv_all, pos_all
+
+    @staticmethod
+    def backward(ctx, grad_kv, _grad_pos):
+        n = group_size(ctx.group)
+        two, b, ns, hk, d = grad_kv.shape
+        per_rank = grad_kv.reshape(two, b, n, ns // n, hk, d).permute(2, 0, 1, 3, 4, 5)
+        grad = reduce_scatter_tensor(per_rank.contiguous(), ctx.group, 0)  # [1, 2, b, s, hk, d]
+        return grad.squeeze(0), None, None
+
+
+def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{name} has shape {tuple(t.shape)}; expected [b, s_local, heads, d]")
+        if not t.dtype.is_floating_point:
+            raise TypeError(f"{name} has dtype {t.dtype}; expected a floating dtype")
+    if k.shape != v.shape:
+        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must have the same shape")
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise TypeError(f"q, k, v dtypes differ ({q.dtype}, {k.dtype}, {v.dtype}); cast first")
+    b, s, hq, d = q.shape
+    if (k.shape[0], k.shape[1], k.shape[3]) != (b, s, d):
+        raise ValueError(
+            f"q {tuple(q.shape)} and k/v {tuple(k.shape)} must agree on b, s_local and d"
+        )
+    if hq % k.shape[2]:
+        raise ValueError(
+            f"q heads={hq} must be a multiple of k/v heads={k.shape[2]} (grouped-query attention)"
+        )
+
+
+def _check_positions(position_ids: torch.Tensor, b: int, s: int) -> torch.Tensor:
+    if not isinstance(position_ids, torch.Tensor):
+        raise TypeError(f"position_ids must be a torch.Tensor, got {type(position_ids).__name__}")
+    if position_ids.dtype.is_floating_point or position_ids.dtype == torch.bool:
+        raise TypeError(f"position_ids has dtype {position_ids.dtype}; expected an integer dtype")
+    pos = position_ids.unsqueeze(0) if position_ids.dim() == 1 else position_ids
+    if pos.dim() != 2 or pos.shape[1] != s or pos.shape[0] not in (1, b):
+        raise ValueError(
+            f"position_ids has shape {tuple(position_ids.shape)}; expected [{b}, {s}] or [{s}] "
+            "(original positions of the local tokens)"
+        )
+    return pos.to(torch.int64)
+
+
+def context_parallel_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    cp_group: dist.ProcessGroup | None = None,
+    position_ids: torch.Tensor | None,
+    causal: bool = True,
+    cu_seqlens: Sequence[int] | torch.Tensor | None = None,
+    softmax_scale: float | None = None,
+) -> torch.Tensor:
+    """Attention of the local queries over the keys of the whole CP group.
+
+    Args:
+        q: ``[b, s_local, hq, d]``; ``k``, ``v``: ``[b, s_local, hk, d]`` with ``hq % hk == 0``
+            (heads may already be TP-split; grouped-query heads share K/V).
+        cp_group: the CP group (``None`` = one process, no collective).
+        position_ids: original positions of the local tokens, ``[b, s_local]`` or
+            ``[s_local]``; key ``j`` is visible to query ``i`` iff ``pos[j] <= pos[i]``.
+            May be ``None`` only when ``causal=False``.
+        causal: apply the causal mask.
+        cu_seqlens: packed input (``b == 1``): the *global* cumulative lengths; tokens
+            must be laid out as ``cp_shard_indices_packed(cu_seqlens, cp, rank)``
+            (``PartitionAdapter.shard`` does this). Queries only see keys of their own
+            sequence; positions may be packed indices or restart at 0 per sequence.
+        softmax_scale: default ``1/sqrt(d)``.
+
+    Returns ``[b, s_local, hq, d]`` in ``q.dtype``; scores, softmax and the weighted sum
+    of V are computed in fp32 for fp16/bf16 inputs. Collectives: see the module docstring.
+    Every CP rank must pass the same shapes (not checkable without a collective).
+    """
+    _check_qkv(q, k, v)
+    b, s, hq, d = q.shape
+    hk = k.shape[2]
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {causal!r}")
+    if position_ids is None and causal:
+        raise ValueError("position_ids=None needs causal=False; pass the original positions")
+    pos = None if position_ids is None else _check_positions(position_ids, b, s).to(q.device)
+    n, rank = group_size(cp_group), group_rank(cp_group)
+    same_seq = None
+    if cu_seqlens is not None:
+        if b != 1:
+            raise ValueError(
+                f"packed input (cu_seqlens given) needs b == 1, got q of shape "
+                f"{tuple(q.shape)}; flatten the batch into one packed sequence"
+            )
+        bounds = normalize_cu_seqlens(cu_seqlens, 2 * n, total=s * n)
+        lengths = torch.tensor([e - a for a, e in zip(bounds[:-1], bounds[1:])])
+        seq_of = torch.repeat_interleave(torch.arange(len(lengths)), lengths)
+        q_seq = seq_of[cp_shard_indices_packed(bounds, n, rank)]
+        k_seq = seq_of[cp_gather_order(s * n, n, cu_seqlens=bounds)]
+        same_seq = (q_seq[:, None] == k_seq[None, :]).to(q.device)  # [s, S]
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(d)
+
+    # ---- the one collective (forward) / reduce-scatter (backward)
+    kv = torch.stack([k, v])  # [2, b, s, hk, d]
+    if n > 1:
+        send = pos if pos is not None else torch.zeros(1, 0, dtype=torch.int64, device=q.device)
+        kv, k_pos = _GatherKV.apply(kv, send, cp_group)
+    else:
+        k_pos = pos
+    k_all, v_all = kv[0], kv[1]  # [b, S, hk, d]
+
+    compute = torch.float32 if q.dtype in _LOW_PRECISION else q.dtype
+    if hq != hk:  # grouped-query attention: q head j reads kv head j // (hq / hk)
+        k_all = k_all.repeat_interleave(hq // hk, dim=2)
+        v_all = v_all.repeat_interleave(hq // hk, dim=2)
+    scores = torch.einsum("bqhd,bkhd->bhqk", q.to(compute), k_all.to(compute)) * softmax_scale
+
+    allowed = None
+    if causal:
+        allowed = (k_pos[:, None, :] <= pos[:, :, None]).unsqueeze(1)  # [pb, 1, s, S]
+    if same_seq is not None:
+        allowed = same_seq if allowed is None else allowed & same_seq
+    if allowed is not None:
+        scores = scores.masked_fill(~allowed, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    out = torch.einsum("bhqk,bkhd->bqhd", probs, v_all.to(compute))
+    return out.to(q.dtype)

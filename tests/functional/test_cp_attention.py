@@ -1,0 +1,248 @@
+"""context_parallel_attention in an 8-rank world vs one-process full-sequence attention.
+
+Oracle: ``torch.nn.functional.scaled_dot_product_attention`` on the full tensors (per
+sequence for packed input), computed on every rank from the same seed. Tokens are cut
+with an independent reference (``chunk(2·cp)``, keep chunks i and 2·cp−1−i).
+
+Tolerance (fp32): the CP result sums the softmax over keys in a permuted order and the
+K/V gradients through a reduce-scatter, so it differs from the oracle by float rounding
+only: ~1e-7 relative per op over a few dozen terms; ``atol = rtol = 1e-5`` leaves ~100x margin
+while any masking or layout bug gives O(0.1) errors.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from mp_bridge.comm import PartitionAdapter, gather_along, reduce_scatter_along
+from mp_bridge.comm.primitives import copy_to_group, reduce_from_group
+from mp_bridge.grid import make_grid
+from mp_bridge.layers import context_parallel_attention
+from mp_bridge.testing import CollectiveCounter, DistributedWorld, current_device
+
+world = DistributedWorld(8)
+CP_SIZES = (1, 2, 4)
+PACKED_LENGTHS = (8, 24, 16)  # three different lengths, each a multiple of 2·cp = 8
+TOL = dict(rtol=1e-5, atol=1e-5)  # see module docstring
+
+
+@functools.cache
+def _groups(cp: int):
+    """(cp_group, tp_group, cp_rank, tp_rank) of a tp=2 x cp grid (dp fills the world)."""
+    grid = make_grid(tp=2, cp=cp, dp=8 // (2 * cp), create=("tp", "cp"))
+    cp_g, tp_g = grid.get_pg("cp"), grid.get_pg("tp")
+    return cp_g, tp_g, dist.get_rank(cp_g), dist.get_rank(tp_g)
+
+
+def _rand(*shape, seed: int, scale: float = 1.0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=g) * scale).to(current_device())
+
+
+def _ref_cut(full, dim, cp, r, lengths=None, tp=1, t=0):
+    seqs = [full] if lengths is None else list(full.split(list(lengths), dim))
+    parts = []
+    for seq in seqs:
+        chunks = seq.chunk(2 * cp, dim)
+        parts += [chunks[r], chunks[2 * cp - 1 - r]]
+    local = torch.cat(parts, dim)
+    return local.chunk(tp, dim)[t] if tp > 1 else local
+
+
+def _cu(lengths):
+    cu = [0]
+    for n in lengths:
+        cu.append(cu[-1] + n)
+    return cu
+
+
+def _sdpa(q, k, v, causal=True):
+    """[b, s, h, d] wrapper of torch's attention (the oracle)."""
+    if k.shape[2] != q.shape[2]:
+        k = k.repeat_interleave(q.shape[2] // k.shape[2], dim=2)
+        v = v.repeat_interleave(q.shape[2] // v.shape[2], dim=2)
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal
+    )
+    return out.transpose(1, 2)
+
+
+def _reference(q, k, v, lengths, causal=True):
+    if lengths is None:
+        return _sdpa(q, k, v, causal)
+    split = [t.split(list(lengths), 1) for t in (q, k, v)]
+    return torch.cat([_sdpa(a, b, c, causal) for a, b, c in zip(*split)], 1)
+
+
+def _sum_over(t: torch.Tensor, group) -> torch.Tensor:
+    out = t.clone()
+    dist.all_reduce(out, group=group)
+    return out
+
+
+def _check_against_oracle(cp, lengths, *, hq=4, hk=4, causal=True, restart_positions=False):
+    cp_g, _, r, _ = _groups(cp)
+    b, s, d = (2, 16, 8) if lengths is None else (1, sum(lengths), 8)
+    cu = None if lengths is None else _cu(lengths)
+    full = [_rand(b, s, h, d, seed=i).requires_grad_() for i, h in enumerate((hq, hk, hk))]
+    grad_out = _rand(b, s, hq, d, seed=10)
+    ref = _reference(*full, lengths, causal)
+    ref_grads = torch.autograd.grad((ref * grad_out).sum(), full)
+
+    adapter = PartitionAdapter(cp_group=cp_g)
+    shards = [adapter.shard(t, cu_seqlens=cu) for t in full]
+    pos = shards[0].position_ids
+    if restart_positions:  # per-sequence RoPE-style positions must give the same mask
+        starts = torch.tensor(cu[:-1]).repeat_interleave(torch.tensor(lengths))
+        pos = _ref_cut(torch.arange(s) - starts, 0, cp, r, lengths).to(pos.device)
+    q, k, v = (sh.embeddings for sh in shards)
+    out = context_parallel_attention(
+        q, k, v, cp_group=cp_g, position_ids=pos if causal else None, causal=causal, cu_seqlens=cu
+    )
+    torch.testing.assert_close(out, _ref_cut(ref, 1, cp, r, lengths), **TOL)
+    (out * _ref_cut(grad_out, 1, cp, r, lengths)).sum().backward()
+    # Each rank's full-tensor gradient is zero outside its own tokens; summed over CP it is
+    # the full gradient.
+    for t, g in zip(full, ref_grads):
+        torch.testing.assert_close(_sum_over(t.grad, cp_g), g, **TOL)
+
+
+@world.case
+def test_matches_full_sequence_causal_attention():
+    for cp in CP_SIZES:
+        _check_against_oracle(cp, None)
+
+
+@world.case
+def test_packed_three_sequences():
+    for cp in CP_SIZES:
+        _check_against_oracle(cp, PACKED_LENGTHS)
+        _check_against_oracle(cp, PACKED_LENGTHS, restart_positions=True)
+
+
+@world.case
+def test_non_causal_and_grouped_query():
+    _check_against_oracle(2, None, causal=False)
+    _check_against_oracle(4, PACKED_LENGTHS, causal=False)
+    _check_against_oracle(2, None, hq=4, hk=2)
+
+
+def _tp_attention_layer(x_cp, weights, cp_g, tp_g, t, position_ids, sp):
+    """A TP attention block: column-parallel QKV (heads split), CP attention, row-parallel
+    output. With SP the input is SP-split (all-gather in, reduce-scatter out)."""
+    wq, wk, wv, wo = weights
+    hidden = wq.shape[0]
+    cols = slice(t * hidden // 2, (t + 1) * hidden // 2)  # heads t·h/2 .. (t+1)·h/2
+    x = gather_along(x_cp, tp_g, 1) if sp else copy_to_group(x_cp, tp_g)
+    b, s, _ = x.shape
+    q, k, v = ((x @ w[:, cols]).view(b, s, -1, 4) for w in (wq, wk, wv))  # head dim 4
+    out = context_parallel_attention(q, k, v, cp_group=cp_g, position_ids=position_ids)
+    partial = out.reshape(b, s, -1) @ wo[cols, :]
+    return reduce_scatter_along(partial, tp_g, 1) if sp else reduce_from_group(partial, tp_g)
+
+
+@world.case
+def test_tp2_heads_split_with_and_without_sequence_parallel():
+    b, s, hidden, heads = 2, 16, 16, 4
+    for cp in CP_SIZES:
+        cp_g, tp_g, r, t = _groups(cp)
+        for sp in (False, True):
+            x = _rand(b, s, hidden, seed=20).requires_grad_()
+            ws = [
+                _rand(hidden, hidden, seed=21 + i, scale=1 / math.sqrt(hidden)).requires_grad_()
+                for i in range(4)
+            ]
+            grad_out = _rand(b, s, hidden, seed=30)
+            # One process, full sequence, all heads.
+            q, k, v = ((x @ w).view(b, s, heads, 4) for w in ws[:3])
+            ref = _sdpa(q, k, v).reshape(b, s, hidden) @ ws[3]
+            ref_grads = torch.autograd.grad((ref * grad_out).sum(), [x, *ws])
+
+            adapter = PartitionAdapter(cp_group=cp_g, tp_group=tp_g, sequence_parallel=sp)
+            batch = adapter.shard(x)
+            y = _tp_attention_layer(batch.embeddings, ws, cp_g, tp_g, t, batch.position_ids, sp)
+            tp = 2 if sp else 1
+            torch.testing.assert_close(y, _ref_cut(ref, 1, cp, r, None, tp, t), **TOL)
+            (y * _ref_cut(grad_out, 1, cp, r, None, tp, t)).sum().backward()
+            # x.grad: own CP tokens (identical on both TP ranks); weights: own TP columns /
+            # rows, partial over CP tokens. Summing over CP (and TP for weights) = full.
+            torch.testing.assert_close(_sum_over(x.grad, cp_g), ref_grads[0], **TOL)
+            for w, g in zip(ws, ref_grads[1:]):
+                torch.testing.assert_close(_sum_over(_sum_over(w.grad, cp_g), tp_g), g, **TOL)
+
+
+@world.case
+def test_bf16_accumulates_in_fp32():
+    cp_g, _, r, _ = _groups(2)
+    full = [_rand(2, 16, 2, 8, seed=40 + i).to(torch.bfloat16) for i in range(3)]
+    # Oracle in fp32 on the same bf16-rounded inputs: the only extra error is rounding the
+    # output to bf16 (relative 2^-8 ~ 4e-3 of values <= ~2 in size).
+    ref = _sdpa(*(t.float() for t in full))
+    adapter = PartitionAdapter(cp_group=cp_g)
+    shards = [adapter.shard(t) for t in full]
+    out = context_parallel_attention(
+        *(sh.embeddings for sh in shards), cp_group=cp_g, position_ids=shards[0].position_ids
+    )
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), _ref_cut(ref, 1, 2, r), rtol=8e-3, atol=8e-3)
+
+
+@world.case
+def test_one_all_gather_forward_one_reduce_scatter_backward():
+    for cp in CP_SIZES:
+        cp_g, _, _, _ = _groups(cp)
+        q, k, v = (_rand(2, 16 // cp, 2, 4, seed=50 + i).requires_grad_() for i in range(3))
+        pos = torch.arange(16 // cp, device=q.device)
+        with CollectiveCounter() as fwd:
+            out = context_parallel_attention(q, k, v, cp_group=cp_g, position_ids=pos)
+        with CollectiveCounter() as bwd:
+            out.sum().backward()
+        expected = ({}, {}) if cp == 1 else ({"all_gather": 1}, {"reduce_scatter": 1})
+        assert (fwd.counts(), bwd.counts()) == expected, cp
+        if cp > 1:  # K, V (fp32) and int64 positions in one buffer
+            per_rank = 2 * q.numel() * 4 + pos.numel() * 8
+            assert fwd.calls[0].bytes_received == per_rank * (cp - 1)
+
+
+@world.case
+def test_bad_input_raises_before_any_collective():
+    cp_g, _, _, _ = _groups(2)
+    dev = current_device()
+    q = torch.zeros(1, 8, 2, 4, device=dev)
+    pos = torch.arange(8, device=dev)
+    attn = functools.partial(context_parallel_attention, cp_group=cp_g)
+    with CollectiveCounter() as counter:
+        with pytest.raises(ValueError, match=r"q has shape \(8, 2, 4\); expected \[b, s_local"):
+            attn(q[0], q, q, position_ids=pos)
+        with pytest.raises(ValueError, match=r"must agree on b, s_local and d"):
+            attn(q, q[:, :4], q[:, :4], position_ids=pos)
+        with pytest.raises(ValueError, match=r"q heads=2 must be a multiple of k/v heads=3"):
+            kv = torch.zeros(1, 8, 3, 4, device=dev)
+            attn(q, kv, kv, position_ids=pos)
+        with pytest.raises(ValueError, match=r"position_ids has shape \(7,\); expected \[1, 8\]"):
+            attn(q, q, q, position_ids=pos[:7])
+        with pytest.raises(TypeError, match=r"position_ids has dtype torch.float32"):
+            attn(q, q, q, position_ids=pos.float())
+        with pytest.raises(ValueError, match=r"position_ids=None needs causal=False"):
+            attn(q, q, q, position_ids=None)
+        with pytest.raises(ValueError, match=r"packed input .* needs b == 1"):
+            q2 = torch.zeros(2, 8, 2, 4, device=dev)
+            attn(q2, q2, q2, position_ids=pos, cu_seqlens=[0, 8, 16])
+        with pytest.raises(ValueError, match=r"2·cp=4; lengths \[6, 2\] are not"):
+            attn(q, q, q, position_ids=pos, cu_seqlens=[0, 8, 14, 16])
+        with pytest.raises(ValueError, match=r"cu_seqlens\[-1\]=8 must equal .* 16"):
+            attn(q, q, q, position_ids=pos, cu_seqlens=[0, 8])
+    assert counter.counts() == {}
+
+
+@world.case
+def test_no_global_parallel_state():
+    from megatron.core import parallel_state
+
+    assert not parallel_state.model_parallel_is_initialized()
