@@ -6,8 +6,10 @@ with an independent reference (``chunk(2·cp)``, keep chunks i and 2·cp−1−i
 
 Tolerance (fp32): the CP result sums the softmax over keys in a permuted order and the
 K/V gradients through a reduce-scatter, so it differs from the oracle by float rounding
-only: ~1e-7 relative per op over a few dozen terms; ``atol = rtol = 1e-5`` leaves ~100x margin
-while any masking or layout bug gives O(0.1) errors.
+only (~1e-7 relative per op over a few dozen terms). Measured on gloo: max abs error
+1.2e-6 (plain / packed), 2.9e-6 (TP layer gradients, values up to ~10), i.e. <= 3.3e-7
+relative to the largest value; ``atol = rtol = 1e-5`` leaves a 3-30x margin while any
+masking or layout bug gives O(0.1) errors.
 """
 
 from __future__ import annotations
