@@ -154,8 +154,9 @@ class PartitionAdapter:
         dim = self._seq_dim(embeddings, self.seq_dim, "embeddings")
         seq_len = embeddings.shape[dim]
         self._check_len(seq_len, self.sequence_parallel, f"sequence length embeddings.shape[{dim}]")
+        bounds = None
         if cu_seqlens is not None:
-            normalize_cu_seqlens(cu_seqlens, 2 * self.cp_size, total=seq_len)
+            bounds = normalize_cu_seqlens(cu_seqlens, 2 * self.cp_size, total=seq_len)
         batch = embeddings.shape[1 - dim] if embeddings.dim() >= 2 and dim <= 1 else None
         for name, t in (
             ("labels", labels),
@@ -169,8 +170,8 @@ class PartitionAdapter:
         if position_ids is None:
             position_ids = torch.arange(seq_len, device=device)
             if batch is not None:
-                position_ids = position_ids.expand(batch, seq_len)
-        idx = self.local_indices(seq_len, cu_seqlens=cu_seqlens, device=device)
+                position_ids = position_ids.repeat(batch, 1)  # materialised, not a view
+        idx = self.local_indices(seq_len, cu_seqlens=bounds, device=device)
 
         def cp_take(t: torch.Tensor, d: int) -> torch.Tensor:
             if self.cp_size == 1:
@@ -180,11 +181,7 @@ class PartitionAdapter:
         local = cp_take(embeddings, dim)
         if self.sequence_parallel:
             local = scatter_along(local, self.tp_group, dim)
-        cu = None
-        if cu_seqlens is not None:
-            cu = torch.as_tensor(
-                normalize_cu_seqlens(cu_seqlens, 2 * self.cp_size), dtype=torch.long, device=device
-            )
+        cu = None if bounds is None else torch.tensor(bounds, dtype=torch.long, device=device)
         return ShardedBatch(
             embeddings=local,
             labels=None if labels is None else cp_take(labels, _token_dim(labels)),
