@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from mp_bridge.comm.primitives import copy_to_group, gather_along, group_size
+from mp_bridge.comm.primitives import gather_keep_grad, group_size
 from mp_bridge.layers import (
     VocabParallelEmbedding,
     VocabParallelLMHead,
@@ -126,12 +126,9 @@ class TPLLM(nn.Module):
         from mp_bridge.layers import fused_linear_cross_entropy
 
         if self.sequence_parallel:
-            # SP slices -> full CP-local sequence; backward reduce-scatters the partial
-            # (per-vocab-shard) hidden gradients, as the SP LM head does.
-            hidden = gather_along(hidden, self.tp_group, dim=1)
-        else:
-            # Megatron's f: the hidden gradient from one vocab shard is partial over TP.
-            hidden = copy_to_group(hidden, self.tp_group)
+            # SP slices -> the full CP-local sequence. The fused op all-reduces d hidden
+            # over TP itself, so every rank's gradient is already complete: keep our slice.
+            hidden = gather_keep_grad(hidden, self.tp_group, dim=1)
         b, s, h = hidden.shape
         loss = fused_linear_cross_entropy(
             hidden.reshape(b * s, h), self.head.weight, labels.reshape(b * s),

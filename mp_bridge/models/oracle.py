@@ -121,7 +121,7 @@ def run_parity(
             model.sync_gradients()
             optim.step()
             seconds.append(time.perf_counter() - start)
-            dist_losses.append(float(loss))
+            dist_losses.append(loss.item())
             dist_grads.append(x.grad.detach().clone())
             if on_step is not None:
                 on_step(step, dist_losses[-1], seconds[-1])
@@ -141,7 +141,7 @@ def run_parity(
         loss = reference(batch.input_ids, batch.labels, batch.loss_mask, x)
         loss.backward()
         ref_optim.step()
-        ref_losses.append(float(loss))
+        ref_losses.append(loss.item())
         mine = x.grad[enc_dp_rank * n : (enc_dp_rank + 1) * n]
         grad_abs = max(grad_abs, float((dist_grads[step] - mine).abs().max()))
         grad_scale = max(grad_scale, float(x.grad.abs().max()))

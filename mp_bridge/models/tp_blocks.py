@@ -12,10 +12,15 @@ sequence parallelism its linears all-gather / reduce-scatter along dim 0).
   TP by the model's gradient sync).
 - ``tp_group=None`` means a single process: plain ``nn.Linear`` stands in (megatron's
   linears would read its global parallel state instead).
+- The SP collectives are ours (``gather_along`` before a column linear, backward
+  reduce-scatter; ``reduce_scatter_along`` after a row linear, backward all-gather):
+  megatron's SP paths take a buffer from ``parallel_state``'s global memory buffer (never
+  initialized here) and allocate on ``torch.cuda.current_device()``, so they fail on CPU.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import torch
@@ -25,7 +30,7 @@ from megatron.core.model_parallel_config import ModelParallelConfig
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from torch import nn
 
-from mp_bridge.comm.primitives import group_size
+from mp_bridge.comm.primitives import gather_along, group_size, reduce_scatter_along
 
 from .sharding import mark_sharded
 
@@ -66,12 +71,33 @@ class _LocalLinear(nn.Linear):
         return super().forward(x), None
 
 
+class _SPColumnParallelLinear(ColumnParallelLinear):
+    """Column linear on a sequence-parallel input ``[s/tp, b, in]``: all-gather ``s`` first.
+
+    Built with ``disable_grad_reduce=True`` so megatron adds no *f* of its own: the
+    backward reduce-scatter of ``gather_along`` already sums the per-shard input grads.
+    """
+
+    def forward(self, x: torch.Tensor, *args, **kwargs):  # type: ignore[override]
+        return super().forward(gather_along(x, self.tp_group, dim=0), *args, **kwargs)
+
+
 def column_linear(
     in_size: int, out_size: int, *, tp_group: dist.ProcessGroup | None, config: ModelParallelConfig
 ) -> nn.Module:
-    """Output-sharded linear ``[.., in] -> [.., out/tp]``; weight rows split over TP."""
+    """Output-sharded linear ``[.., in] -> [.., out/tp]``; weight rows split over TP.
+
+    With ``config.sequence_parallel`` the input is ``[s/tp, b, in]`` and the output
+    ``[s, b, out/tp]``.
+    """
     if tp_group is None:
         layer: nn.Module = _LocalLinear(in_size, out_size, bias=False)
+    elif config.sequence_parallel:
+        layer = _SPColumnParallelLinear(
+            in_size, out_size, config=dataclasses.replace(config, sequence_parallel=False),
+            init_method=nn.init.zeros_, bias=False, gather_output=False,
+            disable_grad_reduce=True, tp_group=tp_group,
+        )  # fmt: skip
     else:
         layer = ColumnParallelLinear(
             in_size, out_size, config=config, init_method=nn.init.zeros_, bias=False,
@@ -81,12 +107,30 @@ def column_linear(
     return layer
 
 
+class _SPRowParallelLinear(RowParallelLinear):
+    """Row linear producing a sequence-parallel output: local matmul, then reduce-scatter
+    along ``s`` (megatron's SP *g-bar*; backward all-gathers the output gradient)."""
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        # [s, b, in/tp] @ [in/tp, out] -> partial [s, b, out] -> summed [s/tp, b, out]
+        return reduce_scatter_along(F.linear(x, self.weight), self.tp_group, dim=0), None
+
+
 def row_linear(
     in_size: int, out_size: int, *, tp_group: dist.ProcessGroup | None, config: ModelParallelConfig
 ) -> nn.Module:
-    """Input-sharded linear ``[.., in/tp] -> [.., out]`` (summed over TP); columns split."""
+    """Input-sharded linear ``[.., in/tp] -> [.., out]`` (summed over TP); columns split.
+
+    With ``config.sequence_parallel`` the output is reduce-scattered to ``[s/tp, b, out]``.
+    """
     if tp_group is None:
         layer: nn.Module = _LocalLinear(in_size, out_size, bias=False)
+    elif config.sequence_parallel:
+        layer = _SPRowParallelLinear(
+            in_size, out_size, config=dataclasses.replace(config, sequence_parallel=False),
+            init_method=nn.init.zeros_, bias=False, input_is_parallel=True,
+            skip_bias_add=False, tp_group=tp_group,
+        )  # fmt: skip
     else:
         layer = RowParallelLinear(
             in_size, out_size, config=config, init_method=nn.init.zeros_, bias=False,
