@@ -15,7 +15,7 @@ so every rank returns the same report.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -78,7 +78,7 @@ def run_parity(
     llm_dp: int = 1,
     sequence_parallel: bool = False,
     fused_loss: bool = False,
-    batch: MimoBatch | None = None,
+    batch: MimoBatch | Sequence[MimoBatch] | None = None,
     batch_size: int = 8,
     steps: int = 3,
     lr: float = 1e-3,
@@ -88,13 +88,20 @@ def run_parity(
 ) -> ParityReport:
     """Train both models for ``steps`` Adam steps and compare (collective on every rank).
 
-    Grids are built and destroyed here (``make_grid`` with the default ``tp, cp, pp, dp``
-    order), so many layouts can run one after another in one world.
+    ``batch``: one global batch used at every step, or a list cycled over the steps
+    (default: one seeded :func:`synthetic_batch` of ``batch_size`` samples). Grids are
+    built and destroyed here (``make_grid`` with the default ``tp, cp, pp, dp`` order), so
+    many layouts can run one after another in one world. ``on_step(step, loss, seconds)``
+    is called after every distributed step (e.g. for progress lines).
     """
     device = device or torch.device("cpu")
     torch.manual_seed(seed)
     reference = ReferenceMimo(cfg).to(device)
-    batch = (batch or synthetic_batch(cfg, batch_size, seed=seed + 1)).to(device)
+    if batch is None:
+        batch = synthetic_batch(cfg, batch_size, seed=seed + 1)
+    pool = [b.to(device) for b in ([batch] if isinstance(batch, MimoBatch) else batch)]
+    if not pool:
+        raise ValueError("batch is an empty sequence; pass at least one MimoBatch")
     init_state = {k: v.clone() for k, v in reference.state_dict().items()}
 
     enc_grid = make_grid(tp=encoder_tp, dp=encoder_dp, create=("tp", "dp"))
@@ -107,16 +114,21 @@ def run_parity(
         rank = dist.get_rank()
         enc_dp_rank = GridLayout.from_grid(enc_grid).coords(rank)["dp"]
         llm_dp_rank = GridLayout.from_grid(llm_grid).coords(rank)["dp"]
-        images = dp_shard(batch.images, enc_dp_rank, encoder_dp)
-        text = [dp_shard(t, llm_dp_rank, llm_dp) for t in (batch.input_ids, batch.labels)]
-        mask = dp_shard(batch.loss_mask, llm_dp_rank, llm_dp)
+        local = [
+            (
+                dp_shard(b.images, enc_dp_rank, encoder_dp),
+                *(dp_shard(t, llm_dp_rank, llm_dp) for t in (b.input_ids, b.labels, b.loss_mask)),
+            )
+            for b in pool
+        ]
         optim = torch.optim.Adam(model.parameters(), lr=lr)
         dist_losses, dist_grads, seconds = [], [], []
         for step in range(steps):
             start = time.perf_counter()
             optim.zero_grad(set_to_none=True)
+            images, input_ids, labels, mask = local[step % len(local)]
             x = images.clone().requires_grad_(True)
-            loss = model(text[0], text[1], mask, x)
+            loss = model(input_ids, labels, mask, x)
             loss.backward()
             model.sync_gradients()
             optim.step()
@@ -134,8 +146,9 @@ def run_parity(
     reference.load_state_dict(init_state)
     ref_optim = torch.optim.Adam(reference.parameters(), lr=lr)
     ref_losses, grad_abs, grad_scale = [], 0.0, 0.0
-    n = batch.batch_size // encoder_dp
+    n = pool[0].batch_size // encoder_dp
     for step in range(steps):
+        batch = pool[step % len(pool)]
         ref_optim.zero_grad(set_to_none=True)
         x = batch.images.clone().requires_grad_(True)
         loss = reference(batch.input_ids, batch.labels, batch.loss_mask, x)
@@ -173,5 +186,5 @@ def run_parity(
         weight_max_rel=weight_rel,
         worst_weight=worst_name,
         step_seconds=seconds,
-        tokens_per_step=batch.batch_size * cfg.seq_len,
+        tokens_per_step=pool[0].batch_size * cfg.seq_len,
     )

@@ -1,0 +1,209 @@
+"""``mp-bridge demo``: train the tiny colocated MIMO model, then check it against one process.
+
+Launches ``--world`` ranks itself on CPU (gloo, forked processes), or, when started by
+``torchrun`` (``RANK``/``WORLD_SIZE`` set), runs in the launched processes (NCCL on GPUs).
+Prints one progress line per step (step, loss, tokens/s), then trains the single-process
+reference on the same data and prints a parity table; exits 1 when parity fails.
+
+    mp-bridge demo --world 8 --encoder tp=2,dp=4 --llm tp=2,cp=2,dp=2 --steps 20
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import sys
+import time
+
+from mp_bridge.grid import GridLayout, parse_layout_spec
+from mp_bridge.grid.spec import AXIS_NAMES
+
+__all__ = ["add_arguments", "format_parity_table", "run"]
+
+LOSS_RTOL = 1e-5
+WEIGHT_RTOL = 1e-4
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--world", type=int, default=8, help="number of ranks (default 8)")
+    parser.add_argument("--encoder", default="tp=2,dp=4", help="encoder layout (tp, dp)")
+    parser.add_argument("--llm", default="tp=2,cp=2,dp=2", help="LLM layout (tp, cp, dp)")
+    parser.add_argument("--steps", type=int, default=20, help="Adam steps (default 20)")
+    parser.add_argument("--batch-size", type=int, default=8, help="global batch (default 8)")
+    parser.add_argument("--lr", type=float, default=1e-2, help="Adam learning rate (1e-2)")
+    parser.add_argument(
+        "--sequence-parallel", action="store_true", help="sequence parallelism in the LLM"
+    )
+    parser.add_argument(
+        "--fused-loss", action="store_true", help="fused LM-head cross-entropy (no logits)"
+    )
+    parser.add_argument("--plot", metavar="PATH", help="write a PNG of both loss curves")
+    parser.set_defaults(run=run)
+
+
+def _sizes(spec: str, world: int, allowed: tuple[str, ...], flag: str) -> dict[str, int]:
+    try:
+        layout = parse_layout_spec(spec, world_size=world, allowed=allowed)
+    except ValueError as exc:
+        raise ValueError(f"{flag}: {exc}") from None
+    return {name: layout.dim(name) for name in allowed}
+
+
+def _validate(args: argparse.Namespace) -> tuple[dict[str, int], dict[str, int]]:
+    """Every check that can fail, before any process starts (ValueError with the fix)."""
+    from mp_bridge.comm.bridge_plan import plan_bridge
+    from mp_bridge.models import MimoConfig
+
+    if args.world < 1:
+        raise ValueError(f"--world {args.world} must be >= 1")
+    if args.steps < 1:
+        raise ValueError(f"--steps {args.steps} must be >= 1")
+    enc = _sizes(args.encoder, args.world, ("tp", "dp"), "--encoder")
+    llm = _sizes(args.llm, args.world, ("tp", "cp", "dp"), "--llm")
+    canonical = lambda s: GridLayout(tuple(s.get(n, 1) for n in AXIS_NAMES), AXIS_NAMES)
+    plan_bridge(canonical(enc), canonical(llm), src_name="encoder", dest_name="llm")
+    MimoConfig().check_tp(encoder_tp=enc["tp"], llm_tp=llm["tp"])
+    for flag, dp in (("--encoder", enc["dp"]), ("--llm", llm["dp"])):
+        if args.batch_size % dp:
+            raise ValueError(
+                f"--batch-size {args.batch_size} does not split over {flag} dp={dp}; "
+                f"use a multiple of {dp}"
+            )
+    factor = 2 * llm["cp"] * (llm["tp"] if args.sequence_parallel else 1)
+    if MimoConfig().seq_len % factor:
+        raise ValueError(
+            f"the demo's sequence length {MimoConfig().seq_len} is not divisible by "
+            f"2*cp{'*tp' if args.sequence_parallel else ''}={factor}; lower --llm cp"
+        )
+    return enc, llm
+
+
+def _worker(enc: dict[str, int], llm: dict[str, int], opts: dict):
+    """Runs on every rank: train + oracle; rank 0 prints the progress lines."""
+    import torch.distributed as dist
+
+    from mp_bridge.models import MimoConfig, run_parity, synthetic_batch
+    from mp_bridge.testing import current_device
+
+    cfg = MimoConfig()
+    rank0 = dist.get_rank() == 0
+    # A few different batches, cycled: the loss falls as the model memorizes them.
+    batches = [synthetic_batch(cfg, opts["batch_size"], seed=100 + i) for i in range(4)]
+    tokens = opts["batch_size"] * cfg.seq_len
+
+    def progress(step: int, loss: float, seconds: float) -> None:
+        if rank0:
+            print(
+                f"step {step + 1:3d}/{opts['steps']}  loss {loss:.6f}  "
+                f"tokens/s {tokens / seconds:9.0f}",
+                flush=True,
+            )
+
+    return run_parity(
+        cfg, encoder_tp=enc["tp"], encoder_dp=enc["dp"], llm_tp=llm["tp"], llm_cp=llm["cp"],
+        llm_dp=llm["dp"], sequence_parallel=opts["sequence_parallel"],
+        fused_loss=opts["fused_loss"], batch=batches, steps=opts["steps"], lr=opts["lr"],
+        device=current_device(), on_step=progress,
+    )  # fmt: skip
+
+
+def _under_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def _run_in_torchrun(args, enc, llm, opts):
+    import torch
+    import torch.distributed as dist
+
+    world = int(os.environ["WORLD_SIZE"])
+    if world != args.world:
+        raise ValueError(f"torchrun launched {world} ranks but --world is {args.world}")
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    if not dist.is_initialized():
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=300))
+    return _worker(enc, llm, opts), dist.get_rank() == 0
+
+
+def format_parity_table(report) -> str:
+    """Distributed vs single-process: max abs / rel difference and the tolerance used."""
+    steps = len(report.ref_losses)
+    rows = [
+        ("quantity", "max abs", "max rel", "rtol", "ok"),
+        (f"loss ({steps} steps)", report.loss_max_abs, report.loss_max_rel, LOSS_RTOL),
+        ("encoder input grad", report.input_grad_max_abs, report.input_grad_max_rel, WEIGHT_RTOL),
+        ("weights (gathered)", report.weight_max_abs, report.weight_max_rel, WEIGHT_RTOL),
+    ]
+    cells = [rows[0]] + [
+        (name, f"{a:.2e}", f"{r:.2e}", f"{tol:.0e}", "yes" if r <= tol else "NO")
+        for name, a, r, tol in rows[1:]
+    ]
+    widths = [max(len(c[i]) for c in cells) for i in range(5)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def _plot(report, path: str) -> None:
+    try:
+        import matplotlib
+    except ImportError:
+        raise ValueError(
+            "--plot needs matplotlib; install the viz extra: pip install 'mp_bridge[viz]'"
+        ) from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = range(1, len(report.ref_losses) + 1)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot(steps, report.ref_losses, "o-", label="single process (oracle)")
+    ax.plot(steps, report.dist_losses, "x--", label=f"{report.encoder} -> {report.llm}")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.set_title("colocated MIMO: distributed vs single-process loss")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def run(args: argparse.Namespace) -> int:
+    enc, llm = _validate(args)
+    opts = {
+        "steps": args.steps,
+        "batch_size": args.batch_size,
+        "lr": args.lr,
+        "sequence_parallel": args.sequence_parallel,
+        "fused_loss": args.fused_loss,
+    }
+    start = time.perf_counter()
+    if _under_torchrun():
+        report, printer = _run_in_torchrun(args, enc, llm, opts)
+    else:
+        from mp_bridge.testing import run_distributed
+
+        print(
+            f"launching {args.world} ranks (gloo, CPU): encoder {args.encoder} -> llm {args.llm}",
+            flush=True,
+        )
+        report, printer = run_distributed(_worker, args.world, enc, llm, opts)[0], True
+    if not printer:
+        return 0 if report.passed(loss_rtol=LOSS_RTOL, weight_rtol=WEIGHT_RTOL) else 1
+    mean_s = sum(report.step_seconds) / len(report.step_seconds)
+    print(
+        f"\ntrained {len(report.dist_losses)} steps, {report.tokens_per_step} tokens/step, "
+        f"{report.tokens_per_step / mean_s:.0f} tokens/s mean; loss "
+        f"{report.ref_losses[0]:.6f} -> {report.ref_losses[-1]:.6f} (oracle)"
+    )
+    print(f"parity vs single-process oracle ({report.encoder} -> {report.llm}):\n")
+    print(format_parity_table(report))
+    if args.plot:
+        _plot(report, args.plot)
+        print(f"\nwrote {args.plot}")
+    ok = report.passed(loss_rtol=LOSS_RTOL, weight_rtol=WEIGHT_RTOL)
+    print(f"\nparity {'OK' if ok else 'FAILED'} in {time.perf_counter() - start:.1f} s")
+    if not ok:
+        print(f"worst weight: {report.worst_weight}", file=sys.stderr)
+    return 0 if ok else 1

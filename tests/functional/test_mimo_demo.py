@@ -1,0 +1,38 @@
+"""``mp-bridge demo`` end to end: it launches its own 8-rank world (no DistributedWorld).
+
+The demo forks its ranks from this process, so a patch applied here is inherited by
+every rank: that is how the second test breaks the model and checks the exit code.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+import mp_bridge.models.mimo as mimo_module
+from mp_bridge.cli import main
+
+
+def test_demo_trains_and_reports_parity(capfd, tmp_path):
+    plot = tmp_path / "loss.png"
+    assert main(["demo", "--steps", "3", "--plot", str(plot)]) == 0
+    out = capfd.readouterr().out
+    assert len(re.findall(r"^step +\d+/3  loss \d+\.\d+  tokens/s +\d+$", out, re.M)) == 3
+    assert re.search(r"^loss \(3 steps\) .* yes$", out, re.M), out
+    assert re.search(r"^weights \(gathered\) .* yes$", out, re.M), out
+    assert "parity OK" in out
+    pytest.importorskip("matplotlib")
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_demo_exits_1_when_parity_fails(capfd, monkeypatch):
+    original = mimo_module.masked_mean
+    # Each rank normalizes by its own token count: the global loss is wrong.
+    monkeypatch.setattr(
+        mimo_module, "masked_mean", lambda values, mask, *, group=None: original(values, mask)
+    )
+    assert main(["demo", "--steps", "2"]) == 1
+    out = capfd.readouterr().out
+    assert re.search(r"^loss \(2 steps\) .* NO$", out, re.M), out
+    assert "parity FAILED" in out

@@ -1,0 +1,53 @@
+"""``mp-bridge demo`` argument checks (all before any process starts) and its parity table."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from mp_bridge.cli import main
+from mp_bridge.commands.demo import format_parity_table
+from mp_bridge.models import ParityReport
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--world", "8", "--encoder", "tp=2,dp=2"], "--encoder: .* covers 4 ranks"),
+        (["--encoder", "tp=2,cp=4"], "--encoder: .* unknown axis 'cp'"),
+        (["--llm", "tp=2,cp=2,dp=3"], "--llm: .* covers 12 ranks"),
+        (["--steps", "0"], "--steps 0 must be >= 1"),
+        (["--batch-size", "6"], "--batch-size 6 does not split over --encoder dp=4"),
+        (["--world", "16", "--encoder", "tp=2,dp=8", "--llm", "cp=16"], r"2\*cp=32; lower"),
+        (["--world", "6", "--encoder", "tp=1,dp=6", "--llm", "tp=3,dp=2"], "llm tp=3"),
+        # dp 4 -> dp 3 does not nest: the bridge plan refuses it with the rank's coordinates.
+        (["--world", "12", "--encoder", "tp=3,dp=4", "--llm", "tp=4,dp=3"], "divide"),
+    ],
+)
+def test_bad_arguments_exit_2_with_the_fix(argv, message, capsys):
+    assert main(["demo", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("mp-bridge demo: error: ")
+    assert re.search(message, err), err
+
+
+def _report(loss_rel: float) -> ParityReport:
+    return ParityReport(
+        encoder="tp=2,dp=4", llm="tp=2,cp=2,dp=2", dist_losses=[4.0, 3.9], ref_losses=[4.0, 3.9],
+        loss_max_abs=4.0 * loss_rel, loss_max_rel=loss_rel, input_grad_max_abs=1e-9,
+        input_grad_max_rel=1e-6, weight_max_abs=1e-6, weight_max_rel=2e-5,
+        worst_weight="llm.head.weight",
+    )  # fmt: skip
+
+
+def test_parity_table_marks_each_row():
+    table = format_parity_table(_report(1e-7))
+    lines = table.splitlines()
+    assert lines[0].split() == ["quantity", "max", "abs", "max", "rel", "rtol", "ok"]
+    assert lines[2].startswith("loss (2 steps)") and lines[2].endswith("yes")
+    assert "1.00e-07" in lines[2] and "1e-05" in lines[2]
+    assert _report(1e-7).passed()
+    bad = format_parity_table(_report(1e-3))
+    assert bad.splitlines()[2].endswith("NO")
+    assert not _report(1e-3).passed()
