@@ -1,0 +1,307 @@
+"""Colocated bridge: execute a :class:`BridgePlan` with process groups and autograd.
+
+The plan (``bridge_plan.py``) decides who talks to whom; this module only creates the
+groups it names and runs one autograd Function per direction:
+
+=========  ==========================================  =====================================
+direction  forward                                     backward (adjoint)
+=========  ==========================================  =====================================
+FAN_IN     all-gather along batch in the gather group  [CP all-reduce] then keep own slot
+FAN_OUT    keep slot ``dest_dp mod k`` (local narrow)  [CP all-reduce] then all-gather batch
+EQUAL      identity                                    [CP all-reduce]
+=========  ==========================================  =====================================
+
+Why the CP all-reduce: with dest CP > 1 the LLM takes its sequence chunks with
+``index_select``, whose adjoint zero-pads, so each CP rank's incoming gradient holds only
+its own chunks. Summing over the dest CP group rebuilds the full-sequence gradient before
+the direction step (the gradient is cloned first: autograd owns the incoming buffer).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from mp_bridge.grid.layout import GridLayout
+
+from .bridge_plan import BridgeDirection, BridgePlan, plan_bridge
+from .primitives import all_gather_tensor, group_size
+
+__all__ = ["ColocatedBridgeCommunicator"]
+
+_DEFAULT_DIM_MAPPING = {"b": 0, "s": 1, "h": 2}
+
+
+def _check_dim_mapping(dim_mapping: Mapping[str, int] | None) -> dict[str, int]:
+    if dim_mapping is None:
+        return dict(_DEFAULT_DIM_MAPPING)
+    if not isinstance(dim_mapping, Mapping):
+        raise TypeError(
+            f"dim_mapping must be a dict such as {{'b': 0, 's': 1, 'h': 2}}, "
+            f"got {type(dim_mapping).__name__}"
+        )
+    mapping = dict(dim_mapping)
+    unknown = sorted(set(mapping) - {"b", "s", "h"})
+    missing = [k for k in ("b", "h") if k not in mapping]
+    if unknown or missing:
+        raise ValueError(
+            f"dim_mapping={mapping} must have keys 'b' and 'h' (and optionally 's'); "
+            f"unknown {unknown}, missing {missing}. Use {{'b': 0, 's': 1, 'h': 2}} or, for a "
+            f"batch-major flattened (b*s, h) tensor, {{'b': 0, 'h': 1}}"
+        )
+    values = list(mapping.values())
+    if any(isinstance(v, bool) or not isinstance(v, int) for v in values) or sorted(values) != list(
+        range(len(values))
+    ):
+        raise ValueError(
+            f"dim_mapping={mapping} must map its keys to the distinct tensor dims "
+            f"0..{len(values) - 1} (one key per dim), e.g. {{'b': 0, 's': 1, 'h': 2}}"
+        )
+    return mapping
+
+
+def _cp_all_reduce(grad: torch.Tensor, cp_group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Sum the per-CP-rank partial gradients (out of place; identity for no/size-1 group)."""
+    if group_size(cp_group) == 1:
+        return grad
+    out = grad.clone(memory_format=torch.contiguous_format)
+    dist.all_reduce(out, op=dist.ReduceOp.SUM, group=cp_group)
+    return out
+
+
+def _slot(x: torch.Tensor, dim: int, slot: int, k: int) -> torch.Tensor:
+    size = x.shape[dim] // k
+    return x.narrow(dim, slot * size, size)
+
+
+class _FanIn(torch.autograd.Function):
+    """Forward: all-gather ``x`` along the batch dim in the gather group (members in
+    concatenation order). Backward: CP all-reduce (if any), then keep this rank's slot."""
+
+    @staticmethod
+    def forward(ctx, x, gather_group, cp_group, dim, slot, k):
+        ctx.cp_group, ctx.dim, ctx.slot, ctx.k = cp_group, dim, slot, k
+        return all_gather_tensor(x, gather_group, dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = _cp_all_reduce(grad, ctx.cp_group)
+        out = _slot(grad, ctx.dim, ctx.slot, ctx.k).contiguous()
+        return out, None, None, None, None, None
+
+
+class _FanOut(torch.autograd.Function):
+    """Forward: keep slot ``dest_dp mod k`` of the batch (no communication). Backward: CP
+    all-reduce (if any), then all-gather the slot gradients along batch in the gather group."""
+
+    @staticmethod
+    def forward(ctx, x, gather_group, cp_group, dim, slot, k):
+        ctx.gather_group, ctx.cp_group, ctx.dim = gather_group, cp_group, dim
+        # A copy, not a view: the output must not alias the caller's input.
+        return _slot(x, dim, slot, k).clone(memory_format=torch.contiguous_format)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = _cp_all_reduce(grad, ctx.cp_group)
+        return all_gather_tensor(grad, ctx.gather_group, ctx.dim), None, None, None, None, None
+
+
+class _CpGradReduce(torch.autograd.Function):
+    """Forward: identity. Backward: all-reduce(SUM) over the dest CP group (EQUAL, CP > 1)."""
+
+    @staticmethod
+    def forward(ctx, x, cp_group):
+        ctx.cp_group = cp_group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _cp_all_reduce(grad, ctx.cp_group), None
+
+
+class ColocatedBridgeCommunicator:
+    """Move an activation from ``src_grid``'s layout (TP×DP) to ``dest_grid``'s (TP×CP×DP).
+
+    ``communicate(x)``: ``x`` is this rank's src shard ``[b_src, s, h]`` (TP-replicated in
+    its src DP replica); returns its dest shard ``[b_dest, s, h]`` (FAN_IN
+    ``b_dest = k·b_src``, FAN_OUT ``b_dest = b_src / k``), replicated over dest TP and CP
+    (the LLM takes its CP chunks itself). Collectives per call: FAN_IN forward one
+    all-gather; FAN_OUT backward one all-gather; plus one all-reduce in backward when dest
+    CP > 1; nothing else. See the module docstring for the adjoints.
+
+    Construction is collective over the whole world: every rank (even one outside the
+    grids) must build the communicator with the same arguments, in the same order as its
+    other group creations. It validates the layouts (``plan_bridge``) and ``dim_mapping``
+    before creating any group, then creates the gather groups with the world's default
+    backend. Dest CP groups (needed when dest CP > 1) come from ``dest_grid.get_pg('cp')``
+    when the grid already has them; otherwise the communicator creates them itself, owns
+    them and frees them in ``destroy()``. Groups owned by the grid are never destroyed here.
+
+    Args:
+        src_grid, dest_grid: megatron-core ``HyperCommGrid``s on the same ranks.
+        dim_mapping: tensor dims of ``'b'``, ``'s'``, ``'h'``; default
+            ``{'b': 0, 's': 1, 'h': 2}``. A batch-major flattened ``(b*s, h)`` tensor uses
+            ``{'b': 0, 'h': 1}`` (then only ``b*s`` divisible by ``k`` can be checked).
+        src_name, dest_name: names used in messages and ``plan.describe()``.
+
+    Use as a context manager (or call ``destroy()``, idempotent) to free the groups; like
+    group creation, ``destroy()`` must run on every rank.
+    """
+
+    def __init__(
+        self,
+        src_grid: Any,
+        dest_grid: Any,
+        *,
+        dim_mapping: Mapping[str, int] | None = None,
+        src_name: str = "encoder",
+        dest_name: str = "llm",
+    ) -> None:
+        # Everything below up to the first new_group is local validation (no collective).
+        src = GridLayout.from_grid(src_grid)
+        dest = GridLayout.from_grid(dest_grid)
+        self._dim_mapping = _check_dim_mapping(dim_mapping)
+        self._plan = plan_bridge(src, dest, src_name=src_name, dest_name=dest_name)
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError(
+                "ColocatedBridgeCommunicator needs an initialized torch.distributed world; "
+                "call torch.distributed.init_process_group first"
+            )
+        world = dist.get_world_size()
+        if src.ranks.stop > world:
+            raise ValueError(
+                f"the grids cover ranks [{src.ranks.start}, {src.ranks.stop}) but the world "
+                f"has {world} ranks; launch at least {src.ranks.stop} ranks"
+            )
+        self._rank = dist.get_rank()
+        self._owned: list[dist.ProcessGroup] = []
+        self._gather_group: dist.ProcessGroup | None = None
+        self._cp_group: dist.ProcessGroup | None = None
+        self._destroyed = False
+
+        try:
+            for members in self._plan.gather_groups:  # collective: same order on every rank
+                pg = dist.new_group(list(members))
+                if self._rank in members:
+                    self._gather_group = pg
+                    self._owned.append(pg)
+                    # torch orders a group's ranks ascending; the plan's concatenation order
+                    # (by dp coordinate) is ascending too, so slot == group rank.
+                    assert dist.get_process_group_ranks(pg) == list(members), members
+            if self._plan.cp_size > 1:
+                self._cp_group = self._dest_cp_group(dest_grid)
+        except BaseException:
+            self.destroy()  # do not leak the groups created so far
+            raise
+
+    def _dest_cp_group(self, dest_grid: Any) -> dist.ProcessGroup | None:
+        try:
+            pg = dest_grid.get_pg("cp")
+        except KeyError:  # the grid lacks it (same answer on every rank): create our own
+            mine = None
+            for members in self._plan.cp_groups:
+                pg = dist.new_group(list(members))
+                if self._rank in members:
+                    mine = pg
+                    self._owned.append(pg)
+            return mine
+        if self._rank in self._plan.src.ranks:
+            expected = list(self._plan.cp_group_of(self._rank))
+            got = dist.get_process_group_ranks(pg) if pg is not None else None
+            if got != expected:
+                raise ValueError(
+                    f"dest_grid.get_pg('cp') on rank {self._rank} holds ranks {got} but the "
+                    f"dest layout {self._plan.dest!r} puts this rank's CP group at "
+                    f"{expected}; build the grid's groups with create_pg('cp')"
+                )
+        return pg
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def plan(self) -> BridgePlan:
+        return self._plan
+
+    @property
+    def direction(self) -> BridgeDirection:
+        return self._plan.direction
+
+    @property
+    def scale(self) -> int:
+        return self._plan.scale
+
+    @property
+    def dim_mapping(self) -> dict[str, int]:
+        return dict(self._dim_mapping)
+
+    @property
+    def gather_group(self) -> dist.ProcessGroup | None:
+        """This rank's gather group (``None`` for EQUAL or after ``destroy()``)."""
+        return self._gather_group
+
+    @property
+    def cp_group(self) -> dist.ProcessGroup | None:
+        """This rank's dest CP group (``None`` when dest CP = 1 or after ``destroy()``)."""
+        return self._cp_group
+
+    # ------------------------------------------------------------------ execution
+    def communicate(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's src shard -> its dest shard (autograd-aware; see class docstring)."""
+        if self._destroyed:
+            raise RuntimeError("communicate() after destroy(); build a new communicator")
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+        if self._rank not in self._plan.src.ranks:
+            raise ValueError(
+                f"rank {self._rank} is outside the bridged grids {self._plan.src!r}; call "
+                f"communicate() only on ranks {list(self._plan.src.ranks)}"
+            )
+        if x.dim() != len(self._dim_mapping):
+            raise ValueError(
+                f"x has shape {tuple(x.shape)} ({x.dim()} dims) but dim_mapping="
+                f"{self._dim_mapping} describes {len(self._dim_mapping)} dims; pass a "
+                f"matching dim_mapping (e.g. {{'b': 0, 'h': 1}} for a flattened (b*s, h) x)"
+            )
+        dim = self._dim_mapping["b"]
+        k = self._plan.scale
+        direction = self._plan.direction
+        if direction is BridgeDirection.FAN_OUT and x.shape[dim] % k:
+            raise ValueError(
+                f"x has batch size {x.shape[dim]} (dim {dim} of shape {tuple(x.shape)}) but "
+                f"FAN_OUT with scale {k} splits it into {k} equal slots; use a local batch "
+                f"divisible by {k}"
+            )
+        slot = self._plan.slot_of(self._rank)
+        if direction is BridgeDirection.FAN_IN:
+            return _FanIn.apply(x, self._gather_group, self._cp_group, dim, slot, k)
+        if direction is BridgeDirection.FAN_OUT:
+            return _FanOut.apply(x, self._gather_group, self._cp_group, dim, slot, k)
+        if self._cp_group is not None and group_size(self._cp_group) > 1:
+            return _CpGradReduce.apply(x, self._cp_group)
+        return x
+
+    __call__ = communicate
+
+    # ------------------------------------------------------------------ lifecycle
+    def destroy(self) -> None:
+        """Free every process group this communicator created (idempotent, every rank)."""
+        if self._destroyed:
+            return
+        self._destroyed = True
+        owned, self._owned = self._owned, []
+        for pg in owned:
+            dist.destroy_process_group(pg)
+        self._gather_group = None
+        self._cp_group = None
+
+    def __enter__(self) -> ColocatedBridgeCommunicator:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.destroy()
+
+    def __repr__(self) -> str:
+        state = ", destroyed" if self._destroyed else ""
+        return f"ColocatedBridgeCommunicator({self._plan!r}{state})"
