@@ -175,7 +175,9 @@ def run_parity(
             weight_rel, worst_name = rel, name
     return ParityReport(
         encoder=_layout_str(tp=encoder_tp, dp=encoder_dp),
-        llm=_layout_str(tp=llm_tp, cp=llm_cp, dp=llm_dp) + (",sp" if sequence_parallel else ""),
+        llm=_layout_str(tp=llm_tp, cp=llm_cp, dp=llm_dp)
+        + (",sp" if sequence_parallel else "")
+        + (",fused" if fused_loss else ""),
         dist_losses=dist_losses,
         ref_losses=ref_losses,
         loss_max_abs=loss_abs,

@@ -99,6 +99,21 @@ def test_fan_in_cp2_sequence_parallel():
     )
 
 
+@world.case
+def test_fan_in_cp2_sequence_parallel_fused_loss():
+    return _check(
+        _parity(
+            encoder_tp=2,
+            encoder_dp=4,
+            llm_tp=2,
+            llm_cp=2,
+            llm_dp=2,
+            sequence_parallel=True,
+            fused_loss=True,
+        )  # fmt: skip
+    )
+
+
 def _uneven_batch():
     # Samples 2 and 3 (= all of encoder DP rank 1's shard) and 6 have no image tokens;
     # the loss mask keeps 10%..90% of tokens per sample, so ranks hold unequal counts.
