@@ -1,9 +1,15 @@
-"""``mp-bridge plan``: every rank's coordinates in the encoder and LLM grids (pure)."""
+"""``mp-bridge plan``: the bridge plan between the encoder and LLM layouts (pure).
+
+Prints the direction and scale of the colocated bridge, then one row per rank with its
+encoder and LLM coordinates, its slot, its gather group and its LLM CP group. When the
+layouts cannot be bridged it prints the coordinate table and fails with the plan's error.
+"""
 
 from __future__ import annotations
 
 import argparse
 
+from mp_bridge.comm.bridge_plan import plan_bridge
 from mp_bridge.grid import GridLayout, parse_layout_spec
 
 __all__ = ["add_arguments", "format_rank_table", "run"]
@@ -38,11 +44,11 @@ def run(args: argparse.Namespace) -> int:
     src = parse_layout_spec(args.encoder, world_size=args.world)
     dest = parse_layout_spec(args.llm, world_size=args.world)
     print(f"world {args.world}: encoder {src!r} -> llm {dest!r}\n")
-    print(format_rank_table(src, dest, "encoder", "llm"))
     try:
-        from mp_bridge.comm.bridge_plan import plan_bridge
-    except ImportError:
-        return 0
-    print()
-    print(plan_bridge(src, dest).describe())
+        plan = plan_bridge(src, dest, src_name="encoder", dest_name="llm")
+    except ValueError:
+        # Show where every rank sits so the nesting error can be read against it.
+        print(format_rank_table(src, dest, "encoder", "llm"))
+        raise
+    print(plan.describe())
     return 0

@@ -30,15 +30,34 @@ def test_parse_spec_errors(spec, match):
         parse_layout_spec(spec, world_size=8)
 
 
-def test_plan_prints_every_rank(capsys):
+def test_plan_prints_direction_scale_and_every_rank_groups(capsys):
     code = main(["plan", "--world", "8", "--encoder", "tp=2,dp=4", "--llm", "tp=2,cp=2,dp=2"])
     out = capsys.readouterr().out
     assert code == 0
+    assert "direction FAN_IN, scale 2, dest cp 2" in out
     rows = [line.split() for line in out.splitlines() if line[:1].isdigit()]
     by_rank = {int(r[0]): r[1:] for r in rows}
-    assert sorted(by_rank) == list(range(8))
-    assert by_rank[5][:2] == ["tp=1", "dp=2"]
-    assert by_rank[5][2:5] == ["tp=1", "cp=0", "dp=1"]
+    assert sorted(by_rank) == list(range(8)) and len(rows) == 8
+    # rank 5: encoder coords, llm coords, slot, gather group, cp group.
+    assert by_rank[5] == ["tp=1,dp=2", "tp=1,cp=0,dp=1", "0", "[5,7]", "[5,7]"]
+    assert by_rank[2] == ["tp=0,dp=1", "tp=0,cp=1,dp=0", "1", "[0,2]", "[0,2]"]
+
+
+def test_plan_fan_out_splits_gather_groups_per_cp(capsys):
+    assert main(["plan", "--encoder", "tp=4,dp=2", "--llm", "tp=1,cp=2,dp=4"]) == 0
+    out = capsys.readouterr().out
+    assert "direction FAN_OUT, scale 2" in out
+    by_rank = {r[0]: r[1:] for r in (ln.split() for ln in out.splitlines() if ln[:1].isdigit())}
+    assert by_rank["3"][-2:] == ["[1,3]", "[2,3]"]
+
+
+def test_plan_non_nesting_prints_coords_then_one_line_error(capsys):
+    code = main(["plan", "--encoder", "dp=4,tp=2", "--llm", "tp=2,cp=2,dp=2"])
+    captured = capsys.readouterr()
+    assert code == 2
+    assert "2     dp=2 tp=0  tp=0 cp=1 dp=0" in captured.out
+    err = captured.err.strip().splitlines()
+    assert len(err) == 1 and "layouts do not nest: rank 2 has encoder coords" in err[0]
 
 
 def test_plan_bad_spec_is_one_line_error(capsys):

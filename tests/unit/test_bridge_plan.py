@@ -1,0 +1,225 @@
+"""plan_bridge: literal plans, error paths, and properties over every small layout (pure)."""
+
+from __future__ import annotations
+
+import ast
+import inspect
+
+import pytest
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+
+import mp_bridge.comm.bridge_plan as bridge_plan_module
+from mp_bridge.comm.bridge_plan import BridgeDirection, plan_bridge
+from mp_bridge.grid import GridLayout
+
+TCD = ("tp", "cp", "dp")
+
+
+def L(tp=1, cp=1, dp=1, pp=1, *, order=("tp", "cp", "pp", "dp"), offset=0) -> GridLayout:
+    sizes = {"tp": tp, "cp": cp, "pp": pp, "dp": dp}
+    return GridLayout(tuple(sizes[n] for n in order), tuple(order), offset)
+
+
+# ------------------------------------------------------------ literal plans
+def test_fan_in_tp2_dp4_to_tp2_cp2_dp2():
+    plan = plan_bridge(L(tp=2, dp=4), L(tp=2, cp=2, dp=2))
+    assert plan.direction is BridgeDirection.FAN_IN and plan.scale == 2 and plan.cp_size == 2
+    assert plan.gather_groups == ((0, 2), (1, 3), (4, 6), (5, 7))
+    assert plan.cp_groups == ((0, 2), (1, 3), (4, 6), (5, 7))
+    assert plan.gather_group_of(6) == (4, 6) and plan.cp_group_of(3) == (1, 3)
+    # Gathered dest batch of 4: rank 0 (src dp 0) fills rows 0-1, rank 2 (src dp 1) rows 2-3.
+    assert plan.slice_for(0, 4) == (0, 2) and plan.slice_for(2, 4) == (2, 2)
+
+
+def test_fan_out_tp4_dp2_to_tp1_cp2_dp4():
+    plan = plan_bridge(L(tp=4, dp=2), L(tp=1, cp=2, dp=4))
+    assert plan.direction is BridgeDirection.FAN_OUT and plan.scale == 2
+    # One group per (src dp, dest tp, dest cp): dest dp 0,1 with cp 0 -> ranks 0, 2.
+    assert plan.gather_groups == ((0, 2), (1, 3), (4, 6), (5, 7))
+    assert plan.cp_groups == ((0, 1), (2, 3), (4, 5), (6, 7))
+    # Src batch of 4 on rank 3 (dest dp 1 = slot 1) -> its dest rows 2-3.
+    assert plan.slot_of(3) == 1 and plan.slice_for(3, 4) == (2, 2)
+
+
+def test_equal_dp_with_cp2():
+    plan = plan_bridge(L(tp=2, dp=4), L(tp=1, cp=2, dp=4))
+    assert plan.direction is BridgeDirection.EQUAL and plan.scale == 1
+    assert plan.gather_groups == ()
+    assert plan.gather_group_of(5) == (5,) and plan.slice_for(5, 3) == (0, 3)
+    assert plan.cp_groups == ((0, 1), (2, 3), (4, 5), (6, 7))
+
+
+def test_rank_offset():
+    plan = plan_bridge(L(tp=2, dp=4, offset=8), L(tp=2, cp=2, dp=2, offset=8))
+    assert plan.gather_groups == ((8, 10), (9, 11), (12, 14), (13, 15))
+    assert plan.cp_group_of(15) == (13, 15)
+    with pytest.raises(ValueError, match=r"rank=0 is outside .* \[8, 16\)"):
+        plan.gather_group_of(0)
+
+
+def test_nesting_custom_orders():
+    # src dp fastest (rank = ds + 4·ts), dest cp fastest then dp: dd = ds // 2 on every rank.
+    plan = plan_bridge(
+        L(tp=2, dp=4, order=("dp", "tp", "cp", "pp")),
+        L(tp=2, cp=2, dp=2, order=("cp", "dp", "tp", "pp")),
+    )
+    assert plan.gather_groups == ((0, 1), (4, 5), (2, 3), (6, 7))
+
+
+def test_no_cp_axis_gives_single_rank_cp_groups():
+    plan = plan_bridge(GridLayout((2, 2), ("tp", "dp")), GridLayout((1, 4), ("tp", "dp")))
+    assert plan.direction is BridgeDirection.FAN_OUT and plan.cp_groups == ((0,), (1,), (2,), (3,))
+
+
+def test_describe_names_direction_scale_and_groups():
+    text = plan_bridge(L(tp=2, dp=4), L(tp=2, cp=2, dp=2), src_name="enc", dest_name="llm")
+    out = text.describe()
+    assert "direction FAN_IN, scale 2, dest cp 2" in out
+    assert "all-reduce(SUM) over dest CP group (2 ranks), then narrow" in out
+    rows = {line.split()[0]: line.split() for line in out.splitlines() if line[:1].isdigit()}
+    assert rows["6"] == ["6", "tp=0,dp=3", "tp=0,cp=1,dp=1", "1", "[4,6]", "[4,6]"]
+
+
+def test_plan_module_never_imports_torch_distributed():
+    tree = ast.parse(inspect.getsource(bridge_plan_module))
+    names = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+    names += [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
+    assert not [n for n in names if n.startswith("torch")], names
+
+
+# ------------------------------------------------------------- error paths
+@pytest.mark.parametrize(
+    ("src", "dest", "match"),
+    [
+        (L(tp=2, dp=2), L(tp=2, dp=4), r"covers ranks \[0, 4\) .* \[0, 8\).*same ranks"),
+        (L(tp=2, dp=2, offset=4), L(tp=2, dp=2), r"covers ranks \[4, 8\) .* \[0, 4\)"),
+        (GridLayout((8,), ("dp",)), L(tp=2, dp=4), r"has no axis \['tp'\]"),
+        (L(tp=8), GridLayout((8,), ("tp",)), r"dest grid .* has no axis \['dp'\]"),
+        (L(tp=2, cp=2, dp=2), L(tp=2, dp=4), r"src grid .* has cp=2; .*src cp=1"),
+        (L(tp=2, pp=2, dp=2), L(tp=2, dp=4), r"src grid .* has pp=2; .*pp=1 only"),
+        (L(tp=2, dp=4), L(tp=2, pp=2, dp=2), r"dest grid .* has pp=2"),
+        (L(tp=3, dp=4), L(tp=2, dp=6), r"src dp=4 and dest dp=6 do not divide one another"),
+        (
+            GridLayout((2, 2, 2), ("tp", "ep", "dp")),
+            L(tp=2, dp=4),
+            r"axes \['ep=2'\] the bridge does not understand",
+        ),
+        (
+            L(tp=2, dp=4, order=("dp", "tp", "cp", "pp")),
+            L(tp=2, cp=2, dp=2),
+            r"do not nest: rank 2 has src coords \{'dp': 2, 'tp': 0.*\} and dest coords "
+            r"\{'tp': 0, 'cp': 1, 'pp': 0, 'dp': 0\}.*src dp // 2 == dest dp",
+        ),
+        (
+            L(tp=2, dp=2, order=("dp", "tp", "cp", "pp")),
+            L(tp=1, cp=2, dp=2),
+            r"do not nest: rank 1 .*src dp == dest dp",
+        ),
+        (
+            L(tp=4, dp=2, order=("dp", "tp", "cp", "pp")),
+            L(tp=1, cp=2, dp=4),
+            r"do not nest: rank 1 .*dest dp // 2 == src dp",
+        ),
+    ],
+)
+def test_plan_errors(src, dest, match):
+    with pytest.raises(ValueError, match=match):
+        plan_bridge(src, dest)
+
+
+def test_type_and_slice_errors():
+    with pytest.raises(TypeError, match="src must be a GridLayout .*from_grid"):
+        plan_bridge("tp=2,dp=4", L(tp=2, dp=4))
+    plan = plan_bridge(L(tp=2, dp=4), L(tp=2, dp=2, cp=2))
+    with pytest.raises(ValueError, match="batch_size=3 is not divisible by the bridge scale 2"):
+        plan.slice_for(0, 3)
+    with pytest.raises(ValueError, match="batch_size=-1"):
+        plan.slice_for(0, -1)
+
+
+# ------------------------------------------------- properties (hypothesis)
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+@st.composite
+def layout_pairs(draw):
+    n = draw(st.integers(1, 16))
+    tps = draw(st.sampled_from(_divisors(n)))
+    tpd = draw(st.sampled_from(_divisors(n)))
+    cpd = draw(st.sampled_from(_divisors(n // tpd)))
+    offset = draw(st.sampled_from([0, 3]))
+    src = L(tp=tps, dp=n // tps, order=tuple(draw(st.permutations(TCD + ("pp",)))), offset=offset)
+    dest = L(
+        tp=tpd,
+        cp=cpd,
+        dp=n // (tpd * cpd),
+        order=tuple(draw(st.permutations(TCD + ("pp",)))),
+        offset=offset,
+    )
+    return src, dest
+
+
+def _samples(layout: GridLayout, rank: int, batch: int) -> list[int]:
+    """Brute-force data contract: global samples a rank holds (contiguous DP blocks)."""
+    per = batch // layout.dim("dp")
+    dp = layout.coords(rank)["dp"]
+    return list(range(dp * per, (dp + 1) * per))
+
+
+@settings(max_examples=300, deadline=None)
+@given(layout_pairs())
+def test_plan_matches_the_data_contract(pair):
+    src, dest = pair
+    dps, dpd = src.dim("dp"), dest.dim("dp")
+    assume(dps % dpd == 0 or dpd % dps == 0)
+    batch = 2 * max(dps, dpd)
+    held = {r: (_samples(src, r, batch), _samples(dest, r, batch)) for r in src.ranks}
+    # Bridgeable by one gather iff every rank's src samples contain / lie in its dest ones.
+    bridgeable = all(set(s) <= set(d) or set(d) <= set(s) for s, d in held.values())
+    if not bridgeable:
+        with pytest.raises(ValueError, match="do not nest"):
+            plan_bridge(src, dest)
+        return
+    plan = plan_bridge(src, dest)
+    k = plan.scale
+    assert k == max(dps, dpd) // min(dps, dpd)
+
+    # Every rank in exactly one gather group of `scale` members (none for EQUAL).
+    members = [r for g in plan.gather_groups for r in g]
+    if plan.direction is BridgeDirection.EQUAL:
+        assert members == [] and k == 1
+    else:
+        assert sorted(members) == list(src.ranks)
+        assert all(len(g) == k for g in plan.gather_groups)
+        # Member order is ascending rank (= process-group rank order of torch groups).
+        assert all(list(g) == sorted(g) for g in plan.gather_groups)
+    # CP groups partition the ranks into groups of dest cp, sharing dest tp and dp.
+    cp_members = sorted(r for g in plan.cp_groups for r in g)
+    assert cp_members == list(src.ranks)
+    for g in plan.cp_groups:
+        assert len(g) == dest.dim("cp")
+        assert len({(dest.coords(r)["tp"], dest.coords(r)["dp"]) for r in g}) == 1
+
+    for r in src.ranks:
+        group = plan.gather_group_of(r)
+        s, d = held[r]
+        # Slices of the group tile the spanned batch in member order.
+        span = len(d) if plan.direction is BridgeDirection.FAN_IN else len(s)
+        size = span // k
+        assert [plan.slice_for(m, span) for m in group] == [(i * size, size) for i in range(k)]
+        if plan.direction is BridgeDirection.FAN_IN:
+            # Forward: concatenating the members' src shards gives this rank's dest shard.
+            assert [x for m in group for x in held[m][0]] == d
+            start, n = plan.slice_for(r, len(d))
+            assert d[start : start + n] == s
+            assert len({src.coords(m)["tp"] for m in group}) == 1
+        elif plan.direction is BridgeDirection.FAN_OUT:
+            start, n = plan.slice_for(r, len(s))
+            assert s[start : start + n] == d
+            # Backward: gathering the members' dest-shard grads rebuilds the src shard grad.
+            assert [x for m in group for x in held[m][1]] == s
+            assert len({(dest.coords(m)["tp"], dest.coords(m)["cp"]) for m in group}) == 1
+        else:
+            assert s == d and group == (r,)
