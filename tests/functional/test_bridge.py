@@ -222,6 +222,23 @@ def test_equal_cp4_flat_noncontiguous():
     )
 
 
+@world.case
+def test_grids_on_part_of_the_world():
+    # Grids on ranks 4-7: every rank builds the communicator (group creation is global),
+    # ranks inside bridge exactly, ranks outside are told they are outside.
+    src_grid = make_grid(tp=1, dp=4, rank_offset=4, create=())
+    dest_grid = make_grid(tp=1, cp=2, dp=2, rank_offset=4, create=())
+    with ColocatedBridgeCommunicator(src_grid, dest_grid) as bridge:
+        assert bridge.direction is BridgeDirection.FAN_IN and bridge.scale == 2
+        if dist.get_rank() >= 4:
+            grad, expected, _, fwd, bwd = _run(bridge, src_grid, dest_grid)
+            assert torch.equal(grad, expected)
+            assert fwd.counts() == {"all_gather": 1} and bwd.counts() == {"all_reduce": 1}
+        else:
+            with pytest.raises(ValueError, match=r"rank \d is outside the bridged grids"):
+                bridge.communicate(torch.zeros(2, S, H, device=current_device()))
+
+
 # ------------------------------------------------- the CP all-reduce matters
 @world.case
 def test_skipping_cp_all_reduce_is_caught():
