@@ -18,7 +18,7 @@ from mp_bridge.layers import vocab_shard_ranges
 from mp_bridge.layers.fused_loss import fused_linear_cross_entropy, fused_linear_logprobs
 from mp_bridge.testing import CollectiveCounter, DistributedWorld, current_device
 
-world = DistributedWorld(8)
+world = DistributedWorld(8, timeout_s=120)  # a failing rank must not hang CI for long
 H = 16
 _GROUPS: dict[int, tuple[bool, object]] = {}
 
