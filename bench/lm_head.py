@@ -1,0 +1,167 @@
+"""LM head + loss: peak extra memory and fwd+bwd time, materialized vs megatron vs fused.
+
+Methods (each rank holds the ``[V/tp, H]`` shard and the TP-replicated ``[N, H]`` hidden):
+
+- (a) ``materialized``: ``F.linear`` -> ``[N, V/tp]`` logits -> ``vocab_parallel_cross_entropy``
+- (b) ``megatron``: megatron-core ``ColumnParallelLinear`` + its ``vocab_parallel_cross_entropy``
+  (global ``parallel_state`` initialized inside the bench processes)
+- (c) ``fused``: ``fused_linear_cross_entropy`` (default chunking)
+- (d) ``fused_inv``: ``fused_linear_cross_entropy(invariant=True)``
+
+Peak extra memory = max over ranks of (peak RSS during the call - RSS before it), with
+glibc told to mmap every allocation over 64 KiB so freed tensors leave; time = max over
+ranks of the wall time of one fwd+bwd (after a small warm-up), gloo on CPU, fp32.
+Prints a markdown table and the command. Never asserts on time.
+
+    .venv/bin/python bench/lm_head.py                       # the issue-7 grid
+    .venv/bin/python bench/lm_head.py --n 512 --vocab 8192 --tp 1 2   # quick check
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import sys
+import time
+import warnings
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from mp_bridge.comm import copy_to_group
+from mp_bridge.layers import fused_linear_cross_entropy, vocab_parallel_cross_entropy
+from mp_bridge.testing import run_distributed
+
+METHODS = ("materialized", "megatron", "fused", "fused_inv")
+
+
+def _kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field):
+                return int(line.split()[1])
+    return 0
+
+
+def _megatron_head(tp: int, hidden: int, v_local: int, weight: torch.Tensor):
+    from megatron.core import ModelParallelConfig, parallel_state
+    from megatron.core.tensor_parallel import ColumnParallelLinear
+
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
+    config = ModelParallelConfig(
+        tensor_model_parallel_size=tp, use_cpu_initialization=True, perform_initialization=False
+    )
+    layer = ColumnParallelLinear(
+        hidden,
+        v_local * tp,
+        config=config,
+        init_method=lambda w: None,
+        bias=False,
+        gather_output=False,
+    )
+    with torch.no_grad():
+        layer.weight.copy_(weight)
+    return layer
+
+
+def _step(method, h, w, target, group, layer):
+    if method == "materialized":
+        logits = F.linear(copy_to_group(h, group), w)
+        loss = vocab_parallel_cross_entropy(logits, target, tp_group=group).mean()
+    elif method == "megatron":
+        from megatron.core.tensor_parallel import vocab_parallel_cross_entropy as mcore_ce
+
+        logits, _ = layer(h.unsqueeze(1))  # [s, b=1, h] -> [s, 1, V/tp]
+        loss = mcore_ce(logits, target.unsqueeze(1)).mean()
+    else:
+        loss = fused_linear_cross_entropy(
+            h, w, target, tp_group=group, invariant=(method == "fused_inv")
+        )
+    loss.backward()
+
+
+def _rank_bench(n: int, hidden: int, vocab: int, methods: tuple[str, ...]):
+    warnings.filterwarnings("ignore")
+    ctypes.CDLL("libc.so.6").mallopt(-3, 64 * 1024)  # M_MMAP_THRESHOLD: freed memory leaves
+    tp, rank = dist.get_world_size(), dist.get_rank()
+    group = dist.new_group(list(range(tp))) if tp > 1 else None
+    v_local = vocab // tp
+    g = torch.Generator().manual_seed(0)
+    h0 = torch.randn(n, hidden, generator=g)
+    w_full = torch.randn(vocab, hidden, generator=g) * hidden**-0.5
+    w0 = w_full[rank * v_local : (rank + 1) * v_local].clone()
+    del w_full
+    target = torch.randint(0, vocab, (n,), generator=g)
+    out = {}
+    for method in methods:
+        layer = None
+        try:
+            if method == "megatron":
+                layer = _megatron_head(tp, hidden, v_local, w0)
+                w = layer.weight
+            else:
+                w = w0.clone().requires_grad_(True)
+            h = h0.clone().requires_grad_(True)
+            _step(method, h[:64].detach().requires_grad_(), w, target[:64], group, layer)
+            w.grad = None
+            dist.barrier()
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")  # reset the peak-RSS mark
+            before = _kib("VmRSS")
+            t0 = time.perf_counter()
+            _step(method, h, w, target, group, layer)
+            elapsed = time.perf_counter() - t0
+            out[method] = ((_kib("VmHWM") - before) * 1024, elapsed)
+        except Exception as exc:  # noqa: BLE001 - reported as n/a in the table
+            out[method] = (None, f"{type(exc).__name__}: {exc}"[:120])
+        del layer
+        w = h = None
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    warnings.filterwarnings("ignore")  # megatron's apex / CUDA_DEVICE_MAX_CONNECTIONS notes
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--n", type=int, default=4096)
+    p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--vocab", type=int, nargs="+", default=[32768, 65536, 131072])
+    p.add_argument("--tp", type=int, nargs="+", default=[1, 2, 4])
+    p.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    args = p.parse_args(argv)
+    print(f"command: {' '.join([os.path.basename(sys.executable), *sys.argv])}")
+    print(
+        f"N={args.n} H={args.hidden} fp32 CPU, torch {torch.__version__}, "
+        f"{os.cpu_count()} CPU cores, gloo, 1 thread per rank\n"
+    )
+    header = "| V | TP | method | peak extra MiB | x (a) | fwd+bwd s | x (a) |"
+    print(header + "\n|---|---|---|---|---|---|---|")
+    start = time.perf_counter()
+    for vocab in args.vocab:
+        for tp in args.tp:
+            per_rank = run_distributed(
+                _rank_bench, tp, args.n, args.hidden, vocab, tuple(args.methods), timeout_s=1200
+            )
+            base = None
+            for method in args.methods:
+                results = [r[method] for r in per_rank]
+                if any(m is None for m, _ in results):
+                    print(f"| {vocab} | {tp} | {method} | n/a | | {results[0][1]} | |")
+                    continue
+                mem = max(m for m, _ in results)
+                sec = max(s for _, s in results)
+                if method == "materialized":
+                    base = (mem, sec)
+                rm = f"{mem / base[0]:.3f}" if base else ""
+                rt = f"{sec / base[1]:.2f}" if base else ""
+                print(
+                    f"| {vocab} | {tp} | {method} | {mem / 2**20:.0f} | {rm} | {sec:.2f} | {rt} |",
+                    flush=True,
+                )
+    print(f"\ntotal wall {time.perf_counter() - start:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
