@@ -24,11 +24,15 @@ Collectives per call over ``tp_group`` with ``k = ceil(N / chunk)`` chunks (none
 - default: forward ``k`` all-gathers of ``[4, chunk]`` fp32 stats; gradients ``k``
   all-reduce(SUM)s of ``[chunk, H]`` fp32 (in forward for sum/mean, in backward else).
 - ``invariant=True``: ``chunk`` is rounded up to a multiple of ``TOKEN_TILE`` (64); forward
-  ``k`` all-gathers of ``[P, chunk, 4]`` fp32 stats; gradients ``k`` all-gathers of ``[P,
-  chunk, H]`` fp32, ``P`` = the most subtrees a rank holds (1 for power-of-two aligned
-  shards). Values and gradients are then bitwise identical for every TP size whose shard
-  is a multiple of ``VOCAB_BLOCK`` (256) rows, for any ``chunk_size``, and whatever other
-  tokens share the call (see ``mp_bridge.layers.invariant``).
+  ``k`` all-gathers of ``[P, chunk / 64, 4, 64]`` fp32 stats; gradients ``k`` all-gathers
+  of ``[P, chunk / 64, 64, H]`` fp32, ``P`` = the most subtrees a rank holds (1 for
+  power-of-two aligned shards; the tree fold replaces the all-reduce, whose summation
+  order would depend on TP). Token tiles and vocab blocks are zero-padded to their fixed
+  shapes; the last chunk is padded to whole tiles only. Values and gradients are then
+  bitwise identical for every TP size whose shard is a multiple of ``VOCAB_BLOCK`` (256)
+  rows, for any ``chunk_size``, and whatever other tokens share the call (see
+  ``mp_bridge.layers.invariant``); ``d weight`` sums tokens tile by tile in token order, so
+  it is also unchanged by extra tokens appended with zero upstream gradient.
 """
 
 from __future__ import annotations
