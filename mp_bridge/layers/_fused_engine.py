@@ -34,6 +34,7 @@ from .invariant import (
     block_stats,
     combine_stats,
     gather_fold,
+    softmax_to_grad_,
     stats_values,
 )
 from .vocab_blocks import stream_fold
@@ -75,23 +76,44 @@ class DefaultEngine:
         return z
 
     def forward_chunk(self, h: torch.Tensor, t: torch.Tensor):
+        # The chunk's logits are turned into exp(z - m) in place (no second [C, V_local]
+        # buffer); the gradient rescales them by exp(m - lse) per row.
         z = self.logits(h)
+        valid = self.valid
         col = block_col(t, self.start, z.shape[1])
-        stats = block_stats(z, self.valid, col, self.spec.coefficients[2] != 0.0)
+        if valid < z.shape[1]:
+            z[:, valid:] = float("-inf")
+        tl = torch.where(col >= 0, z.gather(1, col.clamp(min=0).unsqueeze(1)).squeeze(1), 0.0)
+        with_sum = self.spec.coefficients[2] != 0.0
+        sz = z[:, :valid].sum(dim=1) if with_sum and valid else torch.zeros_like(tl)
+        if valid:
+            m = z.amax(dim=1)
+            s = z.sub_(m.unsqueeze(1)).exp_().sum(dim=1)
+        else:  # a shard of padding only: the identity of the log-sum-exp merge
+            m, s = torch.full_like(tl, float("-inf")), torch.zeros_like(tl)
+            z.zero_()
+        stats = torch.stack([m, s, tl, sz])
         if self.tp_size > 1:
             g = all_gather_tensor(stats.unsqueeze(0), self.tp_group, 0)  # (tp, 4, C)
-            m = g[:, 0].amax(dim=0)
-            s = (g[:, 1] * torch.exp(g[:, 0] - m)).sum(dim=0)
-            stats = torch.stack([m, s, g[:, 2].sum(dim=0), g[:, 3].sum(dim=0)])
+            gm = g[:, 0].amax(dim=0)
+            gs = (g[:, 1] * torch.exp(g[:, 0] - gm)).sum(dim=0)
+            stats = torch.stack([gm, gs, g[:, 2].sum(dim=0), g[:, 3].sum(dim=0)])
         value, lse = stats_values(stats, self.spec)
-        return z, value, lse
+        return (z, m), value, lse
 
-    def recompute(self, h: torch.Tensor) -> torch.Tensor:
-        return self.logits(h)
+    def recompute(self, h: torch.Tensor):
+        return self.logits(h), None
 
-    def grad_chunk(self, z, h, t, lse, w, gw: torch.Tensor | None) -> torch.Tensor:
+    def grad_chunk(self, state, h, t, lse, w, gw: torch.Tensor | None) -> torch.Tensor:
+        z, m = state
         col = block_col(t, self.start, z.shape[1])
-        g = block_grad_(z, self.valid, col, lse, w, self.spec).to(h.dtype)
+        if m is None:  # raw logits (backward recompute)
+            g = block_grad_(z, self.valid, col, lse, w, self.spec)
+        else:  # exp(z - m) from forward: softmax = exp(z - m) * exp(m - lse)
+            g = softmax_to_grad_(
+                z.mul_(torch.exp(m - lse).unsqueeze(1)), self.valid, col, w, self.spec
+            )
+        g = g.to(h.dtype)
         if gw is not None:
             _accumulate_weight_grad(gw, g, h)
         gh = torch.mm(g, self.weight)  # (C, V_local) @ (V_local, H): this shard's part

@@ -48,8 +48,10 @@ from .invariant import TOKEN_TILE, BlockLayout
 
 __all__ = ["DEFAULT_CHUNK_ELEMENTS", "fused_linear_cross_entropy", "fused_linear_logprobs"]
 
-#: Default chunk: about this many fp32 logits (32 MiB) per chunk, at least 64 rows.
-DEFAULT_CHUNK_ELEMENTS = 1 << 23
+#: Default chunk: about this many fp32 logits (8 MiB) per chunk, at least 128 rows (a
+#: smaller matmul loses BLAS efficiency); with the fp32 d weight it keeps the peak far
+#: below the materialized [N, V_local] logits and their gradient at TP 1-8.
+DEFAULT_CHUNK_ELEMENTS = 1 << 21
 _REDUCTIONS = ("mean", "sum", "none")
 
 
@@ -140,7 +142,7 @@ def _prepare(hidden, weight, target, tp_group, vocab_size, chunk_size, invariant
     check_target(target, (hidden.shape[0],), vocab, ignore_index)
     spec = LossSpec(kind, vocab, ignore_index, eps, temperature)
     if chunk_size is None:
-        chunk_size = max(64, DEFAULT_CHUNK_ELEMENTS // v_local)
+        chunk_size = max(128, DEFAULT_CHUNK_ELEMENTS // v_local)
     chunk = max(1, min(chunk_size, hidden.shape[0]))
     if invariant:
         layout = BlockLayout.for_shard(v_local, vocab, tp_group)

@@ -53,6 +53,7 @@ __all__ = [
     "VOCAB_BLOCK",
     "BlockLayout",
     "block_grad_",
+    "softmax_to_grad_",
     "block_stats",
     "combine_stats",
     "gather_fold",
@@ -168,10 +169,16 @@ def block_grad_(
     rows). Result: ``w * (a * softmax + c)`` on true columns, plus ``w * b`` at the
     target; 0 on padding columns.
     """
-    a, b, c = spec.coefficients
     if valid < z.shape[1]:
         z[:, max(valid, 0) :] = float("-inf")
-    z.sub_(lse.unsqueeze(1)).exp_()
+    return softmax_to_grad_(z.sub_(lse.unsqueeze(1)).exp_(), valid, col, w, spec)
+
+
+def softmax_to_grad_(
+    z: torch.Tensor, valid: int, col: torch.Tensor, w: torch.Tensor, spec: LossSpec
+) -> torch.Tensor:
+    """Second half of ``block_grad_``: ``z`` already holds the softmax (0 on padding)."""
+    a, b, c = spec.coefficients
     if a != 1.0:
         z.mul_(a)
     if c != 0.0 and valid > 0:
