@@ -25,7 +25,7 @@ test: install lint
 	$(BIN)/python -m pytest -q tests
 
 demo: install
-	$(BIN)/mp-bridge plan --world 8 --encoder tp=2,dp=4 --llm tp=2,cp=2,dp=2
+	$(BIN)/mp-bridge demo
 
 plan: install
 	$(BIN)/mp-bridge plan --world 8 --encoder tp=2,dp=4 --llm tp=2,cp=2,dp=2

@@ -4,28 +4,28 @@ from __future__ import annotations
 
 import argparse
 import sys
+import warnings
 from collections.abc import Sequence
 
 __all__ = ["main"]
 
 
 def _build_parser() -> argparse.ArgumentParser:
-    from mp_bridge.commands import plan
+    from mp_bridge.commands import demo, plan
 
     parser = argparse.ArgumentParser(prog="mp-bridge", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     plan.add_arguments(sub.add_parser("plan", help="print every rank's coordinates and groups"))
-    try:
-        from mp_bridge.commands import demo
-    except ImportError:  # the demo lands with the pipeline
-        demo = None
-    if demo is not None:
-        demo.add_arguments(sub.add_parser("demo", help="train the tiny MIMO model + oracle parity"))
+    demo.add_arguments(sub.add_parser("demo", help="train the tiny MIMO model + oracle parity"))
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; returns the process exit code (0 ok, 2 bad arguments, 1 failure)."""
+    # megatron-core warns at import that TE/apex/absl are absent; on CPU that is expected.
+    warnings.filterwarnings(
+        "ignore", message=".*(Transformer Engine|absl|Apex|CUDA_DEVICE_MAX_CONNECTIONS).*"
+    )
     parser = _build_parser()
     args = parser.parse_args(argv)
     try:

@@ -215,9 +215,9 @@ def _nesting_error(
     return ValueError(
         f"layouts do not nest: rank {rank} has {src_name} coords {src.coords(rank)} and "
         f"{dest_name} coords {dest.coords(rank)}, but the bridge needs {rule}, so this rank "
-        f"would receive another replica's samples. Order the axes so DP blocks line up, "
-        f"e.g. the same order (tp fastest, dp slowest) in both grids: "
-        f"{src_name} dim_names={src.dim_names}, {dest_name} dim_names={dest.dim_names}"
+        f"would receive another replica's samples (got {src_name} dim_names={src.dim_names}, "
+        f"{dest_name} dim_names={dest.dim_names}). Order the axes so DP blocks line up, "
+        f"e.g. dp slowest in both grids: {src_name} ('tp', 'dp'), {dest_name} ('tp', 'cp', 'dp')"
     )
 
 
