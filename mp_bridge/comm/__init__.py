@@ -1,7 +1,10 @@
 """Autograd-aware collectives, the colocated bridge, and sequence partitioning."""
 
-from mp_bridge._lazy import lazy_exports
-
+from .bridge import ColocatedBridgeCommunicator
+from .bridge_plan import BridgeDirection, BridgePlan, plan_bridge
+from .cp_indices import cp_shard_indices, cp_shard_indices_packed
+from .deterministic import deterministic_all_reduce
+from .partition import PartitionAdapter, ShardedBatch
 from .primitives import (
     copy_to_group,
     gather_along,
@@ -11,19 +14,6 @@ from .primitives import (
     scatter_along,
 )
 
-_EXPORTS = {
-    "plan_bridge": "bridge_plan",
-    "BridgePlan": "bridge_plan",
-    "BridgeDirection": "bridge_plan",
-    "ColocatedBridgeCommunicator": "bridge",
-    "cp_shard_indices": "cp_indices",
-    "cp_shard_indices_packed": "cp_indices",
-    "PartitionAdapter": "partition",
-    "ShardedBatch": "partition",
-    "deterministic_all_reduce": "deterministic",
-}
-__getattr__ = lazy_exports(__name__, _EXPORTS)
-
 __all__ = [
     "copy_to_group",
     "gather_along",
@@ -31,5 +21,13 @@ __all__ = [
     "reduce_from_group",
     "reduce_scatter_along",
     "scatter_along",
-    *_EXPORTS,
+    "plan_bridge",
+    "BridgePlan",
+    "BridgeDirection",
+    "ColocatedBridgeCommunicator",
+    "cp_shard_indices",
+    "cp_shard_indices_packed",
+    "PartitionAdapter",
+    "ShardedBatch",
+    "deterministic_all_reduce",
 ]

@@ -1,28 +1,34 @@
 """Small reference models (TP encoder, projection, CP/TP LLM) and the colocated MIMO wrapper."""
 
-from mp_bridge._lazy import lazy_exports
+from .build import build_colocated_mimo, destroy_colocated_mimo
+from .config import MimoConfig
+from .data import MimoBatch, dp_shard, synthetic_batch
+from .encoder import TPEncoder, TPProjection
+from .llm import TPLLM
+from .mimo import ColocatedMimoModel
+from .oracle import ParityReport, run_parity
+from .placement import place_image_embeddings
+from .reference import ReferenceEncoder, ReferenceLLM, ReferenceMimo, ReferenceProjection
+from .sharding import gather_full_state, load_full_state
 
-_EXPORTS = {
-    "MimoConfig": "config",
-    "ReferenceEncoder": "reference",
-    "ReferenceProjection": "reference",
-    "ReferenceLLM": "reference",
-    "ReferenceMimo": "reference",
-    "place_image_embeddings": "placement",
-    "TPEncoder": "encoder",
-    "TPProjection": "encoder",
-    "TPLLM": "llm",
-    "ColocatedMimoModel": "mimo",
-    "build_colocated_mimo": "build",
-    "destroy_colocated_mimo": "build",
-    "load_full_state": "sharding",
-    "gather_full_state": "sharding",
-    "MimoBatch": "data",
-    "synthetic_batch": "data",
-    "dp_shard": "data",
-    "ParityReport": "oracle",
-    "run_parity": "oracle",
-}
-__getattr__ = lazy_exports(__name__, _EXPORTS)
-
-__all__ = [*_EXPORTS]
+__all__ = [
+    "MimoConfig",
+    "ReferenceEncoder",
+    "ReferenceProjection",
+    "ReferenceLLM",
+    "ReferenceMimo",
+    "place_image_embeddings",
+    "TPEncoder",
+    "TPProjection",
+    "TPLLM",
+    "ColocatedMimoModel",
+    "build_colocated_mimo",
+    "destroy_colocated_mimo",
+    "load_full_state",
+    "gather_full_state",
+    "MimoBatch",
+    "synthetic_batch",
+    "dp_shard",
+    "ParityReport",
+    "run_parity",
+]
