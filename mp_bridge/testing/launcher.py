@@ -99,6 +99,7 @@ def run_distributed(
     *args: Any,
     backend: str = "gloo",
     timeout_s: float = DEFAULT_TIMEOUT_S,
+    should_abort: Callable[[], str | None] | None = None,
 ) -> list[Any]:
     """Run ``fn(*args)`` on ``world_size`` forked ranks; return the per-rank results.
 
@@ -107,6 +108,8 @@ def run_distributed(
     forking). Return values must be picklable. Raises :class:`DistributedError` naming the
     first failing rank with its traceback, or after ``timeout_s`` seconds naming the ranks
     that had not finished; all children are killed before it returns or raises.
+    ``should_abort`` is polled while waiting (every ~10 ms); when it returns a message the
+    world is killed and :class:`DistributedError` carries that message.
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size={world_size!r} must be a positive int")
@@ -133,7 +136,7 @@ def run_distributed(
             child_end.close()
             procs.append(proc)
             conns.append(parent_end)
-        return _collect(procs, conns, timeout_s)
+        return _collect(procs, conns, timeout_s, should_abort)
     finally:
         _kill_all(procs)
         for conn in conns:
@@ -141,7 +144,12 @@ def run_distributed(
         shutil.rmtree(tmpdir, ignore_errors=True)
 
 
-def _collect(procs: list[mp.Process], conns: list[Any], timeout_s: float) -> list[Any]:
+def _collect(
+    procs: list[mp.Process],
+    conns: list[Any],
+    timeout_s: float,
+    should_abort: Callable[[], str | None] | None,
+) -> list[Any]:
     deadline = time.monotonic() + timeout_s
     results: dict[int, Any] = {}
     pending = set(range(len(procs)))
@@ -167,6 +175,9 @@ def _collect(procs: list[mp.Process], conns: list[Any], timeout_s: float) -> lis
                 raise DistributedError(
                     f"rank {rank} died (exit code {code}) before returning", rank=rank
                 )
+        reason = should_abort() if should_abort is not None and pending else None
+        if reason:
+            raise DistributedError(reason)
         if pending and time.monotonic() > deadline:
             raise DistributedError(
                 f"timed out after {timeout_s:.0f} s waiting for ranks {sorted(pending)} "
