@@ -13,24 +13,39 @@ from .spec import AXIS_NAMES
 __all__ = ["make_grid"]
 
 
+_DEFAULT_CREATE = ("tp", "cp", "dp")
+
+
 def make_grid(
-    *,
     tp: int = 1,
     cp: int = 1,
     pp: int = 1,
     dp: int = 1,
+    *,
     rank_offset: int = 0,
     dim_names: Sequence[str] = AXIS_NAMES,
-    create: Sequence[str | Sequence[str]] = ("tp", "cp", "dp"),
+    create: Sequence[str | Sequence[str]] | None = None,
+    groups: Sequence[str | Sequence[str]] | None = None,
 ) -> HyperCommGrid:
-    """A ``HyperCommGrid`` of shape ``(tp, cp, pp, dp)`` ordered by ``dim_names``.
+    """A ``HyperCommGrid`` of the given sizes, ordered by ``dim_names``, with groups created.
 
-    ``dim_names`` is a permutation of ``("tp", "cp", "pp", "dp")`` (first = fastest over
-    ranks). Each entry of ``create`` is an axis name or a sequence of names (e.g.
-    ``("dp", "cp")``); its groups are created with the world's default backend (gloo on
-    CPU, NCCL on CUDA). Collective: every rank of the world must call this with the same
-    arguments, in the same order, even ranks outside the grid (group creation is global).
+    ``dim_names`` orders the axes (first = fastest over ranks), e.g. ``("tp", "cp", "pp",
+    "dp")`` (megatron's default) or ``("tp", "dp")``; axes it omits must have size 1.
+    Each entry of ``create`` (alias ``groups``, as DESIGN.md spells it) is an axis name or
+    a sequence of names (e.g. ``("dp", "cp")``); default: those of ``tp``, ``cp``, ``dp``
+    that ``dim_names`` holds. Groups use the world's default backend (gloo on CPU, NCCL on
+    CUDA); fetch them with ``grid.get_pg("tp")`` / ``grid.get_pg(["dp", "cp"])``.
+
+    Collective: every rank of the world must call this with the same arguments, in the
+    same order, even ranks outside the grid (group creation is global), or ranks hang.
+
+    Example (8 ranks): ``make_grid(tp=2, cp=2, dp=2)`` puts ranks ``[0, 1]`` in a TP group
+    and ``[0, 2]`` in a CP group; ``make_grid(tp=2, dp=2, rank_offset=4)`` covers ranks 4-7.
     """
+    if create is not None and groups is not None:
+        raise ValueError("pass either create= or its alias groups=, not both")
+    if create is None:
+        create = groups
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError(
             "make_grid needs an initialized torch.distributed world; call "
@@ -38,8 +53,16 @@ def make_grid(
         )
     sizes = {"tp": tp, "cp": cp, "pp": pp, "dp": dp}
     names = tuple(dim_names)
-    if sorted(names) != sorted(AXIS_NAMES):
-        raise ValueError(f"dim_names={names} must be a permutation of {AXIS_NAMES}")
+    unknown = [n for n in names if n not in sizes]
+    if unknown:
+        raise ValueError(
+            f"dim_names={names} has unknown axes {unknown}; use names from {AXIS_NAMES}"
+        )
+    dropped = [n for n, size in sizes.items() if n not in names and size != 1]
+    if dropped:
+        raise ValueError(
+            f"dim_names={names} omits {dropped}, whose sizes are not 1; add them to dim_names"
+        )
     layout = GridLayout(tuple(sizes[n] for n in names), names, rank_offset)  # validates sizes
     world = dist.get_world_size()
     if layout.size + rank_offset > world:
@@ -48,10 +71,14 @@ def make_grid(
             f"rank_offset={rank_offset}, but the world has only {world}; shrink the grid or "
             f"launch at least {layout.size + rank_offset} ranks"
         )
-    groups = [[c] if isinstance(c, str) else list(c) for c in create]
-    for dims in groups:
+    if create is None:
+        create = tuple(n for n in _DEFAULT_CREATE if n in names)
+    if isinstance(create, str):
+        create = (create,)
+    to_create = [[c] if isinstance(c, str) else list(c) for c in create]
+    for dims in to_create:
         layout.groups(dims)  # validates names before any collective
     grid = HyperCommGrid(list(layout.shape), list(names), rank_offset=rank_offset)
-    for dims in groups:
+    for dims in to_create:
         grid.create_pg(dims if len(dims) > 1 else dims[0])
     return grid

@@ -51,7 +51,28 @@ def test_offset_grid_on_part_of_the_world():
 def test_world_too_small_is_a_clear_error():
     with pytest.raises(ValueError, match=r"needs 16 ranks .* world has only 8"):
         make_grid(tp=2, dp=8)
-    with pytest.raises(ValueError, match="must be a permutation"):
-        make_grid(tp=2, dim_names=("tp", "dp"))
+    with pytest.raises(ValueError, match=r"omits \['cp'\], whose sizes are not 1"):
+        make_grid(tp=2, cp=2, dim_names=("tp", "dp"))
+    with pytest.raises(ValueError, match=r"unknown axes \['ep'\]"):
+        make_grid(tp=2, dim_names=("tp", "ep"))
+    with pytest.raises(ValueError, match="not both"):
+        make_grid(tp=2, create=["tp"], groups=["tp"])
     with pytest.raises(ValueError, match=r"unknown axis name\(s\) \['ep'\]"):
         make_grid(tp=2, create=["ep"])
+
+
+@world.case
+def test_positional_sizes_subset_dim_names_and_groups_alias():
+    # DESIGN.md spells make_grid(tp, cp, pp, dp, *, groups=...); a 2-axis grid needs no cp.
+    grid = make_grid(2, 1, 1, 4, dim_names=("tp", "dp"), groups=[("tp", "dp")])
+    layout = GridLayout.from_grid(grid)
+    assert layout == GridLayout((2, 4), ("tp", "dp"))
+    assert _members(grid.get_pg(["tp", "dp"])) == list(range(8))
+    default = make_grid(tp=4, dp=2, dim_names=("tp", "dp"))  # creates tp and dp only
+    assert _members(default.get_pg("tp")) == layout_group(default, "tp")
+    with pytest.raises(KeyError):
+        default.get_pg("cp")
+
+
+def layout_group(grid, dims):
+    return sorted(GridLayout.from_grid(grid).group_of(dist.get_rank(), dims))
