@@ -3,7 +3,8 @@
 Causal attention costs more for late tokens than for early ones, so a sequence of length
 ``S`` is cut into ``2·cp`` equal chunks and CP rank ``i`` keeps chunks ``i`` and
 ``2·cp−1−i``, in that order: every rank then does the same number of (query, key ≤ query)
-pairs. Packed (THD) batches apply the same cut to each sequence separately.
+pairs. Packed (THD) batches apply the same cut to each sequence separately. With
+``cp = 1`` there is nothing to balance: rank 0 keeps every token, and any length works.
 
 Example, ``S = 8``, ``cp = 2`` (chunks of 2)::
 
@@ -13,11 +14,13 @@ Example, ``S = 8``, ``cp = 2`` (chunks of 2)::
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 
 import torch
 
 __all__ = [
+    "cp_factor",
     "cp_gather_order",
     "cp_shard_indices",
     "cp_shard_indices_packed",
@@ -41,14 +44,23 @@ def _check_cp(cp_size: object, cp_rank: object) -> tuple[int, int]:
     return cp, rank
 
 
+def cp_factor(cp_size: int) -> int:
+    """What every (per-sequence) length must be divisible by: ``2·cp``, or 1 when ``cp == 1``.
+
+    ``cp_factor(1) == 1`` (no split, so odd lengths are fine), ``cp_factor(4) == 8``.
+    """
+    return 2 * cp_size if cp_size > 1 else 1
+
+
 def normalize_cu_seqlens(
     cu_seqlens: Sequence[int] | torch.Tensor, factor: int, *, total: int | None = None
 ) -> list[int]:
     """Validate cumulative sequence lengths and return them as a list of ints.
 
     ``cu_seqlens`` is ``[0, l0, l0+l1, ...]`` (1-D, non-decreasing, starting at 0); every
-    length must be divisible by ``factor`` (``2·cp``) and, if given, the last entry must
-    equal ``total`` (the packed token count). Raises ``ValueError``/``TypeError``.
+    length must be divisible by ``factor`` (``cp_factor(cp)``) and, if given, the last entry
+    must equal ``total`` (the packed token count). Entries may be Python or NumPy ints, or
+    a 1-D integer tensor. Raises ``ValueError``/``TypeError``.
     """
     if isinstance(cu_seqlens, torch.Tensor):
         if cu_seqlens.dim() != 1 or cu_seqlens.dtype.is_floating_point or cu_seqlens.is_complex():
@@ -59,9 +71,12 @@ def normalize_cu_seqlens(
         values = [int(v) for v in cu_seqlens.tolist()]
     else:
         values = list(cu_seqlens)
-        for v in values:
-            if isinstance(v, bool) or not isinstance(v, int):
-                raise TypeError(f"cu_seqlens must hold ints, got {values!r}")
+        try:
+            if any(isinstance(v, bool) for v in values):
+                raise TypeError
+            values = [operator.index(v) for v in values]  # ints, NumPy ints
+        except TypeError:
+            raise TypeError(f"cu_seqlens must hold ints, got {values!r}; e.g. [0, 8, 24]") from None
     if len(values) < 2 or values[0] != 0:
         raise ValueError(
             f"cu_seqlens={values} must start at 0 and hold at least one sequence, "
@@ -90,10 +105,13 @@ def cp_shard_indices(
 
     Chunks ``cp_rank`` and ``2·cp_size−1−cp_rank`` of ``2·cp_size`` equal chunks, in that
     order. ``S=16, cp=4``: rank 0 -> [0, 1, 14, 15], rank 1 -> [2, 3, 12, 13], ...
-    ``seq_len`` must be divisible by ``2·cp_size`` (``ValueError`` with the factor otherwise).
+    ``seq_len`` must be divisible by ``2·cp_size`` (``ValueError`` with the factor otherwise);
+    ``cp_size=1`` keeps ``arange(seq_len)`` for any length.
     """
     cp, rank = _check_cp(cp_size, cp_rank)
     seq_len = _check_int("seq_len", seq_len, 0)
+    if cp == 1:
+        return torch.arange(seq_len, device=device)
     if seq_len % (2 * cp):
         raise ValueError(
             f"seq_len={seq_len} must be divisible by 2·cp={2 * cp} (cp_size={cp}); "
@@ -116,12 +134,13 @@ def cp_shard_indices_packed(
     """:func:`cp_shard_indices` applied to each sequence of a packed (THD) batch.
 
     ``cu_seqlens`` = ``[0, l0, l0+l1, ...]`` (global, over the full packed length); each
-    length must be divisible by ``2·cp_size``. Returns indices into the packed token dim,
-    sequence by sequence; the local cumulative lengths are ``cu_seqlens // cp_size``.
+    length must be divisible by ``2·cp_size`` (any length when ``cp_size=1``). Returns
+    indices into the packed token dim, sequence by sequence; the local cumulative lengths
+    are ``cu_seqlens // cp_size``.
     ``cu_seqlens=[0, 4, 12], cp=2``: rank 0 -> [0, 3, 4, 5, 10, 11], rank 1 -> [1, 2, 6, 7, 8, 9].
     """
     cp, rank = _check_cp(cp_size, cp_rank)
-    bounds = normalize_cu_seqlens(cu_seqlens, 2 * cp)
+    bounds = normalize_cu_seqlens(cu_seqlens, cp_factor(cp))
     parts = [
         start + cp_shard_indices(end - start, cp, rank, device=device)
         for start, end in zip(bounds[:-1], bounds[1:])
@@ -146,6 +165,6 @@ def cp_gather_order(
     if cu_seqlens is None:
         parts = [cp_shard_indices(seq_len, cp, r, device=device) for r in range(cp)]
     else:
-        bounds = normalize_cu_seqlens(cu_seqlens, 2 * cp, total=seq_len)
+        bounds = normalize_cu_seqlens(cu_seqlens, cp_factor(cp), total=seq_len)
         parts = [cp_shard_indices_packed(bounds, cp, r, device=device) for r in range(cp)]
     return torch.cat(parts)

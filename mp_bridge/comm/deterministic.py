@@ -25,6 +25,19 @@ __all__ = ["deterministic_all_reduce"]
 _OPS = ("sum", "mean", "max", "min")
 
 
+def _op_name(op: object) -> str:
+    """``op`` as one of ``_OPS``; ``torch.distributed.ReduceOp`` SUM/AVG/MAX/MIN map too."""
+    if isinstance(op, str) and op in _OPS:
+        return op
+    reduce_ops = {"SUM": "sum", "AVG": "mean", "MAX": "max", "MIN": "min"}
+    for name, ours in reduce_ops.items():
+        if not isinstance(op, str) and op == getattr(dist.ReduceOp, name):
+            return ours
+    raise ValueError(
+        f"op={op!r} is not supported; use one of {_OPS} (or dist.ReduceOp.SUM/AVG/MAX/MIN)"
+    )
+
+
 def _meta(tensor: torch.Tensor) -> torch.Tensor:
     # hash() of a tuple of ints is not salted (str hashes are), so it agrees across processes.
     dtype_code = zlib.crc32(str(tensor.dtype).encode())
@@ -50,25 +63,25 @@ def deterministic_all_reduce(
     tensor: torch.Tensor,
     group: dist.ProcessGroup | None = None,
     *,
-    op: str = "sum",
+    op: str | dist.ReduceOp = "sum",
     accumulate_dtype: torch.dtype | None = torch.float32,
     check: bool = True,
 ) -> torch.Tensor:
     """Reduce ``tensor`` over ``group`` in rank order; **out of place** (input untouched).
 
     Returns a new tensor with the shape and dtype of ``tensor``: ``op`` in ``"sum"``,
-    ``"mean"``, ``"max"``, ``"min"`` of the group's tensors, folded as
-    ``((x_0 + x_1) + x_2) + ...`` in group rank order. Floating inputs accumulate in
-    ``accumulate_dtype`` (``None``: the input dtype; never narrower than the input), then
-    cast back; integer inputs sum exactly in int64 (``"mean"`` needs a floating tensor).
-    Any strides are fine (the input is packed first). ``group=None`` (one process) returns
-    a copy. Collectives: one all-gather, plus one metadata all-gather when ``check``.
-    Every rank must call it with the same ``op`` and a tensor of the same shape and dtype.
+    ``"mean"``, ``"max"``, ``"min"`` (or the matching ``dist.ReduceOp``) of the group's
+    tensors, folded as ``((x_0 + x_1) + x_2) + ...`` in group rank order. Floating inputs
+    accumulate in ``accumulate_dtype`` (``None``: the input dtype; never narrower than the
+    input), then cast back; integer inputs sum exactly in int64 (``"mean"`` needs a
+    floating tensor). Any strides are fine (the input is packed first). ``group=None`` is
+    one process, not the world (groups are always explicit here): it returns a copy.
+    Collectives: one all-gather, plus one metadata all-gather when ``check``. Every rank
+    must call it with the same ``op`` and a tensor of the same shape and dtype.
     """
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"tensor must be a torch.Tensor, got {type(tensor).__name__}")
-    if op not in _OPS:
-        raise ValueError(f"op={op!r} is not supported; use one of {_OPS}")
+    op = _op_name(op)
     floating = tensor.is_floating_point()
     if tensor.is_complex() or tensor.dtype == torch.bool:
         raise TypeError(f"tensor must be real floating or integer, got dtype={tensor.dtype}")

@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from .cp_indices import (
+    cp_factor,
     cp_gather_order,
     cp_shard_indices,
     cp_shard_indices_packed,
@@ -50,7 +51,8 @@ class ShardedBatch:
     - ``embeddings``: ``[b, S/cp, h]`` (``[b, S/(cp·tp), h]`` with SP), autograd-connected.
     - ``labels``, ``loss_mask``: CP-local ``[b, S/cp]`` (or ``[S/cp]``), ``None`` if not given.
     - ``position_ids``: the *original* positions of the local tokens, ``[b, S/cp]`` or
-      ``[S/cp]`` as given; ``arange(S)`` expanded to ``[b, S]`` and sharded when not given.
+      ``[S/cp]`` as given; when not given, ``arange(S)`` expanded to ``[b, S]`` (``[S]`` for
+      2-D ``[T, h]`` embeddings, which have no batch dim) and sharded.
     - ``cu_seqlens``: the *global* cumulative lengths (LongTensor) for packed input, else
       ``None``; the local ones are ``cu_seqlens // cp``. ``context_parallel_attention``
       takes the global ones.
@@ -78,6 +80,8 @@ class PartitionAdapter:
             ``[s, b, h]``). Per-token tensors are always ``[b, s]`` or ``[s]``.
 
     Divisibility: ``S`` (and every packed length) by ``2·cp``; with SP, ``S`` by ``2·cp·tp``.
+    With ``cp = 1`` the factor 2 is dropped (nothing to balance): any ``S``, or ``S`` a
+    multiple of ``tp`` with SP.
     """
 
     def __init__(
@@ -108,15 +112,14 @@ class PartitionAdapter:
         )
 
     # ------------------------------------------------------------------ pure helpers
-    def _factor(self, sequence_parallel: bool) -> int:
-        return 2 * self.cp_size * (self.tp_size if sequence_parallel else 1)
-
     def _check_len(self, seq_len: int, sequence_parallel: bool, what: str) -> None:
-        factor = self._factor(sequence_parallel)
+        sp = sequence_parallel and self.tp_size > 1
+        factor = cp_factor(self.cp_size) * (self.tp_size if sp else 1)
         if seq_len % factor:
+            cp_part = "2·cp" if self.cp_size > 1 else "cp"
             need = (
-                f"2·cp·tp={factor} (cp={self.cp_size}, tp={self.tp_size}, sequence parallel)"
-                if sequence_parallel and self.tp_size > 1
+                f"{cp_part}·tp={factor} (cp={self.cp_size}, tp={self.tp_size}, sequence parallel)"
+                if sp
                 else f"2·cp={factor} (cp={self.cp_size})"
             )
             raise ValueError(
@@ -130,7 +133,7 @@ class PartitionAdapter:
         """Global token indices this CP rank keeps (see :func:`cp_shard_indices`)."""
         if cu_seqlens is None:
             return cp_shard_indices(seq_len, self.cp_size, self.cp_rank, device=device)
-        bounds = normalize_cu_seqlens(cu_seqlens, 2 * self.cp_size, total=seq_len)
+        bounds = normalize_cu_seqlens(cu_seqlens, cp_factor(self.cp_size), total=seq_len)
         return cp_shard_indices_packed(bounds, self.cp_size, self.cp_rank, device=device)
 
     # ------------------------------------------------------------------------ shard
@@ -156,8 +159,10 @@ class PartitionAdapter:
         self._check_len(seq_len, self.sequence_parallel, f"sequence length embeddings.shape[{dim}]")
         bounds = None
         if cu_seqlens is not None:
-            bounds = normalize_cu_seqlens(cu_seqlens, 2 * self.cp_size, total=seq_len)
-        batch = embeddings.shape[1 - dim] if embeddings.dim() >= 2 and dim <= 1 else None
+            bounds = normalize_cu_seqlens(cu_seqlens, cp_factor(self.cp_size), total=seq_len)
+        # [b, s, h] / [s, b, h]: the batch is the other of dims 0 and 1. A 2-D [T, h]
+        # (packed, seq_dim=0) has no batch dim: its default positions are 1-D [T].
+        batch = embeddings.shape[1 - dim] if embeddings.dim() >= 3 and dim <= 1 else None
         for name, t in (
             ("labels", labels),
             ("loss_mask", loss_mask),
@@ -203,9 +208,14 @@ class PartitionAdapter:
         """The full-sequence tensor, in original order, on every rank (inverse of ``shard``).
 
         ``x`` is this rank's local tensor with its sequence along ``seq_dim`` (default: the
-        adapter's). ``sequence_parallel`` (default: the adapter's) says whether ``x`` is also
-        SP-split, as embeddings / hidden states are; pass ``False`` for per-token tensors.
-        ``cu_seqlens``: the global cumulative lengths if the batch was packed.
+        adapter's, or 0 for a 1-D ``x``). ``sequence_parallel`` says whether ``x`` is also
+        SP-split. Default: a per-token tensor -- one whose sequence dim is its last dim,
+        ``[s]`` or ``[b, s]`` (labels, loss mask, positions, per-token losses) -- is not,
+        as ``shard`` never SP-splits them; anything else (embeddings / hidden states end
+        with ``h``) is SP-split iff the adapter is. ``cu_seqlens``: the global cumulative
+        lengths if the batch was packed. E.g. with SP at tp=2, cp=2 and ``[2, 16, h]``
+        input: ``unshard(batch.embeddings)`` gathers ``[2, 4, h]`` pieces and
+        ``unshard(batch.labels)`` gathers ``[2, 8]`` pieces, both back to length 16.
 
         Forward: all-gather over TP (with SP), then over CP, then a fixed permutation back
         to sequence order — one all-gather per group of size > 1.
@@ -222,10 +232,15 @@ class PartitionAdapter:
             raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
         if grad not in ("slice", "sum"):
             raise ValueError(f"grad={grad!r}; use 'slice' (replicated gradient) or 'sum'")
-        sp = self.sequence_parallel if sequence_parallel is None else sequence_parallel
-        if not isinstance(sp, bool):
-            raise TypeError(f"sequence_parallel must be a bool or None, got {sp!r}")
-        dim = self._seq_dim(x, self.seq_dim if seq_dim is None else seq_dim, "x")
+        if sequence_parallel is not None and not isinstance(sequence_parallel, bool):
+            raise TypeError(f"sequence_parallel must be a bool or None, got {sequence_parallel!r}")
+        if seq_dim is None:
+            seq_dim = 0 if x.dim() == 1 else self.seq_dim
+        dim = self._seq_dim(x, seq_dim, "x")
+        if sequence_parallel is None:
+            per_token = x.dim() <= 2 and dim == x.dim() - 1
+            sequence_parallel = self.sequence_parallel and not per_token
+        sp = sequence_parallel
         full_len = x.shape[dim] * self.cp_size * (self.tp_size if sp else 1)
         self._check_len(full_len, sp, f"full sequence length (local {x.shape[dim]} x ranks)")
         order = cp_gather_order(full_len, self.cp_size, cu_seqlens=cu_seqlens, device=x.device)

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from mp_bridge.comm.cp_indices import (
+    cp_factor,
     cp_gather_order,
     cp_shard_indices_packed,
     normalize_cu_seqlens,
@@ -91,7 +92,10 @@ def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     if k.shape != v.shape:
         raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must have the same shape")
     if k.dtype != q.dtype or v.dtype != q.dtype:
-        raise TypeError(f"q, k, v dtypes differ ({q.dtype}, {k.dtype}, {v.dtype}); cast first")
+        raise TypeError(
+            f"q, k, v dtypes differ (q {q.dtype}, k {k.dtype}, v {v.dtype}); cast them to one "
+            "dtype first, e.g. k.to(q.dtype)"
+        )
     b, s, hq, d = q.shape
     if (k.shape[0], k.shape[1], k.shape[3]) != (b, s, d):
         raise ValueError(
@@ -123,7 +127,7 @@ def context_parallel_attention(
     v: torch.Tensor,
     *,
     cp_group: dist.ProcessGroup | None = None,
-    position_ids: torch.Tensor | None,
+    position_ids: torch.Tensor | None = None,
     causal: bool = True,
     cu_seqlens: Sequence[int] | torch.Tensor | None = None,
     softmax_scale: float | None = None,
@@ -136,7 +140,7 @@ def context_parallel_attention(
         cp_group: the CP group (``None`` = one process, no collective).
         position_ids: original positions of the local tokens, ``[b, s_local]`` or
             ``[s_local]``; key ``j`` is visible to query ``i`` iff ``pos[j] <= pos[i]``.
-            May be ``None`` only when ``causal=False``.
+            Required when ``causal=True`` (the default); may be omitted when ``causal=False``.
         causal: apply the causal mask.
         cu_seqlens: packed input (``b == 1``): the *global* cumulative lengths; tokens
             must be laid out as ``cp_shard_indices_packed(cu_seqlens, cp, rank)``
@@ -164,7 +168,7 @@ def context_parallel_attention(
                 f"packed input (cu_seqlens given) needs b == 1, got q of shape "
                 f"{tuple(q.shape)}; flatten the batch into one packed sequence"
             )
-        bounds = normalize_cu_seqlens(cu_seqlens, 2 * n, total=s * n)
+        bounds = normalize_cu_seqlens(cu_seqlens, cp_factor(n), total=s * n)
         lengths = torch.tensor([e - a for a, e in zip(bounds[:-1], bounds[1:])])
         seq_of = torch.repeat_interleave(torch.arange(len(lengths)), lengths)
         q_seq = seq_of[cp_shard_indices_packed(bounds, n, rank)]

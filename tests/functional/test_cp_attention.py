@@ -20,11 +20,10 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
+from test_comm_reference import cu_of, rand, ref_cut, reference_attention, tp_cp_groups
 
 from mp_bridge.comm import PartitionAdapter, gather_along, reduce_scatter_along
 from mp_bridge.comm.primitives import copy_to_group, reduce_from_group
-from mp_bridge.grid import make_grid
 from mp_bridge.layers import context_parallel_attention
 from mp_bridge.testing import CollectiveCounter, DistributedWorld, current_device
 
@@ -34,54 +33,6 @@ PACKED_LENGTHS = (8, 24, 16)  # three different lengths, each a multiple of 2·c
 TOL = dict(rtol=1e-5, atol=1e-5)  # see module docstring
 
 
-@functools.cache
-def _groups(cp: int):
-    """(cp_group, tp_group, cp_rank, tp_rank) of a tp=2 x cp grid (dp fills the world)."""
-    grid = make_grid(tp=2, cp=cp, dp=8 // (2 * cp), create=("tp", "cp"))
-    cp_g, tp_g = grid.get_pg("cp"), grid.get_pg("tp")
-    return cp_g, tp_g, dist.get_rank(cp_g), dist.get_rank(tp_g)
-
-
-def _rand(*shape, seed: int, scale: float = 1.0) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return (torch.randn(*shape, generator=g) * scale).to(current_device())
-
-
-def _ref_cut(full, dim, cp, r, lengths=None, tp=1, t=0):
-    seqs = [full] if lengths is None else list(full.split(list(lengths), dim))
-    parts = []
-    for seq in seqs:
-        chunks = seq.chunk(2 * cp, dim)
-        parts += [chunks[r], chunks[2 * cp - 1 - r]]
-    local = torch.cat(parts, dim)
-    return local.chunk(tp, dim)[t] if tp > 1 else local
-
-
-def _cu(lengths):
-    cu = [0]
-    for n in lengths:
-        cu.append(cu[-1] + n)
-    return cu
-
-
-def _sdpa(q, k, v, causal=True):
-    """[b, s, h, d] wrapper of torch's attention (the oracle)."""
-    if k.shape[2] != q.shape[2]:
-        k = k.repeat_interleave(q.shape[2] // k.shape[2], dim=2)
-        v = v.repeat_interleave(q.shape[2] // v.shape[2], dim=2)
-    out = F.scaled_dot_product_attention(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal
-    )
-    return out.transpose(1, 2)
-
-
-def _reference(q, k, v, lengths, causal=True):
-    if lengths is None:
-        return _sdpa(q, k, v, causal)
-    split = [t.split(list(lengths), 1) for t in (q, k, v)]
-    return torch.cat([_sdpa(a, b, c, causal) for a, b, c in zip(*split)], 1)
-
-
 def _sum_over(t: torch.Tensor, group) -> torch.Tensor:
     out = t.clone()
     dist.all_reduce(out, group=group)
@@ -89,12 +40,12 @@ def _sum_over(t: torch.Tensor, group) -> torch.Tensor:
 
 
 def _check_against_oracle(cp, lengths, *, hq=4, hk=4, causal=True, restart_positions=False):
-    cp_g, _, r, _ = _groups(cp)
+    cp_g, _, r, _ = tp_cp_groups(cp)
     b, s, d = (2, 16, 8) if lengths is None else (1, sum(lengths), 8)
-    cu = None if lengths is None else _cu(lengths)
-    full = [_rand(b, s, h, d, seed=i).requires_grad_() for i, h in enumerate((hq, hk, hk))]
-    grad_out = _rand(b, s, hq, d, seed=10)
-    ref = _reference(*full, lengths, causal)
+    cu = None if lengths is None else cu_of(lengths)
+    full = [rand(b, s, h, d, seed=i).requires_grad_() for i, h in enumerate((hq, hk, hk))]
+    grad_out = rand(b, s, hq, d, seed=10)
+    ref = reference_attention(*full, lengths, causal)
     ref_grads = torch.autograd.grad((ref * grad_out).sum(), full)
 
     adapter = PartitionAdapter(cp_group=cp_g)
@@ -102,13 +53,13 @@ def _check_against_oracle(cp, lengths, *, hq=4, hk=4, causal=True, restart_posit
     pos = shards[0].position_ids
     if restart_positions:  # per-sequence RoPE-style positions must give the same mask
         starts = torch.tensor(cu[:-1]).repeat_interleave(torch.tensor(lengths))
-        pos = _ref_cut(torch.arange(s) - starts, 0, cp, r, lengths).to(pos.device)
+        pos = ref_cut(torch.arange(s) - starts, 0, cp, r, lengths).to(pos.device)
     q, k, v = (sh.embeddings for sh in shards)
     out = context_parallel_attention(
         q, k, v, cp_group=cp_g, position_ids=pos if causal else None, causal=causal, cu_seqlens=cu
     )
-    torch.testing.assert_close(out, _ref_cut(ref, 1, cp, r, lengths), **TOL)
-    (out * _ref_cut(grad_out, 1, cp, r, lengths)).sum().backward()
+    torch.testing.assert_close(out, ref_cut(ref, 1, cp, r, lengths), **TOL)
+    (out * ref_cut(grad_out, 1, cp, r, lengths)).sum().backward()
     # Each rank's full-tensor gradient is zero outside its own tokens; summed over CP it is
     # the full gradient.
     for t, g in zip(full, ref_grads):
@@ -153,25 +104,25 @@ def _tp_attention_layer(x_cp, weights, cp_g, tp_g, t, position_ids, sp):
 def test_tp2_heads_split_with_and_without_sequence_parallel():
     b, s, hidden, heads = 2, 16, 16, 4
     for cp in CP_SIZES:
-        cp_g, tp_g, r, t = _groups(cp)
+        cp_g, tp_g, r, t = tp_cp_groups(cp)
         for sp in (False, True):
-            x = _rand(b, s, hidden, seed=20).requires_grad_()
+            x = rand(b, s, hidden, seed=20).requires_grad_()
             ws = [
-                _rand(hidden, hidden, seed=21 + i, scale=1 / math.sqrt(hidden)).requires_grad_()
+                rand(hidden, hidden, seed=21 + i, scale=1 / math.sqrt(hidden)).requires_grad_()
                 for i in range(4)
             ]
-            grad_out = _rand(b, s, hidden, seed=30)
+            grad_out = rand(b, s, hidden, seed=30)
             # One process, full sequence, all heads.
             q, k, v = ((x @ w).view(b, s, heads, 4) for w in ws[:3])
-            ref = _sdpa(q, k, v).reshape(b, s, hidden) @ ws[3]
+            ref = reference_attention(q, k, v).reshape(b, s, hidden) @ ws[3]
             ref_grads = torch.autograd.grad((ref * grad_out).sum(), [x, *ws])
 
             adapter = PartitionAdapter(cp_group=cp_g, tp_group=tp_g, sequence_parallel=sp)
             batch = adapter.shard(x)
             y = _tp_attention_layer(batch.embeddings, ws, cp_g, tp_g, t, batch.position_ids, sp)
             tp = 2 if sp else 1
-            torch.testing.assert_close(y, _ref_cut(ref, 1, cp, r, None, tp, t), **TOL)
-            (y * _ref_cut(grad_out, 1, cp, r, None, tp, t)).sum().backward()
+            torch.testing.assert_close(y, ref_cut(ref, 1, cp, r, None, tp, t), **TOL)
+            (y * ref_cut(grad_out, 1, cp, r, None, tp, t)).sum().backward()
             # x.grad: own CP tokens (identical on both TP ranks); weights: own TP columns /
             # rows, partial over CP tokens. Summing over CP (and TP for weights) = full.
             torch.testing.assert_close(_sum_over(x.grad, cp_g), ref_grads[0], **TOL)
@@ -181,25 +132,25 @@ def test_tp2_heads_split_with_and_without_sequence_parallel():
 
 @world.case
 def test_bf16_accumulates_in_fp32():
-    cp_g, _, r, _ = _groups(2)
-    full = [_rand(2, 16, 2, 8, seed=40 + i).to(torch.bfloat16) for i in range(3)]
+    cp_g, _, r, _ = tp_cp_groups(2)
+    full = [rand(2, 16, 2, 8, seed=40 + i).to(torch.bfloat16) for i in range(3)]
     # Oracle in fp32 on the same bf16-rounded inputs: the only extra error is rounding the
     # output to bf16 (relative 2^-8 ~ 4e-3 of values <= ~2 in size).
-    ref = _sdpa(*(t.float() for t in full))
+    ref = reference_attention(*(t.float() for t in full))
     adapter = PartitionAdapter(cp_group=cp_g)
     shards = [adapter.shard(t) for t in full]
     out = context_parallel_attention(
         *(sh.embeddings for sh in shards), cp_group=cp_g, position_ids=shards[0].position_ids
     )
     assert out.dtype == torch.bfloat16
-    torch.testing.assert_close(out.float(), _ref_cut(ref, 1, 2, r), rtol=8e-3, atol=8e-3)
+    torch.testing.assert_close(out.float(), ref_cut(ref, 1, 2, r), rtol=8e-3, atol=8e-3)
 
 
 @world.case
 def test_one_all_gather_forward_one_reduce_scatter_backward():
     for cp in CP_SIZES:
-        cp_g, _, _, _ = _groups(cp)
-        q, k, v = (_rand(2, 16 // cp, 2, 4, seed=50 + i).requires_grad_() for i in range(3))
+        cp_g, _, _, _ = tp_cp_groups(cp)
+        q, k, v = (rand(2, 16 // cp, 2, 4, seed=50 + i).requires_grad_() for i in range(3))
         pos = torch.arange(16 // cp, device=q.device)
         with CollectiveCounter() as fwd:
             out = context_parallel_attention(q, k, v, cp_group=cp_g, position_ids=pos)
@@ -214,7 +165,7 @@ def test_one_all_gather_forward_one_reduce_scatter_backward():
 
 @world.case
 def test_bad_input_raises_before_any_collective():
-    cp_g, _, _, _ = _groups(2)
+    cp_g, _, _, _ = tp_cp_groups(2)
     dev = current_device()
     q = torch.zeros(1, 8, 2, 4, device=dev)
     pos = torch.arange(8, device=dev)

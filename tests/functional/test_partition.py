@@ -7,50 +7,17 @@ Shard / unshard only move values, so values and ``shard``'s gradients compare ex
 
 from __future__ import annotations
 
-import functools
-
 import pytest
 import torch
 import torch.distributed as dist
+from test_comm_reference import cu_of, rand, ref_cut, tp_cp_groups
 
 from mp_bridge.comm import PartitionAdapter
-from mp_bridge.grid import make_grid
 from mp_bridge.testing import CollectiveCounter, DistributedWorld, current_device
 
 world = DistributedWorld(8)
 CP_SIZES = (1, 2, 4)
 PACKED_LENGTHS = (8, 24, 16)  # three sequences, each a multiple of 2·cp·tp = 16 at most
-
-
-@functools.cache
-def _groups(cp: int):
-    """(cp_group, tp_group, cp_rank, tp_rank) of a tp=2 x cp grid (dp fills the world)."""
-    grid = make_grid(tp=2, cp=cp, dp=8 // (2 * cp), create=("tp", "cp"))
-    cp_g, tp_g = grid.get_pg("cp"), grid.get_pg("tp")
-    return cp_g, tp_g, dist.get_rank(cp_g), dist.get_rank(tp_g)
-
-
-def _rand(*shape, seed: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(*shape, generator=g).to(current_device())
-
-
-def _ref_cut(full, dim, cp, r, lengths=None, tp=1, t=0):
-    """Reference CP (+SP) cut, written independently of the code under test."""
-    seqs = [full] if lengths is None else list(full.split(list(lengths), dim))
-    parts = []
-    for seq in seqs:
-        chunks = seq.chunk(2 * cp, dim) if seq.shape[dim] else []
-        parts += [chunks[r], chunks[2 * cp - 1 - r]] if chunks else []
-    local = torch.cat(parts, dim)
-    return local.chunk(tp, dim)[t] if tp > 1 else local
-
-
-def _cu(lengths):
-    cu = [0]
-    for n in lengths:
-        cu.append(cu[-1] + n)
-    return cu
 
 
 def _configs():
@@ -63,28 +30,28 @@ def _configs():
 @world.case
 def test_groups_created():
     for cp in CP_SIZES:
-        cp_g, tp_g, _, _ = _groups(cp)
+        cp_g, tp_g, _, _ = tp_cp_groups(cp)
         assert dist.get_world_size(cp_g) == cp and dist.get_world_size(tp_g) == 2
 
 
 @world.case
 def test_shard_matches_reference_cut():
     for cp, sp, lengths in _configs():
-        cp_g, tp_g, r, t = _groups(cp)
+        cp_g, tp_g, r, t = tp_cp_groups(cp)
         b, s, h = (2, 16, 3) if lengths is None else (1, sum(lengths), 3)
-        emb = _rand(b, s, h, seed=1)
+        emb = rand(b, s, h, seed=1)
         labels = torch.arange(b * s, device=emb.device).view(b, s)
-        mask = _rand(b, s, seed=2) > 0
+        mask = rand(b, s, seed=2) > 0
         adapter = PartitionAdapter(cp_group=cp_g, tp_group=tp_g, sequence_parallel=sp)
-        cu = None if lengths is None else _cu(lengths)
+        cu = None if lengths is None else cu_of(lengths)
         out = adapter.shard(emb, labels=labels, loss_mask=mask, cu_seqlens=cu)
         tp = 2 if sp else 1
-        assert torch.equal(out.embeddings, _ref_cut(emb, 1, cp, r, lengths, tp, t))
-        assert torch.equal(out.labels, _ref_cut(labels, 1, cp, r, lengths))
-        assert torch.equal(out.loss_mask, _ref_cut(mask, 1, cp, r, lengths))
+        assert torch.equal(out.embeddings, ref_cut(emb, 1, cp, r, lengths, tp, t))
+        assert torch.equal(out.labels, ref_cut(labels, 1, cp, r, lengths))
+        assert torch.equal(out.loss_mask, ref_cut(mask, 1, cp, r, lengths))
         # Default positions are the original ones, [b, S/cp]; they are never SP-split.
         pos = torch.arange(s, device=emb.device).expand(b, s)
-        assert torch.equal(out.position_ids, _ref_cut(pos, 1, cp, r, lengths))
+        assert torch.equal(out.position_ids, ref_cut(pos, 1, cp, r, lengths))
         if lengths is None:
             assert out.cu_seqlens is None
         else:
@@ -92,16 +59,16 @@ def test_shard_matches_reference_cut():
         # Given 1-D positions stay 1-D and are cut along dim 0.
         pos1 = torch.arange(100, 100 + s, device=emb.device)
         got = adapter.shard(emb, position_ids=pos1, cu_seqlens=cu).position_ids
-        assert torch.equal(got, _ref_cut(pos1, 0, cp, r, lengths))
+        assert torch.equal(got, ref_cut(pos1, 0, cp, r, lengths))
 
 
 @world.case
 def test_unshard_inverts_shard_exactly():
     for cp, sp, lengths in _configs():
-        cp_g, tp_g, _, _ = _groups(cp)
+        cp_g, tp_g, _, _ = tp_cp_groups(cp)
         b, s = (2, 16) if lengths is None else (1, sum(lengths))
-        cu = None if lengths is None else _cu(lengths)
-        emb = _rand(b, s, 5, seed=3)
+        cu = None if lengths is None else cu_of(lengths)
+        emb = rand(b, s, 5, seed=3)
         adapter = PartitionAdapter(cp_group=cp_g, tp_group=tp_g, sequence_parallel=sp)
         out = adapter.shard(emb, labels=emb[..., 0], cu_seqlens=cu)
         assert torch.equal(adapter.unshard(out.embeddings, cu_seqlens=cu), emb)
@@ -117,18 +84,18 @@ def test_unshard_inverts_shard_exactly():
 @world.case
 def test_shard_gradient_is_zero_padded():
     for cp, sp, lengths in _configs():
-        cp_g, tp_g, r, t = _groups(cp)
+        cp_g, tp_g, r, t = tp_cp_groups(cp)
         b, s = (2, 16) if lengths is None else (1, sum(lengths))
-        cu = None if lengths is None else _cu(lengths)
-        emb = _rand(b, s, 4, seed=4).requires_grad_()
-        weight = _rand(b, s, 4, seed=5)
+        cu = None if lengths is None else cu_of(lengths)
+        emb = rand(b, s, 4, seed=4).requires_grad_()
+        weight = rand(b, s, 4, seed=5)
         adapter = PartitionAdapter(cp_group=cp_g, tp_group=tp_g, sequence_parallel=sp)
         local = adapter.shard(emb, cu_seqlens=cu).embeddings
         tp = 2 if sp else 1
-        (local * _ref_cut(weight, 1, cp, r, lengths, tp, t)).sum().backward()
+        (local * ref_cut(weight, 1, cp, r, lengths, tp, t)).sum().backward()
         # Single-process gradient of sum(local * w) over this CP rank's tokens: w there, 0
         # elsewhere. With SP the TP all-gather fills in the other TP ranks' pieces.
-        keep = _ref_cut(torch.arange(s, device=emb.device), 0, cp, r, lengths)
+        keep = ref_cut(torch.arange(s, device=emb.device), 0, cp, r, lengths)
         expected = torch.zeros_like(weight)
         expected[:, keep] = weight[:, keep]
         assert torch.equal(emb.grad, expected)
@@ -137,36 +104,36 @@ def test_shard_gradient_is_zero_padded():
 @world.case
 def test_unshard_gradient_slice_and_sum():
     for cp, sp, lengths in _configs():
-        cp_g, tp_g, r, t = _groups(cp)
+        cp_g, tp_g, r, t = tp_cp_groups(cp)
         b, s = (2, 16) if lengths is None else (1, sum(lengths))
-        cu = None if lengths is None else _cu(lengths)
-        full = _rand(b, s, 3, seed=6)
+        cu = None if lengths is None else cu_of(lengths)
+        full = rand(b, s, 3, seed=6)
         tp = 2 if sp else 1
         adapter = PartitionAdapter(cp_group=cp_g, tp_group=tp_g, sequence_parallel=sp)
 
         # "slice": every rank computes the same loss on the full tensor.
-        x = _ref_cut(full, 1, cp, r, lengths, tp, t).requires_grad_()
-        weight = _rand(b, s, 3, seed=7)
+        x = ref_cut(full, 1, cp, r, lengths, tp, t).requires_grad_()
+        weight = rand(b, s, 3, seed=7)
         (adapter.unshard(x, cu_seqlens=cu) * weight).sum().backward()
-        assert torch.equal(x.grad, _ref_cut(weight, 1, cp, r, lengths, tp, t))
+        assert torch.equal(x.grad, ref_cut(weight, 1, cp, r, lengths, tp, t))
 
         # "sum": rank (c, t') uses its own weight; the gradient is the sum over the ranks
         # the tensor was gathered from (CP x TP with SP, CP only without).
-        x = _ref_cut(full, 1, cp, r, lengths, tp, t).requires_grad_()
-        own = _rand(b, s, 3, seed=100 + 2 * r + t)
+        x = ref_cut(full, 1, cp, r, lengths, tp, t).requires_grad_()
+        own = rand(b, s, 3, seed=100 + 2 * r + t)
         (adapter.unshard(x, cu_seqlens=cu, grad="sum") * own).sum().backward()
         tps = range(2) if sp else [t]
-        total = sum(_rand(b, s, 3, seed=100 + 2 * c + u) for c in range(cp) for u in tps)
+        total = sum(rand(b, s, 3, seed=100 + 2 * c + u) for c in range(cp) for u in tps)
         # Sums of <= 8 N(0,1) fp32 values in different orders: a few ulp (~1e-6) apart.
         torch.testing.assert_close(
-            x.grad, _ref_cut(total, 1, cp, r, lengths, tp, t), rtol=1e-5, atol=1e-5
+            x.grad, ref_cut(total, 1, cp, r, lengths, tp, t), rtol=1e-5, atol=1e-5
         )
 
 
 @world.case
 def test_collective_budget():
-    cp_g, tp_g, _, _ = _groups(2)
-    emb = _rand(2, 16, 4, seed=8).requires_grad_()
+    cp_g, tp_g, _, _ = tp_cp_groups(2)
+    emb = rand(2, 16, 4, seed=8).requires_grad_()
     adapter = PartitionAdapter(cp_group=cp_g, tp_group=tp_g, sequence_parallel=True)
     with CollectiveCounter() as fwd:
         local = adapter.shard(emb).embeddings
@@ -182,7 +149,7 @@ def test_collective_budget():
 
 @world.case
 def test_none_groups_are_single_process():
-    emb = _rand(2, 8, 4, seed=9)
+    emb = rand(2, 8, 4, seed=9)
     adapter = PartitionAdapter(sequence_parallel=True)
     with CollectiveCounter() as counter:
         out = adapter.shard(emb, labels=emb[..., 0])
@@ -194,7 +161,7 @@ def test_none_groups_are_single_process():
 
 @world.case
 def test_bad_input_raises_before_any_collective():
-    cp_g, tp_g, _, _ = _groups(2)
+    cp_g, tp_g, _, _ = tp_cp_groups(2)
     sp = PartitionAdapter(cp_group=cp_g, tp_group=tp_g, sequence_parallel=True)
     cp_only = PartitionAdapter(cp_group=cp_g, tp_group=tp_g)
     dev = current_device()
