@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mp_bridge.comm import cp_shard_indices, cp_shard_indices_packed
-from mp_bridge.comm.cp_indices import cp_gather_order
+from mp_bridge.comm.cp_indices import cp_factor, cp_gather_order
 
 
 def _ids(t: torch.Tensor) -> list[int]:
@@ -28,8 +29,19 @@ def test_literal_s16_cp4():
     assert _ids(cp_shard_indices(16, 4, 3)) == [6, 7, 8, 9]
 
 
-def test_cp1_is_identity():
+def test_cp1_is_identity_for_any_length():
     assert _ids(cp_shard_indices(6, 1, 0)) == [0, 1, 2, 3, 4, 5]
+    # Nothing to balance without CP: odd lengths are fine (2·cp applies for cp > 1 only).
+    assert _ids(cp_shard_indices(7, 1, 0)) == list(range(7))
+    assert _ids(cp_shard_indices_packed([0, 3, 8], 1, 0)) == list(range(8))
+    assert _ids(cp_gather_order(5, 1, cu_seqlens=[0, 5])) == list(range(5))
+    assert (cp_factor(1), cp_factor(2), cp_factor(3)) == (1, 4, 6)
+
+
+def test_cu_seqlens_forms():
+    want = [1, 2, 6, 7, 8, 9]
+    for cu in ([0, 4, 12], (0, 4, 12), np.array([0, 4, 12]), torch.tensor([0, 4, 12]).int()):
+        assert _ids(cp_shard_indices_packed(cu, 2, 1)) == want, type(cu)
 
 
 def test_literal_packed():
@@ -63,6 +75,8 @@ def test_errors_name_the_factor():
         cp_shard_indices_packed([4, 8], 2, 0)
     with pytest.raises(ValueError, match=r"non-decreasing"):
         cp_shard_indices_packed([0, 8, 4], 2, 0)
+    with pytest.raises(TypeError, match=r"cu_seqlens must hold ints, got \[0, 4.0\]"):
+        cp_shard_indices_packed([0, 4.0], 2, 0)
     with pytest.raises(TypeError, match=r"1-D integer tensor"):
         cp_shard_indices_packed(torch.tensor([0.0, 4.0]), 2, 0)
     with pytest.raises(ValueError, match=r"cu_seqlens\[-1\]=8 must equal .* 12"):
