@@ -20,8 +20,10 @@ global statistics, which are saved.
 - entropy: ``-sum_c p_c log p_c``; gradient ``-p_j (log p_j + H)``.
 
 Inputs are never modified; outputs are fp32 ``[...]`` (fp64 for fp64 logits, which also
-compute in fp64); input gradients have the logits' dtype. Targets are validated (one host
-sync) before any collective.
+compute in fp64); input gradients have the logits' dtype. Targets may have any integer
+dtype (int32 / uint8 ids are used as int64) and are validated (one host sync) before any
+collective. The ops are differentiable once: ``backward(create_graph=True)`` raises,
+because the backward reuses the saved global statistics as constants.
 """
 
 from __future__ import annotations
@@ -31,12 +33,20 @@ import torch.distributed as dist
 
 from mp_bridge.comm.primitives import group_rank, group_size
 
+from ._loss_common import (
+    check_loss_args,
+    check_target,
+    check_temperature,
+    check_vocab_size,
+    forbid_double_backward,
+)
+
 __all__ = ["vocab_parallel_cross_entropy", "vocab_parallel_entropy", "vocab_parallel_logprobs"]
 
 
 # ------------------------------------------------------------------ validation
-def _check_logits(logits: object, tp_group, vocab_size: int | None) -> int:
-    """Validate ``logits`` and ``vocab_size``; return the true global vocab size."""
+def _check_logits(logits: object, tp_group, vocab_size: object) -> int:
+    """Validate ``logits [..., V_local]`` and ``vocab_size``; return the true global vocab."""
     if not isinstance(logits, torch.Tensor):
         raise TypeError(f"logits must be a torch.Tensor, got {type(logits).__name__}")
     if not logits.is_floating_point():
@@ -45,39 +55,18 @@ def _check_logits(logits: object, tp_group, vocab_size: int | None) -> int:
         raise ValueError(
             f"logits must be [..., V_local] with V_local >= 1, got {tuple(logits.shape)}"
         )
-    padded = logits.shape[-1] * group_size(tp_group)
-    if vocab_size is None:
-        return padded
-    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int):
-        raise TypeError(f"vocab_size must be an int or None, got {vocab_size!r}")
-    if not 1 <= vocab_size <= padded:
-        raise ValueError(
-            f"vocab_size={vocab_size} must be in [1, {padded}]: logits hold V_local="
-            f"{logits.shape[-1]} rows on each of {group_size(tp_group)} TP ranks (padded vocab "
-            f"{padded}); pass the true vocab size, or logits from a larger shard"
-        )
-    return vocab_size
+    tp = group_size(tp_group)
+    return check_vocab_size(vocab_size, logits.shape[-1] * tp, logits.shape[-1], tp)
 
 
-def _check_target(
-    target: object, logits: torch.Tensor, vocab_size: int, ignore_index: int | None
-) -> None:
-    if not isinstance(target, torch.Tensor):
-        raise TypeError(f"target must be a torch.Tensor, got {type(target).__name__}")
-    if target.is_floating_point() or target.is_complex() or target.dtype == torch.bool:
-        raise TypeError(f"target must hold integer class ids (e.g. torch.long), got {target.dtype}")
-    if tuple(target.shape) != tuple(logits.shape[:-1]):
-        raise ValueError(
-            f"target shape {tuple(target.shape)} must equal logits shape without the vocab dim "
-            f"{tuple(logits.shape[:-1])} (logits {tuple(logits.shape)})"
-        )
-    bad = (target < 0) | (target >= vocab_size)
-    if ignore_index is not None:
-        bad &= target != ignore_index
-    if bool(bad.any()):  # one host sync; a wrong id would otherwise be a silent wrong loss
-        value = int(target[bad].flatten()[0])
-        allowed = f" or ignore_index={ignore_index}" if ignore_index is not None else ""
-        raise ValueError(f"target holds id {value} outside [0, {vocab_size}){allowed}")
+def _check_target(target: object, logits: torch.Tensor, vocab: int, ignore_index) -> torch.Tensor:
+    return check_target(
+        target,
+        tuple(logits.shape[:-1]),
+        vocab,
+        ignore_index,
+        shape_of=f"logits shape {tuple(logits.shape)} without the vocab dim ",
+    )
 
 
 def _shard_start(logits: torch.Tensor, tp_group) -> int:
@@ -152,6 +141,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss):
+        forbid_double_backward("vocab_parallel_cross_entropy / vocab_parallel_logprobs")
         logits, col, owned, shift, ignored = ctx.saved_tensors
         start, vocab_size, eps, scale = ctx.args
         x = _masked_fp32(logits, start, vocab_size, scale)
@@ -192,6 +182,7 @@ class _VocabParallelEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_h):
+        forbid_double_backward("vocab_parallel_entropy")
         logits, shift, entropy = ctx.saved_tensors
         start, vocab_size = ctx.args
         x = _masked_fp32(logits, start, vocab_size, 1.0)
@@ -225,11 +216,8 @@ def vocab_parallel_cross_entropy(
     ``mp_bridge.layers.invariant.invariant_cross_entropy`` (bitwise TP-invariant).
     """
     vocab = _check_logits(logits, tp_group, vocab_size)
-    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
-        raise TypeError(f"ignore_index must be an int, got {ignore_index!r}")
-    if not isinstance(label_smoothing, (int, float)) or not 0.0 <= label_smoothing <= 1.0:
-        raise ValueError(f"label_smoothing={label_smoothing!r} must be a float in [0.0, 1.0]")
-    _check_target(target, logits, vocab, ignore_index)
+    ignore_index, eps = check_loss_args(ignore_index, label_smoothing)
+    target = _check_target(target, logits, vocab, ignore_index)
     if invariant:
         from mp_bridge.layers.invariant import invariant_cross_entropy
 
@@ -239,11 +227,9 @@ def vocab_parallel_cross_entropy(
             tp_group=tp_group,
             vocab_size=vocab_size,
             ignore_index=ignore_index,
-            label_smoothing=label_smoothing,
+            label_smoothing=eps,
         )
-    return _VocabParallelCrossEntropy.apply(
-        logits, target, tp_group, vocab, ignore_index, float(label_smoothing), 1.0
-    )
+    return _VocabParallelCrossEntropy.apply(logits, target, tp_group, vocab, ignore_index, eps, 1.0)
 
 
 def vocab_parallel_logprobs(
@@ -264,11 +250,8 @@ def vocab_parallel_logprobs(
     ``mp_bridge.layers.invariant.invariant_logprobs``.
     """
     vocab = _check_logits(logits, tp_group, vocab_size)
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
-        raise TypeError(f"temperature must be a float, got {temperature!r}")
-    if not temperature > 0.0 or temperature == float("inf"):
-        raise ValueError(f"temperature={temperature!r} must be a finite float > 0")
-    _check_target(target, logits, vocab, None)
+    temperature = check_temperature(temperature)
+    target = _check_target(target, logits, vocab, None)
     if invariant:
         from mp_bridge.layers.invariant import invariant_logprobs
 
@@ -276,7 +259,7 @@ def vocab_parallel_logprobs(
             logits, target, tp_group=tp_group, vocab_size=vocab_size, temperature=temperature
         )
     nll = _VocabParallelCrossEntropy.apply(
-        logits, target, tp_group, vocab, None, 0.0, 1.0 / float(temperature)
+        logits, target, tp_group, vocab, None, 0.0, 1.0 / temperature
     )
     return -nll
 

@@ -43,7 +43,14 @@ import torch.distributed as dist
 from mp_bridge.comm.primitives import group_rank, group_size
 
 from ._fused_engine import DefaultEngine, InvariantEngine
-from ._loss_common import LossSpec, check_float, check_target, check_vocab_size
+from ._loss_common import (
+    LossSpec,
+    check_loss_args,
+    check_target,
+    check_temperature,
+    check_vocab_size,
+    forbid_double_backward,
+)
 from .invariant import TOKEN_TILE, BlockLayout
 
 __all__ = ["DEFAULT_CHUNK_ELEMENTS", "fused_linear_cross_entropy", "fused_linear_logprobs"]
@@ -67,7 +74,9 @@ class _FusedLinearLoss(torch.autograd.Function):
         values = torch.zeros(n, dtype=torch.float32, device=hidden.device)
         lse = torch.zeros_like(values)
         gh = hidden.new_zeros((n, h_dim), dtype=torch.float32) if eager else None
-        gw = weight.new_zeros(weight.shape, dtype=torch.float32) if eager else None
+        # No [V_local, H] buffer when the weight is frozen (d hidden is still all-reduced).
+        eager_w = eager and ctx.needs_input_grad[1]
+        gw = weight.new_zeros(weight.shape, dtype=torch.float32) if eager_w else None
         for s in range(0, n, chunk):
             rows = slice(s, min(s + chunk, n))
             state, values[rows], lse[rows] = engine.forward_chunk(hidden[rows], target[rows])
@@ -85,22 +94,31 @@ class _FusedLinearLoss(torch.autograd.Function):
             return values
         total = values.sum()
         if reduction == "mean":
-            ctx.count = (w != 0).sum().to(torch.float32)
-            return total / ctx.count  # nan when every token is ignored, like F.cross_entropy
+            count = (w != 0).sum().to(torch.float32)
+            # Every gradient is 0 when no token counts: divide it by 1, not 0 (no nan).
+            ctx.count = count.clamp(min=1.0)
+            return total / count  # nan when every token is ignored, like F.cross_entropy
         return total
 
     @staticmethod
     def backward(ctx, grad_out):
+        forbid_double_backward("fused_linear_cross_entropy / fused_linear_logprobs")
         hidden, weight, target, lse = ctx.saved_tensors
         engine, spec, chunk, reduction, eager = ctx.setup
         if eager:
             gh, gw = ctx.grads
             if gh is None:
-                raise RuntimeError("fused loss backward ran twice; call forward again")
+                raise RuntimeError(
+                    f"backward ran twice through fused_linear_cross_entropy(reduction="
+                    f"{reduction!r}) (retain_graph=True): its gradients are computed in forward "
+                    "and consumed by the first backward; call the loss again, or use "
+                    "reduction='none' (recomputes in backward) and reduce it yourself"
+                )
             ctx.grads = (None, None)
             scale = grad_out.float() / ctx.count if reduction == "mean" else grad_out.float()
             gh.mul_(scale)  # in place: these buffers belong to this call alone
-            gw.mul_(scale)
+            if gw is not None:
+                gw.mul_(scale)
         else:
             w = spec.token_weight(target) * grad_out.float()
             gh = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
@@ -113,12 +131,14 @@ class _FusedLinearLoss(torch.autograd.Function):
                 )
                 del state
         grad_h = gh.to(hidden.dtype) if ctx.needs_input_grad[0] else None
-        grad_w = gw.to(weight.dtype) if ctx.needs_input_grad[1] else None
+        grad_w = gw.to(weight.dtype) if ctx.needs_input_grad[1] and gw is not None else None
         return grad_h, grad_w, None, None, None, None, None, None
 
 
-def _prepare(hidden, weight, target, tp_group, vocab_size, chunk_size, invariant, spec_args):
-    """Validate everything (before any collective) and build the engine."""
+def _fused_loss(
+    hidden, weight, target, spec_args, *, tp_group, vocab_size, chunk_size, invariant, reduction
+) -> torch.Tensor:
+    """Validate everything (before any collective), build the engine and run the loss."""
     for name, x in (("hidden", hidden), ("weight", weight)):
         if not isinstance(x, torch.Tensor) or not x.is_floating_point():
             raise TypeError(f"{name} must be a floating torch.Tensor, got {type(x).__name__}")
@@ -130,7 +150,8 @@ def _prepare(hidden, weight, target, tp_group, vocab_size, chunk_size, invariant
     if hidden.dtype != weight.dtype or hidden.device != weight.device:
         raise TypeError(
             f"hidden ({hidden.dtype}, {hidden.device}) and weight ({weight.dtype}, "
-            f"{weight.device}) must share dtype and device"
+            f"{weight.device}) must share dtype and device; cast one, e.g. "
+            "hidden.to(weight.dtype) (the loss accumulates in fp32 either way)"
         )
     if chunk_size is not None and (
         isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1
@@ -139,7 +160,9 @@ def _prepare(hidden, weight, target, tp_group, vocab_size, chunk_size, invariant
     tp, v_local = group_size(tp_group), weight.shape[0]
     vocab = check_vocab_size(vocab_size, v_local * tp, v_local, tp)
     kind, ignore_index, eps, temperature = spec_args
-    check_target(target, (hidden.shape[0],), vocab, ignore_index)
+    target = check_target(
+        target, (hidden.shape[0],), vocab, ignore_index, shape_of="[N] of hidden [N, H]: "
+    )
     spec = LossSpec(kind, vocab, ignore_index, eps, temperature)
     if chunk_size is None:
         chunk_size = max(128, DEFAULT_CHUNK_ELEMENTS // v_local)
@@ -151,7 +174,9 @@ def _prepare(hidden, weight, target, tp_group, vocab_size, chunk_size, invariant
     else:
         engine = DefaultEngine(weight, tp_group, tp, group_rank(tp_group) * v_local, spec)
     needs_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
-    return engine, spec, chunk, needs_grad
+    return _FusedLinearLoss.apply(
+        hidden, weight, target, engine, spec, chunk, reduction, needs_grad
+    )
 
 
 def fused_linear_cross_entropy(
@@ -172,26 +197,25 @@ def fused_linear_cross_entropy(
     Equals ``F.cross_entropy(F.linear(hidden, full_weight)[:, :vocab_size].float(), target,
     ignore_index=, label_smoothing=, reduction=)`` where ``full_weight`` concatenates the
     TP shards in rank order; "mean" divides by the number of non-ignored tokens of this
-    call (combine across DP/CP with ``masked_mean``). Returns fp32 (scalar, or ``[N]`` for
-    "none"). ``chunk_size=None``: about ``DEFAULT_CHUNK_ELEMENTS`` logits per chunk.
+    call (combine across DP/CP with ``masked_mean``); over only ignored tokens it is nan
+    with zero gradients, like torch. Returns fp32 (scalar, or ``[N]`` for "none").
+    ``target [N]``: any integer dtype. ``chunk_size=None``: about
+    ``DEFAULT_CHUNK_ELEMENTS`` logits per chunk. Not twice differentiable; with "mean" /
+    "sum" one backward per call (gradients are made in forward).
     """
     if reduction not in _REDUCTIONS:
         raise ValueError(f"reduction={reduction!r} must be one of {_REDUCTIONS}")
-    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
-        raise TypeError(f"ignore_index must be an int, got {ignore_index!r}")
-    eps = check_float("label_smoothing", label_smoothing, low=0.0, high=1.0, open_low=False)
-    engine, spec, chunk, needs_grad = _prepare(
+    ignore_index, eps = check_loss_args(ignore_index, label_smoothing)
+    return _fused_loss(
         hidden,
         weight,
         target,
-        tp_group,
-        vocab_size,
-        chunk_size,
-        invariant,
         ("ce", ignore_index, eps, 1.0),
-    )
-    return _FusedLinearLoss.apply(
-        hidden, weight, target, engine, spec, chunk, reduction, needs_grad
+        tp_group=tp_group,
+        vocab_size=vocab_size,
+        chunk_size=chunk_size,
+        invariant=invariant,
+        reduction=reduction,
     )
 
 
@@ -210,17 +234,15 @@ def fused_linear_logprobs(
 
     Every target must be in ``[0, vocab_size)``. Gradients recompute logits in backward.
     """
-    temp = check_float("temperature", temperature, low=0.0, high=float("inf"), open_low=True)
-    if temp == float("inf"):
-        raise ValueError("temperature=inf is not allowed; use a finite float > 0")
-    engine, spec, chunk, needs_grad = _prepare(
+    temp = check_temperature(temperature)
+    return _fused_loss(
         hidden,
         weight,
         target,
-        tp_group,
-        vocab_size,
-        chunk_size,
-        invariant,
         ("logprob", None, 0.0, temp),
+        tp_group=tp_group,
+        vocab_size=vocab_size,
+        chunk_size=chunk_size,
+        invariant=invariant,
+        reduction="none",
     )
-    return _FusedLinearLoss.apply(hidden, weight, target, engine, spec, chunk, "none", needs_grad)
