@@ -30,7 +30,7 @@ from mp_bridge.comm.primitives import (
 
 from .vocab_shards import vocab_shard_ranges
 
-__all__ = ["VocabParallelEmbedding"]
+__all__ = ["VocabParallelEmbedding", "VocabShardModule"]
 
 
 def positive_int(name: str, value: object) -> int:
@@ -62,7 +62,73 @@ def check_seq_split(length: int, tp: int, dim: int) -> None:
         )
 
 
-class VocabParallelEmbedding(nn.Module):
+class VocabShardModule(nn.Module):
+    """This TP rank's rows ``[vocab_start_index, vocab_end_index)`` of a ``[V, H]`` weight.
+
+    The part ``VocabParallelEmbedding`` and ``VocabParallelLMHead`` share: argument checks,
+    the shard range (``vocab_shard_ranges(vocab, tp, multiple=multiple)[rank]``), a local
+    ``[V_local, H]`` Parameter whose padding rows (ids >= ``vocab``) are zero, and loading
+    from a full weight. ``tp_group=None`` means one process (TP = 1).
+    """
+
+    def __init__(
+        self,
+        vocab: tuple[str, int],
+        dim: tuple[str, int],
+        *,
+        tp_group: dist.ProcessGroup | None,
+        sequence_parallel: bool,
+        seq_dim: int,
+        multiple: int,
+        init_method: Callable[[torch.Tensor], object] | None,
+        dtype: torch.dtype,
+        device: torch.device | str | None,
+        weight: nn.Parameter | None = None,
+    ):
+        super().__init__()
+        rows, width = positive_int(*vocab), positive_int(*dim)
+        positive_int("multiple", multiple)
+        if isinstance(seq_dim, bool) or not isinstance(seq_dim, int):
+            raise TypeError(f"seq_dim must be an int, got {seq_dim!r}")
+        self.tp_group = tp_group
+        self.tp_size = group_size(tp_group)
+        self.sequence_parallel = bool(sequence_parallel)
+        self.seq_dim = seq_dim
+        self.multiple = multiple
+        ranges = vocab_shard_ranges(rows, self.tp_size, multiple=multiple)
+        self.vocab_start_index, self.vocab_end_index = ranges[group_rank(tp_group)]
+        if weight is not None:  # tied: the owner initialized it
+            self.weight = weight
+            return
+        local = self.vocab_end_index - self.vocab_start_index
+        self.weight = nn.Parameter(torch.empty(local, width, dtype=dtype, device=device))
+        with torch.no_grad():
+            if init_method is None:
+                nn.init.normal_(self.weight, mean=0.0, std=0.02)
+            else:
+                init_method(self.weight)
+            self.weight[self._real_rows(rows) :].zero_()
+
+    def _real_rows(self, vocab: int) -> int:
+        """Local rows holding true ids (the rest are padding)."""
+        return max(min(self.vocab_end_index, vocab) - self.vocab_start_index, 0)
+
+    @staticmethod
+    def _check_full(weight: object) -> torch.Tensor:
+        if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+            raise ValueError(
+                f"weight must be a [V, H] tensor, got {getattr(weight, 'shape', weight)}"
+            )
+        return weight
+
+    def _load_rows(self, local: torch.Tensor, full: torch.Tensor) -> None:
+        """Copy this shard's rows of ``full`` (rows ``[V, ...]``) into ``local``."""
+        n = self._real_rows(full.shape[0])
+        with torch.no_grad():
+            local[:n].copy_(full[self.vocab_start_index : self.vocab_start_index + n])
+
+
+class VocabParallelEmbedding(VocabShardModule):
     """Embedding ``[V, H]`` split by vocab rows over ``tp_group`` (``None`` = one process).
 
     Args: ``num_embeddings`` (true vocab V), ``embedding_dim`` (H), ``multiple`` (rows per
@@ -85,31 +151,18 @@ class VocabParallelEmbedding(nn.Module):
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
     ):
-        super().__init__()
-        self.num_embeddings = positive_int("num_embeddings", num_embeddings)
-        self.embedding_dim = positive_int("embedding_dim", embedding_dim)
-        positive_int("multiple", multiple)
-        if isinstance(seq_dim, bool) or not isinstance(seq_dim, int):
-            raise TypeError(f"seq_dim must be an int, got {seq_dim!r}")
-        self.tp_group = tp_group
-        self.tp_size = group_size(tp_group)
-        self.sequence_parallel = bool(sequence_parallel)
-        self.seq_dim = seq_dim
-        self.multiple = multiple
-        ranges = vocab_shard_ranges(num_embeddings, self.tp_size, multiple=multiple)
-        self.vocab_start_index, self.vocab_end_index = ranges[group_rank(tp_group)]
-        local = self.vocab_end_index - self.vocab_start_index
-        self.weight = nn.Parameter(torch.empty(local, embedding_dim, dtype=dtype, device=device))
-        with torch.no_grad():
-            if init_method is None:
-                nn.init.normal_(self.weight, mean=0.0, std=0.02)
-            else:
-                init_method(self.weight)
-            self._zero_padding_rows()
-
-    def _zero_padding_rows(self) -> None:
-        real = max(self.num_embeddings - self.vocab_start_index, 0)
-        self.weight[real:].zero_()
+        super().__init__(
+            ("num_embeddings", num_embeddings),
+            ("embedding_dim", embedding_dim),
+            tp_group=tp_group,
+            sequence_parallel=sequence_parallel,
+            seq_dim=seq_dim,
+            multiple=multiple,
+            init_method=init_method,
+            dtype=dtype,
+            device=device,
+        )
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
 
     @classmethod
     def from_full(
@@ -122,10 +175,7 @@ class VocabParallelEmbedding(nn.Module):
         multiple: int = 1,
     ) -> VocabParallelEmbedding:
         """Keep this rank's rows of a full ``[V, H]`` weight (padding rows zero); copies."""
-        if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
-            raise ValueError(
-                f"weight must be a [V, H] tensor, got {getattr(weight, 'shape', weight)}"
-            )
+        weight = cls._check_full(weight)
         emb = cls(
             weight.shape[0],
             weight.shape[1],
@@ -137,11 +187,7 @@ class VocabParallelEmbedding(nn.Module):
             dtype=weight.dtype,
             device=weight.device,
         )
-        stop = min(emb.vocab_end_index, weight.shape[0])
-        with torch.no_grad():
-            emb.weight[: max(stop - emb.vocab_start_index, 0)].copy_(
-                weight[emb.vocab_start_index : stop]
-            )
+        emb._load_rows(emb.weight, weight)
         return emb
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:

@@ -22,15 +22,14 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from mp_bridge.comm.primitives import copy_to_group, gather_along, group_rank, group_size
+from mp_bridge.comm.primitives import copy_to_group, gather_along
 
-from .embedding import VocabParallelEmbedding, positive_int, token_dim
-from .vocab_shards import vocab_shard_ranges
+from .embedding import VocabParallelEmbedding, VocabShardModule, token_dim
 
 __all__ = ["VocabParallelLMHead"]
 
 
-class VocabParallelLMHead(nn.Module):
+class VocabParallelLMHead(VocabShardModule):
     """Output projection ``H -> V`` split by vocab rows over ``tp_group`` (None = 1 process).
 
     ``tie_to=embedding`` shares ``embedding.weight`` (same vocab, hidden size, ``multiple``
@@ -53,31 +52,24 @@ class VocabParallelLMHead(nn.Module):
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
     ):
-        super().__init__()
-        self.hidden_size = positive_int("hidden_size", hidden_size)
-        self.vocab_size = positive_int("vocab_size", vocab_size)
-        positive_int("multiple", multiple)
-        if isinstance(seq_dim, bool) or not isinstance(seq_dim, int):
-            raise TypeError(f"seq_dim must be an int, got {seq_dim!r}")
-        self.tp_group = tp_group
-        self.tp_size = group_size(tp_group)
-        self.sequence_parallel = bool(sequence_parallel)
-        self.seq_dim = seq_dim
-        self.multiple = multiple
-        ranges = vocab_shard_ranges(vocab_size, self.tp_size, multiple=multiple)
-        self.vocab_start_index, self.vocab_end_index = ranges[group_rank(tp_group)]
-        local = self.vocab_end_index - self.vocab_start_index
+        if tie_to is not None and not isinstance(tie_to, VocabParallelEmbedding):
+            raise TypeError(f"tie_to must be a VocabParallelEmbedding, got {type(tie_to).__name__}")
+        super().__init__(
+            ("vocab_size", vocab_size),
+            ("hidden_size", hidden_size),
+            tp_group=tp_group,
+            sequence_parallel=sequence_parallel,
+            seq_dim=seq_dim,
+            multiple=multiple,
+            init_method=init_method,
+            dtype=dtype,
+            device=device,
+            weight=None if tie_to is None else tie_to.weight,
+        )
+        self.hidden_size, self.vocab_size = hidden_size, vocab_size
         if tie_to is not None:
             self._check_tie(tie_to)
-            self.weight = tie_to.weight
-        else:
-            self.weight = nn.Parameter(torch.empty(local, hidden_size, dtype=dtype, device=device))
-            with torch.no_grad():
-                if init_method is None:
-                    nn.init.normal_(self.weight, mean=0.0, std=0.02)
-                else:
-                    init_method(self.weight)
-                self.weight[self._real_rows() :].zero_()
+        local = self.vocab_end_index - self.vocab_start_index
         if bias:
             self.bias = nn.Parameter(
                 torch.zeros(local, dtype=self.weight.dtype, device=self.weight.device)
@@ -85,12 +77,7 @@ class VocabParallelLMHead(nn.Module):
         else:
             self.register_parameter("bias", None)
 
-    def _real_rows(self) -> int:
-        return max(self.vocab_size - self.vocab_start_index, 0)
-
-    def _check_tie(self, emb: object) -> None:
-        if not isinstance(emb, VocabParallelEmbedding):
-            raise TypeError(f"tie_to must be a VocabParallelEmbedding, got {type(emb).__name__}")
+    def _check_tie(self, emb: VocabParallelEmbedding) -> None:
         mine = (self.vocab_size, self.hidden_size, self.vocab_start_index, self.vocab_end_index)
         theirs = (
             emb.num_embeddings,
@@ -117,10 +104,7 @@ class VocabParallelLMHead(nn.Module):
         seq_dim: int = 1,
     ) -> VocabParallelLMHead:
         """Keep this rank's rows of a full ``[V, H]`` weight (and ``[V]`` bias); copies."""
-        if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
-            raise ValueError(
-                f"weight must be a [V, H] tensor, got {getattr(weight, 'shape', weight)}"
-            )
+        weight = cls._check_full(weight)
         if bias is not None and (
             not isinstance(bias, torch.Tensor) or bias.shape != weight.shape[:1]
         ):
@@ -140,13 +124,9 @@ class VocabParallelLMHead(nn.Module):
             dtype=weight.dtype,
             device=weight.device,
         )
-        start = head.vocab_start_index
-        stop = min(head.vocab_end_index, weight.shape[0])
-        n = max(stop - start, 0)
-        with torch.no_grad():
-            head.weight[:n].copy_(weight[start:stop])
-            if bias is not None:
-                head.bias[:n].copy_(bias[start:stop])
+        head._load_rows(head.weight, weight)
+        if bias is not None:
+            head._load_rows(head.bias, bias)
         return head
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
