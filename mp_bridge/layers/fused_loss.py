@@ -122,7 +122,9 @@ class _FusedLinearLoss(torch.autograd.Function):
         else:
             w = spec.token_weight(target) * grad_out.float()
             gh = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
-            gw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+            gw = None
+            if ctx.needs_input_grad[1]:
+                gw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
             for s in range(0, hidden.shape[0], chunk):
                 rows = slice(s, min(s + chunk, hidden.shape[0]))
                 state = engine.recompute(hidden[rows])
@@ -131,7 +133,7 @@ class _FusedLinearLoss(torch.autograd.Function):
                 )
                 del state
         grad_h = gh.to(hidden.dtype) if ctx.needs_input_grad[0] else None
-        grad_w = gw.to(weight.dtype) if ctx.needs_input_grad[1] and gw is not None else None
+        grad_w = gw.to(weight.dtype) if gw is not None else None
         return grad_h, grad_w, None, None, None, None, None, None
 
 

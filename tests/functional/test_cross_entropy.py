@@ -13,7 +13,7 @@ g * (softmax - target terms) with |g| <~ 3 and a 1/T factor: atol 1e-6, rtol 1e-
 (measured max 2.1e-6 at T=0.7). bf16 inputs: values accumulate in fp32 from the same
 bf16 values, so the fp32 tolerance holds (measured 1.9e-6); gradients are rounded to bf16
 at the end, so they may differ by one bf16 ulp (relative 2**-7; measured max 7.2e-3 on
-entries of magnitude up to ~2).
+entries of magnitude up to ~2); fp16 likewise with its 2**-11 roundoff (rtol 2**-10).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from _vocab_tp_groups import rank_in, tp_group
 
 from mp_bridge.layers import (
     VocabParallelLMHead,
@@ -39,23 +40,12 @@ VOCABS = ((1000, 1), (1001, 1), (50257, 128))  # (vocab_size, multiple)
 FP32_TOL = dict(atol=1e-5, rtol=1e-5)
 FP32_GRAD_TOL = dict(atol=1e-6, rtol=1e-5)
 BF16_GRAD_TOL = dict(atol=1e-8, rtol=2**-7)
-_GROUPS: dict[int, tuple[dist.ProcessGroup | None, bool]] = {}
-
-
-def tp_group(tp: int) -> tuple[dist.ProcessGroup | None, bool]:
-    """(this rank's TP group, whether it is in one); every rank creates every group."""
-    if tp not in _GROUPS:
-        if tp == 1:
-            _GROUPS[tp] = (None, True)
-        else:
-            rank, mine = dist.get_rank(), None
-            for start in range(0, dist.get_world_size() - tp + 1, tp):
-                ranks = list(range(start, start + tp))
-                group = dist.new_group(ranks)
-                if rank in ranks:
-                    mine = group
-            _GROUPS[tp] = (mine, mine is not None)
-    return _GROUPS[tp]
+# fp16: the same single rounding of the fp32 gradient, with a 2**-11 unit roundoff.
+GRAD_TOL = {
+    torch.float32: FP32_GRAD_TOL,
+    torch.bfloat16: BF16_GRAD_TOL,
+    torch.float16: dict(atol=1e-7, rtol=2**-10),
+}
 
 
 def full_problem(vocab: int, multiple: int, tp: int, dtype: torch.dtype, seed: int = 0):
@@ -72,8 +62,7 @@ def full_problem(vocab: int, multiple: int, tp: int, dtype: torch.dtype, seed: i
 
 
 def shard(full: torch.Tensor, vocab: int, multiple: int, tp: int, group) -> torch.Tensor:
-    r = dist.get_rank(group) if group is not None else 0
-    start, end = vocab_shard_ranges(vocab, tp, multiple=multiple)[r]
+    start, end = vocab_shard_ranges(vocab, tp, multiple=multiple)[rank_in(group)]
     return full[..., start:end].clone().requires_grad_()
 
 
@@ -89,7 +78,15 @@ def reference(fn, full: torch.Tensor, vocab: int, upstream: torch.Tensor):
     return out.detach().float(), grad.float()
 
 
-def check_op(name: str, ours_fn, ref_fn, dtype: torch.dtype, *, with_ignore: bool = True):
+def check_op(
+    name: str,
+    ours_fn,
+    ref_fn,
+    dtype: torch.dtype,
+    *,
+    with_ignore: bool = True,
+    target_dtype: torch.dtype = torch.long,
+):
     """Run one op over every TP size and vocab; return the max errors seen.
 
     Mismatches are collected and raised at the end, so a failing rank still issues the
@@ -109,14 +106,13 @@ def check_op(name: str, ours_fn, ref_fn, dtype: torch.dtype, *, with_ignore: boo
             local = shard(full, vocab, multiple, tp, group)
             before = local.detach().clone()
             with CollectiveCounter() as fwd:
-                val = ours_fn(local, target, group, vocab)
+                val = ours_fn(local, target.to(target_dtype), group, vocab)
             with CollectiveCounter() as bwd:
                 (grad,) = torch.autograd.grad(val, local, upstream)
-            r = dist.get_rank(group) if group is not None else 0
-            start, end = vocab_shard_ranges(vocab, tp, multiple=multiple)[r]
+            start, end = vocab_shard_ranges(vocab, tp, multiple=multiple)[rank_in(group)]
             ref_local = ref_grad[..., start:end]
             where = f"{name} tp={tp} vocab={vocab} dtype={dtype}"
-            tol = FP32_GRAD_TOL if dtype == torch.float32 else BF16_GRAD_TOL
+            tol = GRAD_TOL[dtype]
             checks = [
                 (fwd.counts() == ({"all_reduce": 2} if tp > 1 else {}), f"fwd {fwd.counts()}"),
                 (bwd.counts() == {}, f"backward issued {bwd.counts()}"),
@@ -155,6 +151,12 @@ def test_cross_entropy_label_smoothing_fp32():
 @world.case
 def test_cross_entropy_bf16():
     return check_op("ce_bf16", *_ce(0.1), torch.bfloat16)
+
+
+@world.case
+def test_cross_entropy_fp16_with_int32_targets():
+    # Token ids often arrive as int32: accepted, and the same loss as int64 ids.
+    return check_op("ce_fp16", *_ce(0.1), torch.float16, target_dtype=torch.int32)
 
 
 def _logprobs(temperature):

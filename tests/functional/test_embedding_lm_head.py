@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
+from _vocab_tp_groups import rank_in, tp_group
 
 from mp_bridge.layers import VocabParallelEmbedding, VocabParallelLMHead, vocab_shard_ranges
 from mp_bridge.testing import CollectiveCounter, DistributedWorld, current_device
@@ -30,27 +30,6 @@ VOCABS = ((1000, 1), (1001, 1), (50257, 128))  # (vocab_size, multiple)
 H, B, S = 8, 2, 24  # S divisible by every TP size, for sequence parallelism
 # Normwise relative error bounds (max |got - ref| / max |ref|) for the LM head; see above.
 HEAD_TOL = {torch.float32: 5e-5, torch.bfloat16: 2e-2}
-_GROUPS: dict[int, tuple[dist.ProcessGroup | None, bool]] = {}
-
-
-def tp_group(tp: int) -> tuple[dist.ProcessGroup | None, bool]:
-    """(this rank's TP group, whether it is in one); every rank creates every group."""
-    if tp not in _GROUPS:
-        if tp == 1:
-            _GROUPS[tp] = (None, True)
-        else:
-            rank, mine = dist.get_rank(), None
-            for start in range(0, dist.get_world_size() - tp + 1, tp):
-                ranks = list(range(start, start + tp))
-                group = dist.new_group(ranks)
-                if rank in ranks:
-                    mine = group
-            _GROUPS[tp] = (mine, mine is not None)
-    return _GROUPS[tp]
-
-
-def _rank(group) -> int:
-    return dist.get_rank(group) if group is not None else 0
 
 
 def _configs():
@@ -88,7 +67,7 @@ def _check_embedding(dtype: torch.dtype, sequence_parallel: bool) -> list[str]:
         if tp > 1 and counter.counts() != expected:
             failures.append(f"tp={tp}: collectives {counter.counts()}")
         chunk = S // tp
-        r = _rank(group)
+        r = rank_in(group)
         lo = r * chunk if sequence_parallel else 0
         hi = lo + chunk if sequence_parallel else S
         (grad,) = torch.autograd.grad(out, emb.weight, upstream[:, lo:hi])
@@ -165,7 +144,7 @@ def _check_head(dtype: torch.dtype, sequence_parallel: bool, bias: bool):
         head = VocabParallelLMHead.from_full(
             weight, b_full, tp_group=group, multiple=multiple, sequence_parallel=sequence_parallel
         )
-        r = _rank(group)
+        r = rank_in(group)
         lo, hi = (r * S // tp, (r + 1) * S // tp) if sequence_parallel else (0, S)
         h = h_full[:, lo:hi].clone().requires_grad_()
         start, end = head.vocab_start_index, head.vocab_end_index

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
+from _vocab_tp_groups import rank_in, tp_group
 
 from mp_bridge.comm import copy_to_group
 from mp_bridge.layers import vocab_shard_ranges
@@ -20,23 +20,12 @@ from mp_bridge.testing import CollectiveCounter, DistributedWorld, current_devic
 
 world = DistributedWorld(8, timeout_s=120)  # a failing rank must not hang CI for long
 H = 16
-_GROUPS: dict[int, tuple[bool, object]] = {}
 
 
 def _tp(tp: int):
-    """(this rank takes part, its TP group or None for TP = 1, rank in group)."""
-    if tp == 1:
-        return True, None, 0
-    if tp not in _GROUPS:
-        mine = None
-        for start in range(0, dist.get_world_size() - tp + 1, tp):
-            ranks = list(range(start, start + tp))
-            group = dist.new_group(ranks)  # every rank creates every group, same order
-            if dist.get_rank() in ranks:
-                mine = group
-        _GROUPS[tp] = (mine is not None, mine)
-    inside, group = _GROUPS[tp]
-    return inside, group, (dist.get_rank(group) if inside else -1)
+    """(this rank takes part, its TP group or None for TP = 1, rank in group or -1)."""
+    group, inside = tp_group(tp)
+    return inside, group, (rank_in(group) if inside else -1)
 
 
 def _data(n, vocab, dtype=torch.float32, seed=0, ignored=(3, 7)):
@@ -314,6 +303,28 @@ def test_collective_count_and_bytes_per_call():
     with torch.no_grad(), CollectiveCounter() as fwd:
         fused_linear_cross_entropy(hidden, w_local, target, tp_group=group, chunk_size=40)
     assert fwd.counts() == {"all_gather": 3}
+
+
+@world.case
+def test_mean_over_only_ignored_tokens_is_nan_with_zero_grads_at_tp4():
+    # F.cross_entropy(reduction="mean") over only ignored tokens: nan value, zero grads.
+    inside, group, rank = _tp(4)
+    hidden, weight, target = _data(50, 1000)
+    ignored = torch.full_like(target, -100).int()  # int32 ids are accepted too
+    for invariant in (False, True):
+        w_local = _shard(weight, 1000, 4, rank, 256 if invariant else 1)
+        out, gh, gw = _run(
+            fused_linear_cross_entropy,
+            hidden,
+            w_local,
+            ignored,
+            tp_group=group,
+            chunk_size=16,
+            label_smoothing=0.1,
+            invariant=invariant,
+        )
+        assert torch.isnan(out), invariant
+        assert torch.all(gh == 0) and torch.all(gw == 0), invariant
 
 
 @world.case
