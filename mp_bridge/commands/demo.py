@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import math
 import os
 import sys
 import time
@@ -21,6 +22,7 @@ from mp_bridge.grid.spec import AXIS_NAMES
 
 __all__ = ["add_arguments", "format_parity_table", "run"]
 
+GRAD_RTOL = 1e-5
 LOSS_RTOL = 1e-5
 POOL = 4  # distinct synthetic batches, cycled over the steps
 WEIGHT_RTOL = 1e-4
@@ -28,10 +30,18 @@ WEIGHT_RTOL = 1e-4
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--world", type=int, default=8, help="number of ranks (default 8)")
-    parser.add_argument("--encoder", default="tp=2,dp=4", help="encoder layout (tp, dp)")
-    parser.add_argument("--llm", default="tp=2,cp=2,dp=2", help="LLM layout (tp, cp, dp)")
+    parser.add_argument(
+        "--encoder", help="encoder layout (tp, dp); default tp=2,dp=4 (tp=2,dp=WORLD/2)"
+    )
+    parser.add_argument(
+        "--llm", help="LLM layout (tp, cp, dp); default tp=2,cp=2,dp=2 (see default_layouts)"
+    )
     parser.add_argument("--steps", type=int, default=20, help="Adam steps (default 20)")
-    parser.add_argument("--batch-size", type=int, default=8, help="global batch (default 8)")
+    parser.add_argument(
+        "--batch-size",
+        type=int,
+        help="global batch (default: 8, or the next multiple of the DP sizes)",
+    )
     parser.add_argument("--lr", type=float, default=1e-2, help="Adam learning rate (1e-2)")
     parser.add_argument(
         "--sequence-parallel", action="store_true", help="sequence parallelism in the LLM"
@@ -51,8 +61,28 @@ def _sizes(spec: str, world: int, allowed: tuple[str, ...], flag: str) -> dict[s
     return {name: layout.dim(name) for name in allowed}
 
 
+def default_layouts(world: int) -> tuple[str, str]:
+    """The ``--encoder``/``--llm`` specs used when they are not given, for ``world`` ranks.
+
+    A TP2 encoder fanning into a TP2 x CP2 LLM where the world allows it (8 ranks:
+    ``tp=2,dp=4`` -> ``tp=2,cp=2,dp=2``); CP2 alone on an even world not divisible by 4
+    (2 ranks: ``tp=2`` -> ``cp=2``); pure DP on an odd world.
+    """
+    enc_tp = 2 if world % 2 == 0 else 1
+    if world % 4 == 0:
+        llm = f"tp=2,cp=2,dp={world // 4}"
+    elif world % 2 == 0:
+        llm = f"cp=2,dp={world // 2}"
+    else:
+        llm = f"dp={world}"
+    return f"tp={enc_tp},dp={world // enc_tp}", llm
+
+
 def _validate(args: argparse.Namespace) -> tuple[dict[str, int], dict[str, int]]:
-    """Every check that can fail, before any process starts (ValueError with the fix)."""
+    """Every check that can fail, before any process starts (ValueError with the fix).
+
+    Fills in ``args.encoder``/``args.llm``/``args.batch_size`` when they were left out.
+    """
     from mp_bridge.comm.bridge_plan import plan_bridge
     from mp_bridge.models import MimoConfig
 
@@ -60,11 +90,28 @@ def _validate(args: argparse.Namespace) -> tuple[dict[str, int], dict[str, int]]
         raise ValueError(f"--world {args.world} must be >= 1")
     if args.steps < 1:
         raise ValueError(f"--steps {args.steps} must be >= 1")
+    if not (math.isfinite(args.lr) and args.lr > 0):
+        raise ValueError(f"--lr {args.lr} must be a positive finite number, e.g. 1e-2")
+    default_enc, default_llm = default_layouts(args.world)
+    args.encoder = args.encoder or default_enc
+    args.llm = args.llm or default_llm
     enc = _sizes(args.encoder, args.world, ("tp", "dp"), "--encoder")
     llm = _sizes(args.llm, args.world, ("tp", "cp", "dp"), "--llm")
+    if args.batch_size is None:
+        step = math.lcm(enc["dp"], llm["dp"])
+        args.batch_size = -(-8 // step) * step  # the smallest multiple of both DPs >= 8
+    if args.batch_size < 1:
+        raise ValueError(f"--batch-size {args.batch_size} must be >= 1")
+    if args.plot:
+        _check_plot_target(args.plot)
     canonical = lambda s: GridLayout(tuple(s.get(n, 1) for n in AXIS_NAMES), AXIS_NAMES)
     plan_bridge(canonical(enc), canonical(llm), src_name="encoder", dest_name="llm")
-    MimoConfig().check_tp(encoder_tp=enc["tp"], llm_tp=llm["tp"])
+    try:
+        MimoConfig().check_tp(encoder_tp=enc["tp"], llm_tp=llm["tp"])
+    except ValueError as exc:
+        raise ValueError(
+            f"{exc} (the demo model is fixed: lower the tp in --encoder/--llm)"
+        ) from None
     for flag, dp in (("--encoder", enc["dp"]), ("--llm", llm["dp"])):
         if args.batch_size % dp:
             raise ValueError(
@@ -134,6 +181,7 @@ def format_parity_table(report) -> str:
     rows = [
         ("quantity", "max abs", "max rel", "rtol", "ok"),
         (f"loss ({steps} steps)", report.loss_max_abs, report.loss_max_rel, LOSS_RTOL),
+        ("param grads (step 1)", report.param_grad_max_abs, report.param_grad_max_rel, GRAD_RTOL),
         ("encoder input grad", report.input_grad_max_abs, report.input_grad_max_rel, WEIGHT_RTOL),
         ("weights (gathered)", report.weight_max_abs, report.weight_max_rel, WEIGHT_RTOL),
     ]
@@ -147,13 +195,26 @@ def format_parity_table(report) -> str:
     return "\n".join(lines)
 
 
-def _plot(report, path: str) -> None:
+def _passed(report) -> bool:
+    return report.passed(loss_rtol=LOSS_RTOL, weight_rtol=WEIGHT_RTOL, grad_rtol=GRAD_RTOL)
+
+
+def _check_plot_target(path: str) -> None:
+    """``--plot`` needs matplotlib and a writable folder: check before training, not after."""
     try:
-        import matplotlib
+        import matplotlib  # noqa: F401
     except ImportError:
         raise ValueError(
             "--plot needs matplotlib; install the viz extra: pip install 'mp_bridge[viz]'"
         ) from None
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+        raise ValueError(f"--plot {path}: folder {folder} does not exist or is not writable")
+
+
+def _plot(report, path: str) -> None:
+    import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -191,7 +252,7 @@ def run(args: argparse.Namespace) -> int:
         )
         report, printer = run_distributed(_worker, args.world, enc, llm, opts)[0], True
     if not printer:
-        return 0 if report.passed(loss_rtol=LOSS_RTOL, weight_rtol=WEIGHT_RTOL) else 1
+        return 0 if _passed(report) else 1
     mean_s = sum(report.step_seconds) / len(report.step_seconds)
     n = min(POOL, len(report.ref_losses))
     first, last = report.ref_losses[:n], report.ref_losses[-n:]
@@ -205,8 +266,12 @@ def run(args: argparse.Namespace) -> int:
     if args.plot:
         _plot(report, args.plot)
         print(f"\nwrote {args.plot}")
-    ok = report.passed(loss_rtol=LOSS_RTOL, weight_rtol=WEIGHT_RTOL)
+    ok = _passed(report)
     print(f"\nparity {'OK' if ok else 'FAILED'} in {time.perf_counter() - start:.1f} s")
     if not ok:
-        print(f"worst weight: {report.worst_weight}", file=sys.stderr)
+        print(
+            f"worst weight: {report.worst_weight}; worst step-1 gradient: "
+            f"{report.worst_param_grad}",
+            file=sys.stderr,
+        )
     return 0 if ok else 1

@@ -17,13 +17,14 @@ import torch.distributed as dist
 from megatron.core.hyper_comm_grid import HyperCommGrid
 
 from mp_bridge.comm import ColocatedBridgeCommunicator, PartitionAdapter
+from mp_bridge.grid.destroy import destroy_grid
 
 from .encoder import TPEncoder, TPProjection
 from .llm import TPLLM
 from .mimo import ColocatedMimoModel
 from .reference import ReferenceMimo
 
-__all__ = ["build_colocated_mimo", "destroy_colocated_mimo", "destroy_grid_groups"]
+__all__ = ["build_colocated_mimo", "destroy_colocated_mimo"]
 
 
 def _pg(grid: HyperCommGrid, dims: str | list[str]) -> dist.ProcessGroup:
@@ -76,16 +77,12 @@ def build_colocated_mimo(
     )  # fmt: skip
 
 
-def destroy_grid_groups(grid: HyperCommGrid) -> None:
-    """Destroy every process group ``grid`` created (megatron's grid has no such method)."""
-    for pg in list(grid._pgs.values()):
-        if pg is not None and pg != dist.GroupMember.NON_GROUP_MEMBER:
-            dist.destroy_process_group(pg)
-    grid._pgs.clear()
-
-
 def destroy_colocated_mimo(model: ColocatedMimoModel, *grids: HyperCommGrid) -> None:
-    """Release the model's bridge and the groups of ``grids`` (collective on every rank)."""
+    """Release the model's own groups, its bridge and the groups of ``grids``.
+
+    Collective: every rank calls it with the same grids, like the group creations.
+    """
+    model.destroy()
     model.bridge.destroy()
     for grid in grids:
-        destroy_grid_groups(grid)
+        destroy_grid(grid)

@@ -47,6 +47,14 @@ class ColocatedMimoModel(nn.Module):
         image_token_id: placeholder id whose positions receive image embeddings.
         encoder_dp_group: encoder DP group (grad sync, image-presence check).
         llm_dp_cp_group: LLM DP x CP group (loss denominator, grad sync).
+
+    With a real bridge, every group is checked against the bridge's layouts before any
+    collective (``ValueError`` naming the group, its ranks and the expected ones). A DP
+    group left out is created here from those layouts, so the plain signature
+    ``ColocatedMimoModel(encoder, projection, llm, bridge, partition, image_token_id=i)``
+    is correct on any layout; that creation is collective over the world (build the model
+    on every rank, in the same order as other group creations) and needs the grids to
+    cover the whole world. :meth:`destroy` frees the groups created here.
     """
 
     def __init__(
@@ -74,6 +82,80 @@ class ColocatedMimoModel(nn.Module):
         self.image_token_id = image_token_id
         self.encoder_dp_group = encoder_dp_group
         self.llm_dp_cp_group = llm_dp_cp_group
+        self._owned_groups: list[dist.ProcessGroup] = []
+        self._destroyed = False
+        plan = getattr(bridge, "plan", None)  # None: a single-process stand-in bridge
+        if plan is not None:
+            self._check_groups(plan)
+            self._create_missing_groups(plan)
+
+    # ------------------------------------------------------------------ groups
+    def _check_groups(self, plan) -> None:
+        """Every given group must hold the ranks the bridge's layouts say (local checks)."""
+        rank = dist.get_rank()
+        if rank not in plan.src.ranks:
+            raise ValueError(
+                f"rank {rank} is outside the bridged grids {plan.src!r}; build "
+                f"ColocatedMimoModel only on ranks {list(plan.src.ranks)}"
+            )
+        checks = [
+            ("encoder.tp_group", self.encoder.tp_group, plan.src, ("tp",)),
+            ("llm.tp_group", self.llm.tp_group, plan.dest, ("tp",)),
+            ("llm.cp_group", self.llm.cp_group, plan.dest, ("cp",)),
+            ("partition.cp_group", self.partition.cp_group, plan.dest, ("cp",)),
+            ("encoder_dp_group", self.encoder_dp_group, plan.src, ("dp",)),
+            ("llm_dp_cp_group", self.llm_dp_cp_group, plan.dest, ("dp", "cp")),
+        ]
+        if self.partition.sequence_parallel:
+            checks.append(("partition.tp_group", self.partition.tp_group, plan.dest, ("tp",)))
+        for name, group, layout, axes in checks:
+            expected = _members_of(layout, axes, rank)
+            if group is None and name in _CREATABLE:
+                continue  # created by _create_missing_groups when it spans > 1 rank
+            got = [rank] if group is None else sorted(dist.get_process_group_ranks(group))
+            if got != expected:
+                raise ValueError(
+                    f"{name} on rank {rank} holds ranks {got} but the layout {layout!r} "
+                    f"puts this rank's {'x'.join(axes)} group at {expected}; pass the "
+                    f"grid's group, e.g. {_CREATABLE.get(name, 'grid.get_pg(...)')}"
+                )
+
+    def _create_missing_groups(self, plan) -> None:
+        """Create the DP groups left out (collective over the world; same on every rank)."""
+        rank, world = dist.get_rank(), dist.get_world_size()
+        todo = [
+            (name, layout, axes)
+            for name, layout, axes in (
+                ("encoder_dp_group", plan.src, ("dp",)),
+                ("llm_dp_cp_group", plan.dest, ("dp", "cp")),
+            )
+            if getattr(self, name) is None and len(_members_of(layout, axes, rank)) > 1
+        ]
+        if todo and list(plan.src.ranks) != list(range(world)):
+            name = todo[0][0]
+            raise ValueError(
+                f"{name} was not given and the grids cover ranks {list(plan.src.ranks)} of "
+                f"a {world}-rank world, so it cannot be created here (group creation needs "
+                f"every rank); pass {name}={_CREATABLE[name]}"
+            )
+        for name, layout, axes in todo:  # every rank runs the same loop: same group order
+            present = [a for a in axes if a in layout.dim_names]
+            for members in layout.groups(present):
+                pg = dist.new_group(members)
+                if rank in members:
+                    setattr(self, name, pg)
+                    self._owned_groups.append(pg)
+
+    def destroy(self) -> None:
+        """Free the groups this model created (idempotent; collective, every rank).
+
+        The bridge and the grids' groups belong to the caller
+        (see :func:`~mp_bridge.models.destroy_colocated_mimo`).
+        """
+        self._destroyed = True
+        owned, self._owned_groups = self._owned_groups, []
+        for pg in owned:
+            dist.destroy_process_group(pg)
 
     # ------------------------------------------------------------------ forward
     def forward(
@@ -89,6 +171,8 @@ class ColocatedMimoModel(nn.Module):
         sequences; CP/SP sharding happens inside). ``images``: this rank's encoder DP
         shard ``[b_e, p, patch_dim]``, or ``None`` on *every* rank for a text-only step.
         """
+        if self._destroyed:
+            raise RuntimeError("forward() after destroy(); build a new ColocatedMimoModel")
         self._check_inputs(input_ids, labels, loss_mask, images)
         has_images = self._agree_on_images(images is not None)
         image = None
@@ -142,6 +226,22 @@ class ColocatedMimoModel(nn.Module):
             )
         return all_present
 
+    # ------------------------------------------------------------------ weights
+    @classmethod
+    def from_full(cls, reference, encoder_grid, llm_grid, **kwargs) -> ColocatedMimoModel:
+        """Shard a single-process ``ReferenceMimo``; see :func:`build_colocated_mimo`."""
+        from .build import build_colocated_mimo  # build imports this module
+
+        return build_colocated_mimo(reference, encoder_grid, llm_grid, **kwargs)
+
+    def to_full(self) -> dict[str, torch.Tensor]:
+        """Full tensors keyed like ``ReferenceMimo.state_dict()`` (TP all-gathers; collective)."""
+        return {
+            f"{part}.{name}": tensor
+            for part in ("encoder", "projection", "llm")
+            for name, tensor in getattr(self, part).to_full().items()
+        }
+
     # ------------------------------------------------------------ gradient sync
     def gradient_buckets(self) -> list[tuple[dist.ProcessGroup, list[nn.Parameter]]]:
         """``(group, params)`` pairs whose gradients :meth:`sync_gradients` sums."""
@@ -165,6 +265,19 @@ class ColocatedMimoModel(nn.Module):
         """
         for group, params in self.gradient_buckets():
             _all_reduce_grads(params, group)
+
+
+#: The groups the model can create itself, and where a caller finds them on its grids.
+_CREATABLE = {
+    "encoder_dp_group": "encoder_grid.get_pg('dp')",
+    "llm_dp_cp_group": "llm_grid.get_pg(['dp', 'cp'])",
+}
+
+
+def _members_of(layout, axes: tuple[str, ...], rank: int) -> list[int]:
+    """Sorted ranks of ``rank``'s group over ``axes`` (axes the layout lacks have size 1)."""
+    present = [a for a in axes if a in layout.dim_names]
+    return sorted(layout.group_of(rank, present)) if present else [rank]
 
 
 def _all_reduce_grads(params: Iterable[nn.Parameter], group: dist.ProcessGroup) -> None:

@@ -84,18 +84,23 @@ def load_full_state(module: nn.Module, full_state: Mapping[str, torch.Tensor]) -
 
 
 @torch.no_grad()
-def gather_full_state(module: nn.Module) -> dict[str, torch.Tensor]:
+def gather_full_state(module: nn.Module, *, grads: bool = False) -> dict[str, torch.Tensor]:
     """Full tensors of every parameter (sharded ones all-gathered, padding dropped).
 
+    ``grads=True`` gathers the parameters' ``.grad`` instead (zeros where it is ``None``),
+    e.g. to compare synced gradients with a single-process model's.
     Collective: one all-gather per sharded parameter over its group; every rank of those
     groups must call it. Returns detached copies on the parameters' device.
     """
     out: dict[str, torch.Tensor] = {}
     for name, param in module.named_parameters():
         spec = getattr(param, "mp_shard", None)
+        value = param.detach()
+        if grads:
+            value = torch.zeros_like(value) if param.grad is None else param.grad.detach()
         if spec is None:
-            out[name] = param.detach().clone()
+            out[name] = value.clone()
             continue
-        full = all_gather_tensor(param.detach(), spec.group, spec.dim)
+        full = all_gather_tensor(value, spec.group, spec.dim)
         out[name] = full.narrow(spec.dim, 0, spec.full_size).clone()
     return out

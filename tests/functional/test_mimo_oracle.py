@@ -13,6 +13,9 @@ Tolerances (``rel`` = max abs difference / max abs reference value, per tensor):
   denominator or a missing gradient path shifts it by >1e-3 (see the teeth cases).
 - encoder input gradient ``rel <= 1e-5``: one backward, the same rounding argument
   (measured < 1e-6).
+- every parameter's synced gradient at step 1, gathered to full, ``rel <= 1e-5``: the
+  same rounding argument (measured ~1e-6). Adam's update hardly depends on a gradient's
+  scale, so this is the check that sees a gradient summed over one group too many.
 - weights ``rel <= 1e-4``: after 3 Adam steps (lr 1e-3). Adam divides by sqrt(v), so an
   element whose gradient is small but far above eps turns a ~1e-7 relative gradient error
   into the same relative *update* error, and elements with gradients near eps amplify
@@ -33,6 +36,7 @@ import mp_bridge.comm.bridge as bridge_module
 import mp_bridge.models.mimo as mimo_module
 from mp_bridge.grid import make_grid
 from mp_bridge.models import (
+    ColocatedMimoModel,
     MimoConfig,
     ReferenceMimo,
     build_colocated_mimo,
@@ -52,11 +56,13 @@ WEIGHT_RTOL = 1e-4
 def _check(report) -> dict:
     summary = (
         f"{report.encoder} -> {report.llm}: loss rel {report.loss_max_rel:.1e}, input grad "
-        f"rel {report.input_grad_max_rel:.1e}, weight rel {report.weight_max_rel:.1e} "
+        f"rel {report.input_grad_max_rel:.1e}, param grad rel {report.param_grad_max_rel:.1e} "
+        f"({report.worst_param_grad}), weight rel {report.weight_max_rel:.1e} "
         f"({report.worst_weight}); losses {report.dist_losses} vs {report.ref_losses}"
     )
     assert report.loss_max_rel <= LOSS_RTOL, summary
     assert report.input_grad_max_rel <= GRAD_RTOL, summary
+    assert report.param_grad_max_rel <= GRAD_RTOL, summary
     assert report.weight_max_rel <= WEIGHT_RTOL, summary
     # The model must actually train, or equal weights would prove nothing.
     assert report.ref_losses[-1] < report.ref_losses[0], summary
@@ -158,6 +164,43 @@ def test_oracle_catches_a_skipped_bridge_cp_all_reduce():
     assert abs(report.dist_losses[0] - report.ref_losses[0]) <= LOSS_RTOL * report.ref_losses[0]
     assert report.input_grad_max_rel > 1e-2 and report.weight_max_rel > 1e-3, report
     with pytest.raises(AssertionError, match="input grad"):
+        _check(report)
+
+
+@world.case
+def test_oracle_catches_a_skipped_encoder_dp_gradient_sync():
+    # Drop the encoder/projection bucket from the gradient sync: each encoder DP replica
+    # then steps with its own shard's gradient only. Loss and input grad of step 1 agree.
+    original = ColocatedMimoModel.gradient_buckets
+    ColocatedMimoModel.gradient_buckets = lambda self: [
+        (g, ps) for g, ps in original(self) if g is not self.encoder_dp_group
+    ]
+    try:
+        report = _parity(encoder_tp=2, encoder_dp=4, llm_tp=2, llm_cp=2, llm_dp=2)
+    finally:
+        ColocatedMimoModel.gradient_buckets = original
+    assert report.worst_param_grad.startswith(("encoder.", "projection.")), report
+    assert report.param_grad_max_rel > 1e-2 and report.weight_max_rel > 1e-3, report
+    with pytest.raises(AssertionError, match="param grad rel"):
+        _check(report)
+
+
+@world.case
+def test_oracle_catches_a_gradient_summed_over_one_group_too_many():
+    # Sum every LLM gradient over TP as well (as if all were sequence-parallel norms):
+    # TP-sharded weights get their shards mixed, replicated ones become tp x too large.
+    original = ColocatedMimoModel.gradient_buckets
+    ColocatedMimoModel.gradient_buckets = lambda self: [
+        *original(self),
+        (self.llm.tp_group, [p for p in self.llm.parameters() if p.dim() == 1]),
+    ]
+    try:
+        report = _parity(encoder_tp=2, encoder_dp=4, llm_tp=2, llm_cp=2, llm_dp=2)
+    finally:
+        ColocatedMimoModel.gradient_buckets = original
+    # Norm gradients doubled: Adam's update barely changes, the gradient check does.
+    assert report.param_grad_max_rel > 0.5, report
+    with pytest.raises(AssertionError, match="param grad rel"):
         _check(report)
 
 

@@ -37,7 +37,8 @@ def _report(loss_rel: float) -> ParityReport:
         encoder="tp=2,dp=4", llm="tp=2,cp=2,dp=2", dist_losses=[4.0, 3.9], ref_losses=[4.0, 3.9],
         loss_max_abs=4.0 * loss_rel, loss_max_rel=loss_rel, input_grad_max_abs=1e-9,
         input_grad_max_rel=1e-6, weight_max_abs=1e-6, weight_max_rel=2e-5,
-        worst_weight="llm.head.weight",
+        worst_weight="llm.head.weight", param_grad_max_abs=1e-9, param_grad_max_rel=1e-7,
+        worst_param_grad="llm.norm.bias",
     )  # fmt: skip
 
 
