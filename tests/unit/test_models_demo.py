@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import argparse
 import re
 
 import pytest
 
 from mp_bridge.cli import main
-from mp_bridge.commands.demo import format_parity_table
+from mp_bridge.commands.demo import _validate, default_layouts, format_parity_table
 from mp_bridge.models import ParityReport
 
 
@@ -23,6 +24,11 @@ from mp_bridge.models import ParityReport
         (["--world", "6", "--encoder", "tp=1,dp=6", "--llm", "tp=3,dp=2"], "llm tp=3"),
         # dp 4 -> dp 3 does not nest: the bridge plan refuses it with the rank's coordinates.
         (["--world", "12", "--encoder", "tp=3,dp=4", "--llm", "tp=4,dp=3"], "divide"),
+        (["--lr", "-1"], r"--lr -1.0 must be a positive finite number"),
+        (["--lr", "nan"], r"--lr nan must be a positive finite number"),
+        (["--batch-size", "0"], "--batch-size 0 must be >= 1"),
+        # Checked before training, not when the PNG is written at the end.
+        (["--plot", "/nonexistent/dir/x.png"], "folder /nonexistent/dir does not exist"),
     ],
 )
 def test_bad_arguments_exit_2_with_the_fix(argv, message, capsys):
@@ -52,3 +58,20 @@ def test_parity_table_marks_each_row():
     bad = format_parity_table(_report(1e-3))
     assert bad.splitlines()[2].endswith("NO")
     assert not _report(1e-3).passed()
+
+
+def test_default_layouts_per_world_size():
+    assert default_layouts(8) == ("tp=2,dp=4", "tp=2,cp=2,dp=2")  # the README's layouts
+    assert default_layouts(2) == ("tp=2,dp=1", "cp=2,dp=1")
+    assert default_layouts(6) == ("tp=2,dp=3", "cp=2,dp=3")
+    assert default_layouts(3) == ("tp=1,dp=3", "dp=3")
+
+
+@pytest.mark.parametrize("world", range(1, 17))
+def test_defaults_pass_every_check_for_any_world(world):
+    args = argparse.Namespace(
+        world=world, encoder=None, llm=None, steps=1, batch_size=None, lr=1e-2,
+        sequence_parallel=True, fused_loss=False, plot=None,
+    )  # fmt: skip
+    enc, llm = _validate(args)  # raises on a layout the demo cannot run
+    assert args.batch_size >= 8 and args.batch_size % enc["dp"] == args.batch_size % llm["dp"] == 0
