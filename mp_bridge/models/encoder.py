@@ -19,9 +19,8 @@ from torch import nn
 from mp_bridge.comm.primitives import group_size
 
 from .config import MimoConfig
-from .reference import ReferenceEncoder, ReferenceProjection
-from .sharding import gather_full_state, load_full_state
-from .tp_blocks import TPMLP, TPBlock, make_norm, parallel_config
+from .sharding import FullStateMixin
+from .tp_blocks import TPMLP, make_blocks, make_norm, parallel_config
 
 __all__ = ["TPEncoder", "TPProjection", "bidirectional_attention"]
 
@@ -40,7 +39,7 @@ def _check_group(tp_group: object, name: str) -> None:
         )
 
 
-class TPEncoder(nn.Module):
+class TPEncoder(FullStateMixin, nn.Module):
     """``images [b, p, patch_dim] -> [b, p, enc_hidden]``, TP-replicated output.
 
     Parameter names equal :class:`ReferenceEncoder`'s, so :meth:`from_full` /
@@ -60,19 +59,10 @@ class TPEncoder(nn.Module):
         self.cfg, self.tp_group = cfg, tp_group
         config = parallel_config(tp_group)
         self.patch_embed = nn.Linear(cfg.patch_dim, cfg.enc_hidden)  # replicated over TP
-        self.blocks = nn.ModuleList(
-            TPBlock(
-                cfg.enc_hidden,
-                cfg.enc_heads,
-                cfg.enc_ffn,
-                eps=cfg.norm_eps,
-                tp_group=tp_group,
-                config=config,
-                core=bidirectional_attention,
-                device=device,
-            )  # fmt: skip
-            for _ in range(cfg.enc_layers)
-        )
+        self.blocks = make_blocks(
+            cfg.enc_layers, cfg.enc_hidden, cfg.enc_heads, cfg.enc_ffn, eps=cfg.norm_eps,
+            tp_group=tp_group, config=config, core=bidirectional_attention, device=device,
+        )  # fmt: skip
         self.norm = make_norm(cfg.enc_hidden, cfg.norm_eps, device=device)
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
@@ -86,30 +76,18 @@ class TPEncoder(nn.Module):
             x = block(x)
         return self.norm(x).transpose(0, 1)
 
-    @classmethod
-    def from_full(
-        cls,
-        reference: ReferenceEncoder,
-        cfg: MimoConfig,
-        *,
-        tp_group: dist.ProcessGroup | None = None,
-        device: torch.device | None = None,
-    ) -> TPEncoder:
-        """This rank's shards of a single-process :class:`ReferenceEncoder`."""
-        model = cls(cfg, tp_group=tp_group, device=device)
-        load_full_state(model, reference.state_dict())
-        return model.to(device) if device is not None else model
 
-    def to_full(self) -> dict[str, torch.Tensor]:
-        """Full ``state_dict``-shaped tensors (all-gathers over TP; collective)."""
-        return gather_full_state(self)
-
-
-class TPProjection(TPMLP):
+class TPProjection(FullStateMixin, TPMLP):
     """``[.., enc_hidden] -> [.., llm_hidden]``: column ``fc1``, GELU, row ``fc2`` in the
     encoder's TP group; input and output TP-replicated."""
 
-    def __init__(self, cfg: MimoConfig, *, tp_group: dist.ProcessGroup | None = None):
+    def __init__(
+        self,
+        cfg: MimoConfig,
+        *,
+        tp_group: dist.ProcessGroup | None = None,
+        device: torch.device | None = None,  # no device-specific layer; kept for from_full
+    ):
         _check_group(tp_group, "tp_group")
         cfg.check_tp(encoder_tp=group_size(tp_group))
         super().__init__(
@@ -117,21 +95,3 @@ class TPProjection(TPMLP):
             tp_group=tp_group, config=parallel_config(tp_group),
         )  # fmt: skip
         self.tp_group = tp_group
-
-    @classmethod
-    def from_full(
-        cls,
-        reference: ReferenceProjection,
-        cfg: MimoConfig,
-        *,
-        tp_group: dist.ProcessGroup | None = None,
-        device: torch.device | None = None,
-    ) -> TPProjection:
-        """This rank's shards of a single-process :class:`ReferenceProjection`."""
-        model = cls(cfg, tp_group=tp_group)
-        load_full_state(model, reference.state_dict())
-        return model.to(device) if device is not None else model
-
-    def to_full(self) -> dict[str, torch.Tensor]:
-        """Full ``state_dict``-shaped tensors (all-gathers over TP; collective)."""
-        return gather_full_state(self)

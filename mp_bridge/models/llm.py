@@ -31,9 +31,8 @@ from mp_bridge.layers import (
 
 from .config import MimoConfig
 from .encoder import _check_group
-from .reference import ReferenceLLM
-from .sharding import gather_full_state, load_full_state, mark_sharded
-from .tp_blocks import TPBlock, make_norm, parallel_config
+from .sharding import FullStateMixin, mark_sharded
+from .tp_blocks import make_blocks, make_norm, parallel_config
 
 __all__ = ["TPLLM"]
 
@@ -50,7 +49,7 @@ class _CausalCPAttention:
         )
 
 
-class TPLLM(nn.Module):
+class TPLLM(FullStateMixin, nn.Module):
     """The reference LLM sharded over ``tp_group`` (weights) and ``cp_group`` (sequence).
 
     ``fused_loss=True`` computes the loss with ``fused_linear_cross_entropy`` from the
@@ -78,20 +77,10 @@ class TPLLM(nn.Module):
         self.fused_loss = fused_loss
         self.embed = VocabParallelEmbedding(cfg.vocab_size, cfg.llm_hidden, tp_group=tp_group)
         mark_sharded(self.embed.weight, dim=0, group=tp_group, full_size=cfg.vocab_size)
-        core = _CausalCPAttention(cp_group)
-        self.blocks = nn.ModuleList(
-            TPBlock(
-                cfg.llm_hidden,
-                cfg.llm_heads,
-                cfg.llm_ffn,
-                eps=cfg.norm_eps,
-                tp_group=tp_group,
-                config=config,
-                core=core,
-                device=device,
-            )  # fmt: skip
-            for _ in range(cfg.llm_layers)
-        )
+        self.blocks = make_blocks(
+            cfg.llm_layers, cfg.llm_hidden, cfg.llm_heads, cfg.llm_ffn, eps=cfg.norm_eps,
+            tp_group=tp_group, config=config, core=_CausalCPAttention(cp_group), device=device,
+        )  # fmt: skip
         self.norm = make_norm(
             cfg.llm_hidden, cfg.norm_eps, device=device, sequence_parallel=self.sequence_parallel
         )
@@ -135,28 +124,3 @@ class TPLLM(nn.Module):
             tp_group=self.tp_group, vocab_size=self.cfg.vocab_size, reduction="none",
         )  # fmt: skip
         return loss.view(b, s)
-
-    # ------------------------------------------------------------------ weights
-    @classmethod
-    def from_full(
-        cls,
-        reference: ReferenceLLM,
-        cfg: MimoConfig,
-        *,
-        tp_group: dist.ProcessGroup | None = None,
-        cp_group: dist.ProcessGroup | None = None,
-        sequence_parallel: bool = False,
-        fused_loss: bool = False,
-        device: torch.device | None = None,
-    ) -> TPLLM:
-        """This rank's shards of a single-process :class:`ReferenceLLM` (vocab rows padded)."""
-        model = cls(
-            cfg, tp_group=tp_group, cp_group=cp_group, sequence_parallel=sequence_parallel,
-            fused_loss=fused_loss, device=device,
-        )  # fmt: skip
-        load_full_state(model, reference.state_dict())
-        return model.to(device) if device is not None else model
-
-    def to_full(self) -> dict[str, torch.Tensor]:
-        """Full ``state_dict``-shaped tensors (all-gathers over TP; padding rows dropped)."""
-        return gather_full_state(self)

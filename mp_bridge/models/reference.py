@@ -62,16 +62,18 @@ class _Block(nn.Module):
         return x + self.mlp(self.ln2(x))
 
 
+def _blocks(n: int, hidden: int, heads: int, ffn: int, *, causal: bool, eps: float):
+    return nn.ModuleList(_Block(hidden, heads, ffn, causal=causal, eps=eps) for _ in range(n))
+
+
 class ReferenceEncoder(nn.Module):
     """Patch embedding + bidirectional blocks + norm: [b, p, patch_dim] -> [b, p, enc_hidden]."""
 
     def __init__(self, cfg: MimoConfig):
         super().__init__()
         self.patch_embed = nn.Linear(cfg.patch_dim, cfg.enc_hidden)
-        self.blocks = nn.ModuleList(
-            _Block(cfg.enc_hidden, cfg.enc_heads, cfg.enc_ffn, causal=False, eps=cfg.norm_eps)
-            for _ in range(cfg.enc_layers)
-        )
+        self.blocks = _blocks(cfg.enc_layers, cfg.enc_hidden, cfg.enc_heads, cfg.enc_ffn,
+                              causal=False, eps=cfg.norm_eps)  # fmt: skip
         self.norm = nn.LayerNorm(cfg.enc_hidden, eps=cfg.norm_eps)
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
@@ -94,10 +96,8 @@ class ReferenceLLM(nn.Module):
     def __init__(self, cfg: MimoConfig):
         super().__init__()
         self.embed = nn.Embedding(cfg.vocab_size, cfg.llm_hidden)
-        self.blocks = nn.ModuleList(
-            _Block(cfg.llm_hidden, cfg.llm_heads, cfg.llm_ffn, causal=True, eps=cfg.norm_eps)
-            for _ in range(cfg.llm_layers)
-        )
+        self.blocks = _blocks(cfg.llm_layers, cfg.llm_hidden, cfg.llm_heads, cfg.llm_ffn,
+                              causal=True, eps=cfg.norm_eps)  # fmt: skip
         self.norm = nn.LayerNorm(cfg.llm_hidden, eps=cfg.norm_eps)
         self.head = nn.Linear(cfg.llm_hidden, cfg.vocab_size, bias=False)
 

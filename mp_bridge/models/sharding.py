@@ -21,7 +21,14 @@ from torch import nn
 
 from mp_bridge.comm.primitives import all_gather_tensor, group_rank
 
-__all__ = ["ShardSpec", "gather_full_state", "load_full_state", "mark_sharded", "shard_of"]
+__all__ = [
+    "FullStateMixin",
+    "ShardSpec",
+    "gather_full_state",
+    "load_full_state",
+    "mark_sharded",
+    "shard_of",
+]
 
 
 @dataclass(frozen=True)
@@ -104,3 +111,20 @@ def gather_full_state(module: nn.Module, *, grads: bool = False) -> dict[str, to
         full = all_gather_tensor(value, spec.group, spec.dim)
         out[name] = full.narrow(spec.dim, 0, spec.full_size).clone()
     return out
+
+
+class FullStateMixin:
+    """``from_full`` / ``to_full`` for a sharded module whose parameter names equal those
+    of a single-process reference module (``TPEncoder``, ``TPProjection``, ``TPLLM``)."""
+
+    @classmethod
+    def from_full(cls, reference: nn.Module, cfg, *, device: torch.device | None = None, **kwargs):
+        """This rank's shards of ``reference``: ``cls(cfg, device=device, **kwargs)`` loaded
+        with :func:`load_full_state` (no collective), then moved to ``device``."""
+        model = cls(cfg, device=device, **kwargs)
+        load_full_state(model, reference.state_dict())
+        return model if device is None else model.to(device)
+
+    def to_full(self) -> dict[str, torch.Tensor]:
+        """Full ``state_dict``-shaped tensors (:func:`gather_full_state`; collective over TP)."""
+        return gather_full_state(self)

@@ -40,6 +40,7 @@ __all__ = [
     "TPBlock",
     "TPMLP",
     "column_linear",
+    "make_blocks",
     "make_norm",
     "parallel_config",
     "row_linear",
@@ -82,6 +83,32 @@ class _SPColumnParallelLinear(ColumnParallelLinear):
         return super().forward(gather_along(x, self.tp_group, dim=0), *args, **kwargs)
 
 
+def _tp_linear(
+    in_size: int,
+    out_size: int,
+    *,
+    tp_group: dist.ProcessGroup | None,
+    config: ModelParallelConfig,
+    kinds: tuple[type[nn.Module], type[nn.Module]],
+    shard_dim: int,
+    **megatron_kwargs,
+) -> nn.Module:
+    """``kinds = (plain, sequence-parallel)`` megatron class; weight split along ``shard_dim``
+    (0: output rows, column-parallel; 1: input columns, row-parallel)."""
+    if tp_group is None:
+        layer: nn.Module = _LocalLinear(in_size, out_size, bias=False)
+    else:
+        # The SP subclasses run our own SP collectives: megatron's SP paths stay off.
+        megatron_config = dataclasses.replace(config, sequence_parallel=False)
+        layer = kinds[config.sequence_parallel](
+            in_size, out_size, config=megatron_config, init_method=nn.init.zeros_, bias=False,
+            tp_group=tp_group, **megatron_kwargs,
+        )  # fmt: skip
+    full_size = out_size if shard_dim == 0 else in_size
+    mark_sharded(layer.weight, dim=shard_dim, group=tp_group, full_size=full_size)
+    return layer
+
+
 def column_linear(
     in_size: int, out_size: int, *, tp_group: dist.ProcessGroup | None, config: ModelParallelConfig
 ) -> nn.Module:
@@ -90,21 +117,11 @@ def column_linear(
     With ``config.sequence_parallel`` the input is ``[s/tp, b, in]`` and the output
     ``[s, b, out/tp]``.
     """
-    if tp_group is None:
-        layer: nn.Module = _LocalLinear(in_size, out_size, bias=False)
-    elif config.sequence_parallel:
-        layer = _SPColumnParallelLinear(
-            in_size, out_size, config=dataclasses.replace(config, sequence_parallel=False),
-            init_method=nn.init.zeros_, bias=False, gather_output=False,
-            disable_grad_reduce=True, tp_group=tp_group,
-        )  # fmt: skip
-    else:
-        layer = ColumnParallelLinear(
-            in_size, out_size, config=config, init_method=nn.init.zeros_, bias=False,
-            gather_output=False, tp_group=tp_group,
-        )  # fmt: skip
-    mark_sharded(layer.weight, dim=0, group=tp_group, full_size=out_size)
-    return layer
+    return _tp_linear(
+        in_size, out_size, tp_group=tp_group, config=config,
+        kinds=(ColumnParallelLinear, _SPColumnParallelLinear), shard_dim=0,
+        gather_output=False, disable_grad_reduce=config.sequence_parallel,
+    )  # fmt: skip
 
 
 class _SPRowParallelLinear(RowParallelLinear):
@@ -123,21 +140,11 @@ def row_linear(
 
     With ``config.sequence_parallel`` the output is reduce-scattered to ``[s/tp, b, out]``.
     """
-    if tp_group is None:
-        layer: nn.Module = _LocalLinear(in_size, out_size, bias=False)
-    elif config.sequence_parallel:
-        layer = _SPRowParallelLinear(
-            in_size, out_size, config=dataclasses.replace(config, sequence_parallel=False),
-            init_method=nn.init.zeros_, bias=False, input_is_parallel=True,
-            skip_bias_add=False, tp_group=tp_group,
-        )  # fmt: skip
-    else:
-        layer = RowParallelLinear(
-            in_size, out_size, config=config, init_method=nn.init.zeros_, bias=False,
-            input_is_parallel=True, skip_bias_add=False, tp_group=tp_group,
-        )  # fmt: skip
-    mark_sharded(layer.weight, dim=1, group=tp_group, full_size=in_size)
-    return layer
+    return _tp_linear(
+        in_size, out_size, tp_group=tp_group, config=config,
+        kinds=(RowParallelLinear, _SPRowParallelLinear), shard_dim=1,
+        input_is_parallel=True, skip_bias_add=False,
+    )  # fmt: skip
 
 
 def _apex_layer_norm() -> type[nn.Module] | None:
@@ -237,3 +244,31 @@ class TPBlock(nn.Module):
     def forward(self, x: torch.Tensor, **core_kwargs) -> torch.Tensor:
         x = x + self.attn(self.ln1(x), **core_kwargs)
         return x + self.mlp(self.ln2(x))
+
+
+def make_blocks(
+    n: int,
+    hidden: int,
+    heads: int,
+    ffn: int,
+    *,
+    eps: float,
+    tp_group: dist.ProcessGroup | None,
+    config: ModelParallelConfig,
+    core: AttentionCore,
+    device: torch.device | None = None,
+) -> nn.ModuleList:
+    """``n`` :class:`TPBlock` s sharing ``core`` (named ``blocks.{i}`` like the reference)."""
+    return nn.ModuleList(
+        TPBlock(
+            hidden,
+            heads,
+            ffn,
+            eps=eps,
+            tp_group=tp_group,
+            config=config,
+            core=core,
+            device=device,
+        )  # fmt: skip
+        for _ in range(n)
+    )

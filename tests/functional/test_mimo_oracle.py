@@ -73,51 +73,31 @@ def _parity(**kwargs):
     return run_parity(CFG, device=current_device(), **kwargs)
 
 
-@world.case
-def test_fan_in_cp2():
-    return _check(_parity(encoder_tp=2, encoder_dp=4, llm_tp=2, llm_cp=2, llm_dp=2))
+FAN_IN_CP2 = dict(encoder_tp=2, encoder_dp=4, llm_tp=2, llm_cp=2, llm_dp=2)
+#: The layouts of issue 6 (encoder -> LLM); each becomes one case ``test_<name>``.
+LAYOUTS = {
+    "fan_in_cp2": FAN_IN_CP2,
+    "fan_out_cp2": dict(encoder_tp=4, encoder_dp=2, llm_tp=1, llm_cp=2, llm_dp=4),
+    "equal_dp": dict(encoder_tp=2, encoder_dp=4, llm_tp=2, llm_cp=1, llm_dp=4),
+    "fan_in_8_cp4": dict(encoder_tp=1, encoder_dp=8, llm_tp=2, llm_cp=4, llm_dp=1),
+    "fan_out_8": dict(encoder_tp=8, encoder_dp=1, llm_tp=1, llm_cp=1, llm_dp=8),
+    "fan_in_cp2_sequence_parallel": dict(FAN_IN_CP2, sequence_parallel=True),
+    "fan_in_cp2_sequence_parallel_fused_loss": dict(
+        FAN_IN_CP2, sequence_parallel=True, fused_loss=True
+    ),
+}
 
 
-@world.case
-def test_fan_out_cp2():
-    return _check(_parity(encoder_tp=4, encoder_dp=2, llm_tp=1, llm_cp=2, llm_dp=4))
+def _layout_case(name: str, layout: dict):
+    def case():
+        return _check(_parity(**layout))
+
+    case.__name__ = f"test_{name}"
+    return world.case(case)
 
 
-@world.case
-def test_equal_dp():
-    return _check(_parity(encoder_tp=2, encoder_dp=4, llm_tp=2, llm_cp=1, llm_dp=4))
-
-
-@world.case
-def test_fan_in_8_cp4():
-    return _check(_parity(encoder_tp=1, encoder_dp=8, llm_tp=2, llm_cp=4, llm_dp=1))
-
-
-@world.case
-def test_fan_out_8():
-    return _check(_parity(encoder_tp=8, encoder_dp=1, llm_tp=1, llm_cp=1, llm_dp=8))
-
-
-@world.case
-def test_fan_in_cp2_sequence_parallel():
-    return _check(
-        _parity(encoder_tp=2, encoder_dp=4, llm_tp=2, llm_cp=2, llm_dp=2, sequence_parallel=True)
-    )
-
-
-@world.case
-def test_fan_in_cp2_sequence_parallel_fused_loss():
-    return _check(
-        _parity(
-            encoder_tp=2,
-            encoder_dp=4,
-            llm_tp=2,
-            llm_cp=2,
-            llm_dp=2,
-            sequence_parallel=True,
-            fused_loss=True,
-        )  # fmt: skip
-    )
+for _name, _layout in LAYOUTS.items():
+    globals()[f"test_{_name}"] = _layout_case(_name, _layout)
 
 
 def _uneven_batch():
@@ -131,7 +111,7 @@ def test_text_only_samples_and_uneven_loss_mask():
     batch = _uneven_batch()
     counts = batch.loss_mask.view(4, 2, -1).sum(dim=(1, 2))
     assert len(set(counts.tolist())) > 1  # the unevenness the case relies on
-    return _check(_parity(encoder_tp=2, encoder_dp=4, llm_tp=2, llm_cp=2, llm_dp=2, batch=batch))
+    return _check(_parity(**FAN_IN_CP2, batch=batch))
 
 
 # ------------------------------------------------------------------ teeth
@@ -141,9 +121,7 @@ def test_oracle_catches_a_local_loss_denominator():
     original = mimo_module.masked_mean
     mimo_module.masked_mean = lambda values, mask, *, group=None: original(values, mask)
     try:
-        report = _parity(
-            encoder_tp=2, encoder_dp=4, llm_tp=2, llm_cp=2, llm_dp=2, batch=_uneven_batch()
-        )
+        report = _parity(**FAN_IN_CP2, batch=_uneven_batch())
     finally:
         mimo_module.masked_mean = original
     assert report.loss_max_rel > 1e-3 and report.weight_max_rel > 1e-3, report
@@ -157,7 +135,7 @@ def test_oracle_catches_a_skipped_bridge_cp_all_reduce():
     original = bridge_module._cp_all_reduce
     bridge_module._cp_all_reduce = lambda grad, cp_group: grad
     try:
-        report = _parity(encoder_tp=2, encoder_dp=4, llm_tp=2, llm_cp=2, llm_dp=2)
+        report = _parity(**FAN_IN_CP2)
     finally:
         bridge_module._cp_all_reduce = original
     # The forward is untouched (step-0 loss agrees); gradients and weights do not.
@@ -176,7 +154,7 @@ def test_oracle_catches_a_skipped_encoder_dp_gradient_sync():
         (g, ps) for g, ps in original(self) if g is not self.encoder_dp_group
     ]
     try:
-        report = _parity(encoder_tp=2, encoder_dp=4, llm_tp=2, llm_cp=2, llm_dp=2)
+        report = _parity(**FAN_IN_CP2)
     finally:
         ColocatedMimoModel.gradient_buckets = original
     assert report.worst_param_grad.startswith(("encoder.", "projection.")), report
@@ -195,7 +173,7 @@ def test_oracle_catches_a_gradient_summed_over_one_group_too_many():
         (self.llm.tp_group, [p for p in self.llm.parameters() if p.dim() == 1]),
     ]
     try:
-        report = _parity(encoder_tp=2, encoder_dp=4, llm_tp=2, llm_cp=2, llm_dp=2)
+        report = _parity(**FAN_IN_CP2)
     finally:
         ColocatedMimoModel.gradient_buckets = original
     # Norm gradients doubled: Adam's update barely changes, the gradient check does.

@@ -27,6 +27,7 @@ from mp_bridge.models import (
     TPEncoder,
     TPProjection,
     build_colocated_mimo,
+    destroy_colocated_mimo,
     dp_shard,
     run_parity,
     synthetic_batch,
@@ -119,10 +120,7 @@ def test_plain_signature_syncs_over_the_right_groups():
         batch = synthetic_batch(CFG, 4, seed=3, text_only=[1], uneven_mask=True)
         bad = _compare_step(model, reference, batch, enc, llm)
     finally:
-        model.destroy()
-        model.bridge.destroy()
-        destroy_grid(enc)
-        destroy_grid(llm)
+        destroy_colocated_mimo(model, enc, llm)
     assert not bad, bad
 
 
@@ -184,10 +182,7 @@ def test_empty_loss_masks_give_zero_not_nan():
             bad += _compare_step(model, reference, b, enc, llm)
             load_full_state(model, reference.state_dict())  # undo the gradient load
     finally:
-        model.destroy()
-        model.bridge.destroy()
-        destroy_grid(enc)
-        destroy_grid(llm)
+        destroy_colocated_mimo(model, enc, llm)
     assert not bad, bad
 
 
