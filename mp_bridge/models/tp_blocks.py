@@ -246,29 +246,6 @@ class TPBlock(nn.Module):
         return x + self.mlp(self.ln2(x))
 
 
-def make_blocks(
-    n: int,
-    hidden: int,
-    heads: int,
-    ffn: int,
-    *,
-    eps: float,
-    tp_group: dist.ProcessGroup | None,
-    config: ModelParallelConfig,
-    core: AttentionCore,
-    device: torch.device | None = None,
-) -> nn.ModuleList:
-    """``n`` :class:`TPBlock` s sharing ``core`` (named ``blocks.{i}`` like the reference)."""
-    return nn.ModuleList(
-        TPBlock(
-            hidden,
-            heads,
-            ffn,
-            eps=eps,
-            tp_group=tp_group,
-            config=config,
-            core=core,
-            device=device,
-        )  # fmt: skip
-        for _ in range(n)
-    )
+def make_blocks(n: int, *args, **kwargs) -> nn.ModuleList:
+    """``n`` :class:`TPBlock` s built with the same arguments (named like the reference's)."""
+    return nn.ModuleList(TPBlock(*args, **kwargs) for _ in range(n))

@@ -145,18 +145,23 @@ def test_oracle_catches_a_skipped_bridge_cp_all_reduce():
         _check(report)
 
 
+def _parity_with_buckets(edit):
+    """``FAN_IN_CP2`` parity with ``gradient_buckets`` replaced by ``edit(model, buckets)``."""
+    original = ColocatedMimoModel.gradient_buckets
+    ColocatedMimoModel.gradient_buckets = lambda self: edit(self, original(self))
+    try:
+        return _parity(**FAN_IN_CP2)
+    finally:
+        ColocatedMimoModel.gradient_buckets = original
+
+
 @world.case
 def test_oracle_catches_a_skipped_encoder_dp_gradient_sync():
     # Drop the encoder/projection bucket from the gradient sync: each encoder DP replica
     # then steps with its own shard's gradient only. Loss and input grad of step 1 agree.
-    original = ColocatedMimoModel.gradient_buckets
-    ColocatedMimoModel.gradient_buckets = lambda self: [
-        (g, ps) for g, ps in original(self) if g is not self.encoder_dp_group
-    ]
-    try:
-        report = _parity(**FAN_IN_CP2)
-    finally:
-        ColocatedMimoModel.gradient_buckets = original
+    report = _parity_with_buckets(
+        lambda model, buckets: [(g, ps) for g, ps in buckets if g is not model.encoder_dp_group]
+    )
     assert report.worst_param_grad.startswith(("encoder.", "projection.")), report
     assert report.param_grad_max_rel > 1e-2 and report.weight_max_rel > 1e-3, report
     with pytest.raises(AssertionError, match="param grad rel"):
@@ -165,18 +170,15 @@ def test_oracle_catches_a_skipped_encoder_dp_gradient_sync():
 
 @world.case
 def test_oracle_catches_a_gradient_summed_over_one_group_too_many():
-    # Sum every LLM gradient over TP as well (as if all were sequence-parallel norms):
-    # TP-sharded weights get their shards mixed, replicated ones become tp x too large.
-    original = ColocatedMimoModel.gradient_buckets
-    ColocatedMimoModel.gradient_buckets = lambda self: [
-        *original(self),
-        (self.llm.tp_group, [p for p in self.llm.parameters() if p.dim() == 1]),
-    ]
-    try:
-        report = _parity(**FAN_IN_CP2)
-    finally:
-        ColocatedMimoModel.gradient_buckets = original
-    # Norm gradients doubled: Adam's update barely changes, the gradient check does.
+    # Also sum the LLM's norm gradients over TP (as if they were sequence-parallel):
+    # they are TP-replicated without SP, so they come out tp = 2 times too large.
+    report = _parity_with_buckets(
+        lambda model, buckets: [
+            *buckets,
+            (model.llm.tp_group, [p for p in model.llm.parameters() if p.dim() == 1]),
+        ]
+    )
+    # Adam's update barely changes under a 2x gradient; the first-step gradient check does.
     assert report.param_grad_max_rel > 0.5, report
     with pytest.raises(AssertionError, match="param grad rel"):
         _check(report)
