@@ -29,7 +29,9 @@ WEIGHT_RTOL = 1e-4
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--world", type=int, default=8, help="number of ranks (default 8)")
+    parser.add_argument(
+        "--world", type=int, help="number of ranks (default 8; under torchrun its WORLD_SIZE)"
+    )
     parser.add_argument(
         "--encoder", help="encoder layout (tp, dp); default tp=2,dp=4 (tp=2,dp=WORLD/2)"
     )
@@ -86,6 +88,8 @@ def _validate(args: argparse.Namespace) -> tuple[dict[str, int], dict[str, int]]
     from mp_bridge.comm.bridge_plan import plan_bridge
     from mp_bridge.models import MimoConfig
 
+    if args.world is None:
+        args.world = int(os.environ["WORLD_SIZE"]) if _under_torchrun() else 8
     if args.world < 1:
         raise ValueError(f"--world {args.world} must be >= 1")
     if args.steps < 1:
