@@ -31,11 +31,13 @@ from .invariant import (
     BlockLayout,
     block_col,
     block_grad_,
-    block_stats,
+    block_stats_,
     combine_stats,
+    exp_shift_,
+    fold_blocks,
     gather_fold,
-    softmax_to_grad_,
     stats_values,
+    target_slots,
 )
 from .vocab_blocks import stream_fold
 
@@ -44,6 +46,30 @@ __all__ = ["DefaultEngine", "InvariantEngine"]
 
 def _add_(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return x.add_(y)
+
+
+def _shard_grad_(
+    z: torch.Tensor, valid: int, col: torch.Tensor, lse: torch.Tensor, w: torch.Tensor, spec
+) -> torch.Tensor:
+    """Default path: raw logits ``z [C, V_local]`` (fp32) -> ``d value / d z`` in place."""
+    if valid < z.shape[1]:
+        z[:, max(valid, 0) :] = float("-inf")
+    return _softmax_to_grad_(z.sub_(lse.unsqueeze(1)).exp_(), valid, col, w, spec)
+
+
+def _softmax_to_grad_(
+    z: torch.Tensor, valid: int, col: torch.Tensor, w: torch.Tensor, spec: LossSpec
+) -> torch.Tensor:
+    """``z`` holds the softmax (0 on padding) -> ``w * (a * softmax + c) + w * b * onehot``."""
+    a, b, c = spec.coefficients
+    if a != 1.0:
+        z.mul_(a)
+    if c != 0.0 and valid > 0:
+        z[:, :valid].add_(c)
+    z.mul_(w.unsqueeze(1))
+    # Rows whose target is elsewhere add an exact 0 at column 0.
+    z.scatter_add_(1, col.clamp(min=0).unsqueeze(1), torch.where(col >= 0, w * b, 0.0).unsqueeze(1))
+    return z
 
 
 def _accumulate_weight_grad(gw: torch.Tensor, g: torch.Tensor, h: torch.Tensor) -> None:
@@ -108,9 +134,9 @@ class DefaultEngine:
         z, m = state
         col = block_col(t, self.start, z.shape[1])
         if m is None:  # raw logits (backward recompute)
-            g = block_grad_(z, self.valid, col, lse, w, self.spec)
+            g = _shard_grad_(z, self.valid, col, lse, w, self.spec)
         else:  # exp(z - m) from forward: softmax = exp(z - m) * exp(m - lse)
-            g = softmax_to_grad_(
+            g = _softmax_to_grad_(
                 z.mul_(torch.exp(m - lse).unsqueeze(1)), self.valid, col, w, self.spec
             )
         g = g.to(h.dtype)
@@ -125,10 +151,14 @@ class DefaultEngine:
 
 @dataclass(frozen=True, eq=False)
 class InvariantEngine:
-    """Fixed ``[TOKEN_TILE, H] x [H, VOCAB_BLOCK]`` matmuls, canonical-tree folds.
+    """Fixed ``[TOKEN_TILE, H] x [H, VOCAB_BLOCK]`` matmuls, batched block math, tree folds.
 
-    Chunks must start on a multiple of ``TOKEN_TILE`` so tiles are the same for every
-    chunk size.
+    A chunk of ``C`` tokens is ``T = ceil(C / TOKEN_TILE)`` tiles (the last one zero
+    padded); its logits are one fp32 ``[T, K, TOKEN_TILE, VOCAB_BLOCK]`` batch over the
+    ``K`` real local blocks, filled by one ``mm(..., out=)`` per (tile, block). The
+    element-wise math and row reductions run once on the whole batch (per-row results do
+    not depend on ``T`` or ``K``, see ``mp_bridge.layers.invariant``). Chunks must start on
+    a multiple of ``TOKEN_TILE`` so tiles are the same for every chunk size.
     """
 
     weight: torch.Tensor
@@ -136,80 +166,96 @@ class InvariantEngine:
     layout: BlockLayout
     spec: LossSpec
 
-    def _tiles(self, h: torch.Tensor) -> list[torch.Tensor]:
-        out = []
-        for s in range(0, h.shape[0], TOKEN_TILE):
-            piece = h[s : s + TOKEN_TILE]
-            if piece.shape[0] < TOKEN_TILE:  # zero rows: the fixed shape, never a result
-                piece = torch.cat([piece, piece.new_zeros(TOKEN_TILE - piece.shape[0], h.shape[1])])
-            out.append(piece.contiguous())
-        return out
+    def _tiles(self, h: torch.Tensor) -> torch.Tensor:
+        """``[T, TOKEN_TILE, H]`` copy of ``h`` (zero rows: the fixed shape, never a result).
+
+        Always a fresh buffer, so every matmul operand starts at an offset that depends
+        on nothing but the tile index (not on where the chunk sits in the caller's tensor).
+        """
+        n, hd = h.shape
+        hb = h.new_zeros((-(-n // TOKEN_TILE), TOKEN_TILE, hd))
+        hb.view(-1, hd)[:n] = h
+        return hb
 
     def _w_block(self, j: int) -> torch.Tensor:
         b = self.layout.block
         return self.weight[j * b : (j + 1) * b]
 
-    def recompute(self, h: torch.Tensor):
-        tiles = self._tiles(h)
-        blocks = []
-        for ht in tiles:
-            row = []
-            for j in self.layout.real_local_blocks:
-                z = torch.mm(ht, self._w_block(j).t())  # (T, H) @ (H, B)
-                z = z if z.dtype == torch.float32 else z.float()
-                if self.spec.temperature != 1.0:
-                    z.div_(self.spec.temperature)
-                row.append(z)
-            blocks.append(row)
-        return tiles, blocks
+    def _logits(self, hb: torch.Tensor) -> torch.Tensor:
+        tiles, k, b = hb.shape[0], self.layout.num_local, self.layout.block
+        z = torch.empty((tiles, k, TOKEN_TILE, b), dtype=torch.float32, device=hb.device)
+        low = None if hb.dtype == torch.float32 else hb.new_empty((TOKEN_TILE, b))
+        for j in range(k):  # block-major: the weight block stays in cache across tiles
+            wt = self._w_block(j).t()
+            for i in range(tiles):
+                if low is None:
+                    torch.mm(hb[i], wt, out=z[i, j])  # (T, H) @ (H, B)
+                else:
+                    z[i, j].copy_(torch.mm(hb[i], wt, out=low))
+        if self.spec.temperature != 1.0:
+            z.div_(self.spec.temperature)
+        return z
 
-    def _cols(self, t: torch.Tensor, i: int) -> list[torch.Tensor]:
-        tt = t[i * TOKEN_TILE : (i + 1) * TOKEN_TILE]
-        if tt.shape[0] < TOKEN_TILE:
-            tt = torch.cat([tt, tt.new_full((TOKEN_TILE - tt.shape[0],), -1)])
-        lay = self.layout
-        return [
-            block_col(tt, (lay.first + j) * lay.block, lay.block) for j in lay.real_local_blocks
-        ]
+    def _slots(self, t: torch.Tensor, tiles: int):
+        padded = t.new_full((tiles * TOKEN_TILE,), -1)
+        padded[: t.shape[0]] = t
+        return target_slots(padded, self.layout)
+
+    def recompute(self, h: torch.Tensor):
+        hb = self._tiles(h)
+        z = self._logits(hb)
+        return hb, z, exp_shift_(z, self.layout)
 
     def forward_chunk(self, h: torch.Tensor, t: torch.Tensor):
-        state = self.recompute(h)
-        lay, with_sum = self.layout, self.spec.coefficients[2] != 0.0
-        local = []
-        for i, row in enumerate(state[1]):
-            cols = self._cols(t, i)
-            leaves = (
-                # block_stats masks padding columns of z in place; grad_chunk relies on it.
-                (lay.first + j, block_stats(z, lay.valid(j), c, with_sum))
-                for j, z, c in zip(lay.real_local_blocks, row, cols)
-            )
-            local.append(stream_fold(leaves, combine_stats))
-        like = torch.zeros(4, TOKEN_TILE, device=h.device)
-        roots = gather_fold(local, lay, self.tp_group, combine_stats, like)
-        values, lses = zip(*(stats_values(r, self.spec) for r in roots))
+        hb = self._tiles(h)
+        z = self._logits(hb)
+        tiles, lay = hb.shape[0], self.layout
+        with_sum = self.spec.coefficients[2] != 0.0
+        stats, m = block_stats_(z, lay, self._slots(t, tiles), with_sum)  # z <- exp(z - m)
+        pieces = fold_blocks(stats, 2, lay, combine_stats)
+        root = gather_fold(
+            pieces, lay, self.tp_group, combine_stats, (4, tiles, TOKEN_TILE), h.device
+        )
+        value, lse = stats_values(root, self.spec)
         n = h.shape[0]
-        return state, torch.cat(values)[:n], torch.cat(lses)[:n]
+        return (hb, z, m), value.reshape(-1)[:n], lse.reshape(-1)[:n]
 
     def grad_chunk(self, state, h, t, lse, w, gw: torch.Tensor | None) -> torch.Tensor:
-        tiles, blocks = state
+        hb, e, m = state
         lay, b = self.layout, self.layout.block
-        n, pad = h.shape[0], len(tiles) * TOKEN_TILE - h.shape[0]
-        lse = torch.cat([lse, lse.new_zeros(pad)])
-        w = torch.cat([w, w.new_zeros(pad)])  # padded rows: factor 0, no gradient
+        tiles, n, hd = hb.shape[0], h.shape[0], h.shape[1]
+        rows = tiles * TOKEN_TILE
+        lse = torch.cat([lse, lse.new_zeros(rows - n)]).view(tiles, TOKEN_TILE)
+        w = torch.cat([w, w.new_zeros(rows - n)]).view(tiles, TOKEN_TILE)  # padded rows: 0
+        g = block_grad_(e, m, lse, w, self._slots(t, tiles), lay, self.spec)
+        g = g if h.dtype == torch.float32 else g.to(h.dtype)
+        pool: list[torch.Tensor] = []  # d h partial buffers freed by the fold, reused
 
-        def leaves(i: int, ht: torch.Tensor, row: list[torch.Tensor]):
-            # A generator: the fold keeps O(log blocks) [T, H] partials alive, not one per block.
-            rows = slice(i * TOKEN_TILE, (i + 1) * TOKEN_TILE)
-            for j, z, c in zip(lay.real_local_blocks, row, self._cols(t, i)):
-                g = block_grad_(z, lay.valid(j), c, lse[rows], w[rows], self.spec).to(h.dtype)
-                if gw is not None:
-                    _accumulate_weight_grad(gw[j * b : (j + 1) * b], g, ht)
-                gh = torch.mm(g, self._w_block(j))  # (T, B) @ (B, H)
-                yield lay.first + j, gh if gh.dtype == torch.float32 else gh.float()
+        def leaves():
+            # A generator: the fold keeps O(log K) [T, TOKEN_TILE, H] partials alive.
+            for j in lay.real_local_blocks:
+                wj = self._w_block(j)
+                gwj = gw[j * b : (j + 1) * b] if gw is not None else None
+                out = (
+                    pool.pop()
+                    if pool
+                    else hb.new_empty((tiles, TOKEN_TILE, hd), dtype=torch.float32)
+                )
+                for i in range(tiles):  # tiles in token order: d W sums tokens tile by tile
+                    gij = g[i, j]
+                    if gwj is not None:
+                        _accumulate_weight_grad(gwj, gij, hb[i])
+                    if h.dtype == torch.float32:
+                        torch.mm(gij, wj, out=out[i])  # (T, B) @ (B, H)
+                    else:
+                        out[i].copy_(torch.mm(gij, wj))
+                yield lay.first + j, out
 
-        local = [
-            stream_fold(leaves(i, ht, row), _add_) for i, (ht, row) in enumerate(zip(tiles, blocks))
-        ]
-        like = torch.zeros(TOKEN_TILE, h.shape[1], device=h.device)
-        roots = gather_fold(local, lay, self.tp_group, _add_, like)
-        return torch.cat(roots)[:n]
+        def add_(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            x.add_(y)
+            pool.append(y)
+            return x
+
+        pieces = stream_fold(leaves(), add_)
+        root = gather_fold(pieces, lay, self.tp_group, _add_, (tiles, TOKEN_TILE, hd), h.device)
+        return root.reshape(-1, hd)[:n]

@@ -1,35 +1,13 @@
 """Bitwise TP-invariant cross-entropy / log-probs: fixed vocab blocks, fixed tree, fixed tiles.
 
-Results (values and gradients) are **bitwise identical** for every TP size whose local
-shard is a whole number of ``VOCAB_BLOCK`` (= 256) rows, i.e. every TP size when the
-vocab is laid out with ``vocab_shard_ranges(vocab_size, tp, multiple=VOCAB_BLOCK)``
-(TP = 1, 2, 3, 4, 8, ... alike; the padding differs between them but padding blocks are
-never computed). They are also independent of which other tokens share the call.
-
-How (see ``vocab_blocks`` for the tree):
-
-1. Every floating-point operation has a shape that depends on nothing but the two
-   constants: tokens are cut into tiles of ``TOKEN_TILE`` rows (the last one zero-padded)
-   and each (tile, block) pair is a contiguous fp32 ``[TOKEN_TILE, VOCAB_BLOCK]`` tensor.
-   Element-wise math, row reductions and (fused path) matmuls see the same shapes,
-   strides and kernels at every TP size, and a row never mixes with another row.
-2. Per (tile, block): fp32 partials ``[m, s, tl, sz]`` per token (block max, sum of
-   ``exp(z - m)``, target logit if the target is in the block else 0, sum of logits).
-3. A rank folds its blocks into maximal aligned subtrees of the canonical tree; one
-   all-gather over ``tp_group`` brings every rank's subtree partials, and every rank
-   folds them in the same tree order (``combine_stats``: online log-sum-exp).
-4. ``lse = m + log(s)``; values and ``softmax = exp(z - lse)`` follow element-wise.
-
-Collectives: one all-gather per call of ``[P, tiles, 4, TOKEN_TILE]`` fp32 (``P`` = the
-most subtrees a rank holds; 1 when shards are power-of-two aligned); none in backward.
-Cost against ``vocab_parallel_cross_entropy``: a fixed tiled loop (Python overhead per
-(tile, block), ~15 small kernels) and an fp32 copy of each block.
+DOCSTRING-PLACEHOLDER
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -45,22 +23,28 @@ from .vocab_blocks import (
     fold_tree,
     local_pieces,
     num_real_blocks,
-    stream_fold,
 )
 
 __all__ = [
     "TOKEN_TILE",
     "VOCAB_BLOCK",
     "BlockLayout",
+    "TargetSlots",
+    "block_col",
     "block_grad_",
-    "softmax_to_grad_",
-    "block_stats",
+    "block_stats_",
     "combine_stats",
+    "exp_shift_",
+    "fold_blocks",
     "gather_fold",
     "invariant_cross_entropy",
     "invariant_logprobs",
     "stats_values",
+    "target_slots",
 ]
+
+#: Materialized path: tiles per batch, about this many fp32 logits (8 MiB) per batch.
+_BATCH_ELEMENTS = 1 << 21
 
 
 @dataclass(frozen=True)
@@ -68,7 +52,7 @@ class BlockLayout:
     """Which fixed vocab blocks this rank holds (pure).
 
     Example: vocab 1000, TP 2, shards of 512 rows: 4 real blocks; rank 1 holds local
-    blocks 0, 1 = global blocks 2, 3 (block 3 has 1000 - 768 = 232 true ids).
+    blocks 0, 1 = global blocks 2, 3 (block 3 has 1000 - 768 = 232 true ids: ``tail``).
     """
 
     vocab_size: int
@@ -87,13 +71,28 @@ class BlockLayout:
         return self.rank * (self.v_local // self.block)
 
     @property
+    def start(self) -> int:
+        """First global id of this rank's shard."""
+        return self.first * self.block
+
+    @property
     def real_local_blocks(self) -> range:
         """Local block indices holding at least one true id."""
         return range(max(0, min(self.v_local // self.block, self.num_real - self.first)))
 
+    @property
+    def num_local(self) -> int:
+        """``K``: real blocks on this rank (its padding blocks are never computed)."""
+        return len(self.real_local_blocks)
+
     def valid(self, j: int) -> int:
         """True ids in local block ``j`` (``block``, except for the last real block)."""
         return min(self.block, self.vocab_size - (self.first + j) * self.block)
+
+    @property
+    def tail(self) -> int:
+        """True ids in this rank's last real block (``block`` if full, 0 if none)."""
+        return self.valid(self.num_local - 1) if self.num_local else 0
 
     def pieces(self, rank: int) -> list[Piece]:
         per = self.v_local // self.block
@@ -114,31 +113,71 @@ class BlockLayout:
         return cls(vocab, v_local, tp, rank)
 
 
-# ------------------------------------------------------------- per-block numerics
-def block_stats(z: torch.Tensor, valid: int, col: torch.Tensor, with_sum: bool) -> torch.Tensor:
-    """``[4, rows]`` fp32 partials ``(max, sum exp(z - max), z[col] or 0, sum z)`` of a block.
+# ------------------------------------------------------------- batched block numerics
+# Logits live as one contiguous fp32 batch z [T, K, TOKEN_TILE, B] (tile, real local block,
+# row, column). Every op on it is element-wise, a reduction over the last dim, or an
+# indexed read/write of one element per row, so the bits of a row depend on that row
+# alone, never on T or K (which vary with the chunk size and the TP size): ATen reduces
+# each row whole with the same inner kernel whatever the number of rows (its threads split
+# rows, never a row), and element-wise results do not depend on where a kernel's vector
+# body ends (checked for exp, the only transcendental, with 1-3 threads on this build).
 
-    ``z``: contiguous fp32 ``[rows, cols]`` (overwritten: columns ``>= valid`` -> -inf);
-    ``col``: ``[rows]`` local column of the target, -1 if not in this block. A block with
-    ``valid == 0`` gives the identity ``(-inf, 0, 0, 0)``.
+
+class TargetSlots(NamedTuple):
+    """Where the targets this rank owns sit in a ``[T, K, TOKEN_TILE, B]`` batch."""
+
+    pos: torch.Tensor  # flat token index (tile * TOKEN_TILE + row) of each owned target
+    index: tuple[torch.Tensor, ...]  # (tile, block, row, col), one entry per owned target
+
+
+def target_slots(target: torch.Tensor, layout: BlockLayout) -> TargetSlots:
+    """Slots of ``target [T * TOKEN_TILE]`` (-1 on padded rows) in this rank's real blocks."""
+    local = target - layout.start
+    owned = (target >= 0) & (local >= 0) & (local < layout.num_local * layout.block)
+    pos = owned.nonzero().squeeze(1)
+    loc = local[pos]
+    b = layout.block
+    return TargetSlots(pos, (pos // TOKEN_TILE, loc // b, pos % TOKEN_TILE, loc % b))
+
+
+def exp_shift_(z: torch.Tensor, layout: BlockLayout) -> torch.Tensor:
+    """Mask the padding columns of ``z [T, K, TOKEN_TILE, B]`` to -inf, then ``z <- exp(z -
+    m)`` in place, ``m [T, K, TOKEN_TILE]`` the max of each block row (returned)."""
+    k = z.shape[1]
+    if k and layout.tail < layout.block:
+        z[:, k - 1, :, layout.tail :] = float("-inf")
+    m = z.amax(dim=-1)
+    z.sub_(m.unsqueeze(-1)).exp_()  # padding columns: exp(-inf) = 0
+    return m
+
+
+def block_stats_(
+    z: torch.Tensor, layout: BlockLayout, slots: TargetSlots, with_sum: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[4, T, K, TOKEN_TILE]`` fp32 partials of every (tile, block) row, and ``m``.
+
+    Partials: ``(max, sum exp(z - max), z[target] or 0, sum of the true z or 0)``. ``z``
+    (raw fp32 logits) is left holding ``exp(z - m)`` (``exp_shift_``). With ``K == 0``
+    the partials are all zero and are never folded (no pieces).
     """
-    rows = z.shape[0]
-    if valid <= 0:
-        out = torch.zeros(4, rows, dtype=torch.float32, device=z.device)
-        out[0] = float("-inf")
-        return out
-    if valid < z.shape[1]:
-        z[:, valid:] = float("-inf")
-    m = z.amax(dim=1)
-    s = torch.exp(z - m.unsqueeze(1)).sum(dim=1)
-    owned = col >= 0
-    tl = torch.where(owned, z.gather(1, col.clamp(min=0).unsqueeze(1)).squeeze(1), 0.0)
-    sz = z[:, :valid].sum(dim=1) if with_sum else torch.zeros_like(m)
-    return torch.stack([m, s, tl, sz])
+    t, k = z.shape[:2]
+    stats = z.new_zeros((4, t, k, TOKEN_TILE))
+    if k == 0:
+        return stats, stats[0]
+    tile, blk, row, col = slots.index
+    stats[2].index_put_((tile, blk, row), z[tile, blk, row, col])
+    if with_sum:
+        tail = layout.tail
+        stats[3, :, : k - 1] = z[:, : k - 1].sum(dim=-1)
+        stats[3, :, k - 1] = z[:, k - 1, :, :tail].sum(dim=-1)
+    m = exp_shift_(z, layout)
+    stats[0] = m
+    stats[1] = z.sum(dim=-1)
+    return stats, m
 
 
 def combine_stats(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """Online log-sum-exp merge of two ``[4, rows]`` partials (x left of y in vocab order)."""
+    """Online log-sum-exp merge of two ``[4, ...]`` partials (x left of y in vocab order)."""
     m = torch.maximum(x[0], y[0])
     # exp(-inf - m) = 0 keeps an all-padding partial (-inf, 0) an exact no-op.
     s = x[1] * torch.exp(x[0] - m) + y[1] * torch.exp(y[0] - m)
@@ -146,7 +185,7 @@ def combine_stats(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 
 def stats_values(root: torch.Tensor, spec: LossSpec) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(value, lse)`` per token from folded ``[4, rows]`` stats (affine form of LossSpec)."""
+    """``(value, lse)`` per token from folded ``[4, ...]`` stats (affine form of LossSpec)."""
     a, b, c = spec.coefficients
     lse = root[0] + torch.log(root[1])
     value = lse * a + root[2] * b
@@ -156,37 +195,35 @@ def stats_values(root: torch.Tensor, spec: LossSpec) -> tuple[torch.Tensor, torc
 
 
 def block_grad_(
-    z: torch.Tensor,
-    valid: int,
-    col: torch.Tensor,
+    e: torch.Tensor,
+    m: torch.Tensor,
     lse: torch.Tensor,
     w: torch.Tensor,
+    slots: TargetSlots,
+    layout: BlockLayout,
     spec: LossSpec,
 ) -> torch.Tensor:
-    """Turn block logits ``z [rows, cols]`` (fp32, contiguous) into ``d value / d z`` in place.
+    """Turn ``e = exp(z - m) [T, K, TOKEN_TILE, B]`` into ``d value / d z`` in place.
 
-    ``w [rows]``: per-token factor (upstream grad / temperature; 0 for ignored or padded
-    rows). Result: ``w * (a * softmax + c)`` on true columns, plus ``w * b`` at the
-    target; 0 on padding columns.
+    ``lse``, ``w``: ``[T, TOKEN_TILE]``; ``w`` is the per-token factor (upstream grad /
+    temperature; 0 for ignored or padded rows). Result: ``w * (a * softmax + c)`` on true
+    columns, plus ``w * b`` at the target; 0 on padding columns.
     """
-    if valid < z.shape[1]:
-        z[:, max(valid, 0) :] = float("-inf")
-    return softmax_to_grad_(z.sub_(lse.unsqueeze(1)).exp_(), valid, col, w, spec)
-
-
-def softmax_to_grad_(
-    z: torch.Tensor, valid: int, col: torch.Tensor, w: torch.Tensor, spec: LossSpec
-) -> torch.Tensor:
-    """Second half of ``block_grad_``: ``z`` already holds the softmax (0 on padding)."""
+    k = e.shape[1]
+    if k == 0:
+        return e
     a, b, c = spec.coefficients
+    e.mul_(torch.exp(m - lse.unsqueeze(1)).unsqueeze(-1))  # softmax = exp(z - m) exp(m - lse)
     if a != 1.0:
-        z.mul_(a)
-    if c != 0.0 and valid > 0:
-        z[:, :valid].add_(c)
-    z.mul_(w.unsqueeze(1))
-    # Rows whose target is elsewhere add an exact 0 at column 0.
-    z.scatter_add_(1, col.clamp(min=0).unsqueeze(1), torch.where(col >= 0, w * b, 0.0).unsqueeze(1))
-    return z
+        e.mul_(a)
+    if c != 0.0:
+        e.add_(c)
+        if layout.tail < layout.block:
+            e[:, k - 1, :, layout.tail :] = 0.0
+    e.mul_(w.unsqueeze(1).unsqueeze(-1))
+    if slots.pos.numel():
+        e.index_put_(slots.index, e[slots.index] + w.reshape(-1)[slots.pos] * b)
+    return e
 
 
 def block_col(target: torch.Tensor, start: int, width: int) -> torch.Tensor:
@@ -195,57 +232,85 @@ def block_col(target: torch.Tensor, start: int, width: int) -> torch.Tensor:
     return torch.where(inside, target - start, -1)
 
 
-# ------------------------------------------------------------- cross-rank tree fold
-def gather_fold(
-    local: Sequence[list[tuple[Piece, torch.Tensor]]],
+# ------------------------------------------------------------- canonical-tree folds
+def fold_blocks(
+    values: torch.Tensor,
+    dim: int,
     layout: BlockLayout,
-    tp_group: dist.ProcessGroup | None,
     combine: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-    like: torch.Tensor,
-) -> list[torch.Tensor]:
-    """Per tile, the root of the canonical tree from every rank's subtree partials.
+) -> list[tuple[Piece, torch.Tensor]]:
+    """This rank's maximal aligned subtrees (``layout.pieces``), each folded level by level.
 
-    ``local[i]``: this rank's ``(piece, value)`` list for tile ``i`` (same pieces for
-    every tile); ``like``: a tensor shaped like one value. One all-gather of
-    ``[P, tiles, *value.shape]`` over ``tp_group`` (none when TP = 1).
+    ``values``: local real block ``k`` at index ``k`` of ``dim``. A subtree of ``2**L``
+    leaves takes ``L`` batched steps over the pairs ``(2i, 2i + 1)``: element by element
+    the operations of the canonical tree (``combine`` must be element-wise).
     """
-    tiles = len(local)
-    p_max = layout.max_pieces
-    packed = like.new_zeros((p_max, tiles, *like.shape))
-    for i, pieces in enumerate(local):
-        for p, (_, value) in enumerate(pieces):
-            packed[p, i] = value
-    tp = layout.tp_size
-    gathered = all_gather_tensor(packed, tp_group, 0).view(tp, p_max, tiles, *like.shape)
-    owners = [layout.pieces(r) for r in range(tp)]
-    roots = []
-    for i in range(tiles):
-        pieces = {piece: gathered[r, p, i] for r in range(tp) for p, piece in enumerate(owners[r])}
-        roots.append(fold_tree(pieces, layout.num_real, combine))
-    return roots
-
-
-def tile_blocks(
-    x: torch.Tensor, rows: slice, layout: BlockLayout, temperature: float
-) -> list[torch.Tensor]:
-    """fp32 ``[TOKEN_TILE, block]`` copies of the real local blocks of ``x[rows]``."""
-    n = rows.stop - rows.start
     out = []
-    for j in layout.real_local_blocks:
-        z = x.new_zeros((TOKEN_TILE, layout.block), dtype=torch.float32)
-        z[:n] = x[rows, j * layout.block : (j + 1) * layout.block]
-        if temperature != 1.0:
-            z.div_(temperature)
-        out.append(z)
+    for level, idx in layout.pieces(layout.rank):
+        v = values.narrow(dim, (idx << level) - layout.first, 1 << level)
+        while v.shape[dim] > 1:
+            pairs = v.unflatten(dim, (-1, 2))
+            v = combine(pairs.select(dim + 1, 0), pairs.select(dim + 1, 1))
+        out.append(((level, idx), v.squeeze(dim)))
     return out
 
 
+def gather_fold(
+    pieces: list[tuple[Piece, torch.Tensor]],
+    layout: BlockLayout,
+    tp_group: dist.ProcessGroup | None,
+    combine: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    shape: tuple[int, ...],
+    device: torch.device,
+) -> torch.Tensor:
+    """Root of the canonical tree from every rank's subtree partials (fp32, ``shape``).
+
+    One all-gather of ``[P, *shape]`` over ``tp_group`` (none when TP = 1), ``P`` = the
+    most pieces a rank holds; every rank then folds all pieces in the same tree order.
+    """
+    if layout.tp_size == 1:
+        return fold_tree(dict(pieces), layout.num_real, combine)
+    p_max, tp = layout.max_pieces, layout.tp_size
+    packed = torch.zeros((p_max, *shape), dtype=torch.float32, device=device)
+    for p, (_, value) in enumerate(pieces):
+        packed[p] = value
+    gathered = all_gather_tensor(packed, tp_group, 0).view(tp, p_max, *shape)
+    owned = {piece: gathered[r, p] for r in range(tp) for p, piece in enumerate(layout.pieces(r))}
+    return fold_tree(owned, layout.num_real, combine)
+
+
 # ------------------------------------------------------------- materialized logits
+def _pad(v: torch.Tensor, rows: int, fill: float) -> torch.Tensor:
+    if v.shape[0] == rows:
+        return v
+    out = v.new_full((rows, *v.shape[1:]), fill)
+    out[: v.shape[0]] = v
+    return out
+
+
+def _copy_rows(z: torch.Tensor, rows: torch.Tensor, to_z: bool) -> None:
+    """Copy between ``rows [r, K, B]`` and the first ``r`` tile-major rows of ``z [T, K,
+    TOKEN_TILE, B]`` (``to_z``: into ``z``, else out of it), casting the dtype."""
+    zt = z.permute(0, 2, 1, 3)  # [T, TOKEN_TILE, K, B], a view
+    full, rem = divmod(rows.shape[0], TOKEN_TILE)
+    pairs = []
+    if full:
+        pairs.append((zt[:full], rows[: full * TOKEN_TILE].unflatten(0, (full, TOKEN_TILE))))
+    if rem:
+        pairs.append((zt[full, :rem], rows[full * TOKEN_TILE :]))
+    for zp, rp in pairs:
+        if to_z:
+            zp.copy_(rp)
+        else:
+            rp.copy_(zp)
+
+
 class _InvariantVocabLoss(torch.autograd.Function):
-    """Per-token values over materialized vocab-parallel logits, tile by tile.
+    """Per-token values over materialized vocab-parallel logits, in batches of tiles.
 
     Forward: one all-gather of subtree partials. Backward (no collective): recompute each
-    block's softmax from the saved lse; ``grad_logits = upstream * d value / d logits``.
+    block's ``exp(z - m)`` and rescale it with the saved lse; ``grad_logits = upstream *
+    d value / d logits``.
     """
 
     @staticmethod
@@ -253,26 +318,28 @@ class _InvariantVocabLoss(torch.autograd.Function):
         x = logits.reshape(-1, layout.v_local)
         t = target.reshape(-1)
         n = x.shape[0]
-        tiles = [slice(s, min(s + TOKEN_TILE, n)) for s in range(0, n, TOKEN_TILE)]
+        tiles = -(-n // TOKEN_TILE)
         with_sum = spec.coefficients[2] != 0.0
-        local = []
-        for rows in tiles:
-            tgt = _pad_rows(t[rows], -1)
-            blocks = tile_blocks(x, rows, layout, spec.temperature)
-            leaves = (
-                (layout.first + j, block_stats(z, layout.valid(j), _col(tgt, layout, j), with_sum))
-                for j, z in zip(layout.real_local_blocks, blocks)
+        shape = (4, tiles, TOKEN_TILE)
+        parts = []
+        for _, _, z, slots in _batches(x, t, layout, spec.temperature):
+            stats, _ = block_stats_(z, layout, slots, with_sum)
+            parts.append(fold_blocks(stats, 2, layout, combine_stats))
+        pieces = [  # this rank's pieces over all tiles (none when it holds no real block)
+            (
+                piece,
+                torch.cat([part[p][1] for part in parts], dim=1)
+                if parts
+                else x.new_zeros(shape, dtype=torch.float32),
             )
-            local.append(stream_fold(leaves, combine_stats))
-        like = torch.zeros(4, TOKEN_TILE, device=x.device)
-        roots = gather_fold(local, layout, tp_group, combine_stats, like)
-        values, lses = zip(*(stats_values(r, spec) for r in roots)) if roots else ((), ())
-        value = torch.cat(values)[:n] if n else x.new_zeros(0, dtype=torch.float32)
-        lse = torch.cat(lses) if n else value
+            for p, piece in enumerate(layout.pieces(layout.rank))
+        ]
+        root = gather_fold(pieces, layout, tp_group, combine_stats, shape, x.device)
+        value, lse = (v.reshape(-1)[:n] for v in stats_values(root, spec))
         if spec.ignore_index is not None:
             value = value.masked_fill(t == spec.ignore_index, 0.0)
         ctx.save_for_backward(logits, target, lse)
-        ctx.layout, ctx.spec, ctx.tiles = layout, spec, tiles
+        ctx.layout, ctx.spec = layout, spec
         return value.view(target.shape)
 
     @staticmethod
@@ -281,29 +348,35 @@ class _InvariantVocabLoss(torch.autograd.Function):
         layout, spec = ctx.layout, ctx.spec
         x = logits.reshape(-1, layout.v_local)
         t = target.reshape(-1)
+        n, kb = x.shape[0], layout.num_local * layout.block
         w = spec.token_weight(t) * grad_value.reshape(-1).float()
         grad = torch.zeros_like(x)
-        for i, rows in enumerate(ctx.tiles):
-            n = rows.stop - rows.start
-            tgt, wt = _pad_rows(t[rows], -1), _pad_rows(w[rows], 0.0)
-            lse_t = lse[i * TOKEN_TILE : (i + 1) * TOKEN_TILE]
-            blocks = tile_blocks(x, rows, layout, spec.temperature)
-            for j, z in zip(layout.real_local_blocks, blocks):
-                g = block_grad_(z, layout.valid(j), _col(tgt, layout, j), lse_t, wt, spec)
-                grad[rows, j * layout.block : (j + 1) * layout.block] = g[:n]
+        for i0, i1, z, slots in _batches(x, t, layout, spec.temperature):
+            r0, r1, rows = i0 * TOKEN_TILE, min(i1 * TOKEN_TILE, n), (i1 - i0) * TOKEN_TILE
+            m = exp_shift_(z, layout)
+            lse_b = _pad(lse[r0:r1], rows, 0.0).view(i1 - i0, TOKEN_TILE)
+            w_b = _pad(w[r0:r1], rows, 0.0).view(i1 - i0, TOKEN_TILE)
+            g = block_grad_(z, m, lse_b, w_b, slots, layout, spec)
+            _copy_rows(g, grad[r0:r1, :kb].unflatten(1, (-1, layout.block)), to_z=False)
         return grad.view(logits.shape), None, None, None, None
 
 
-def _pad_rows(v: torch.Tensor, fill: float) -> torch.Tensor:
-    if v.shape[0] == TOKEN_TILE:
-        return v
-    out = v.new_full((TOKEN_TILE,), fill)
-    out[: v.shape[0]] = v
-    return out
-
-
-def _col(target: torch.Tensor, layout: BlockLayout, j: int) -> torch.Tensor:
-    return block_col(target, (layout.first + j) * layout.block, layout.block)
+def _batches(x: torch.Tensor, t: torch.Tensor, layout: BlockLayout, temperature: float):
+    """``(i0, i1, z, slots)`` per batch of tiles ``[i0, i1)``: ``z`` the fp32 ``[i1 - i0,
+    K, TOKEN_TILE, B]`` copy of the real blocks (zero padded rows), about
+    ``_BATCH_ELEMENTS`` logits each."""
+    n, k, b = x.shape[0], layout.num_local, layout.block
+    tiles = -(-n // TOKEN_TILE)
+    per = max(1, _BATCH_ELEMENTS // (TOKEN_TILE * max(k * b, 1)))
+    for i0 in range(0, tiles, per):
+        i1 = min(i0 + per, tiles)
+        r0, r1 = i0 * TOKEN_TILE, min(i1 * TOKEN_TILE, n)
+        z = torch.zeros((i1 - i0, k, TOKEN_TILE, b), dtype=torch.float32, device=x.device)
+        _copy_rows(z, x[r0:r1, : k * b].unflatten(1, (k, b)), to_z=True)
+        if temperature != 1.0:
+            z.div_(temperature)
+        slots = target_slots(_pad(t[r0:r1], (i1 - i0) * TOKEN_TILE, -1), layout)
+        yield i0, i1, z, slots
 
 
 def invariant_cross_entropy(
