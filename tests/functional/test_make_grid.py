@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch.distributed as dist
 
-from mp_bridge.grid import GridLayout, make_grid
+from mp_bridge.grid import GridLayout, destroy_grid, make_grid
 from mp_bridge.testing import DistributedWorld
 
 world = DistributedWorld(8)
@@ -76,3 +76,19 @@ def test_positional_sizes_subset_dim_names_and_groups_alias():
 
 def layout_group(grid, dims):
     return sorted(GridLayout.from_grid(grid).group_of(dist.get_rank(), dims))
+
+
+@world.case
+def test_destroy_grid_frees_its_groups_and_allows_rebuilding():
+    from torch.distributed import distributed_c10d as c10d
+
+    before = len(c10d._world.pg_map)
+    for _ in range(5):
+        grid = make_grid(tp=2, cp=2, dp=2, create=("tp", "cp", ("dp", "cp")))
+        destroy_grid(grid)
+        destroy_grid(grid)  # idempotent
+    assert len(c10d._world.pg_map) == before
+    with pytest.raises(KeyError):
+        grid.get_pg("tp")
+    with pytest.raises(TypeError, match="not a megatron HyperCommGrid"):
+        destroy_grid(object())
