@@ -18,7 +18,6 @@ import sys
 import time
 
 from mp_bridge.grid import GridLayout, parse_layout_spec
-from mp_bridge.grid.spec import AXIS_NAMES
 
 __all__ = ["add_arguments", "format_parity_table", "run"]
 
@@ -55,12 +54,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(run=run)
 
 
-def _sizes(spec: str, world: int, allowed: tuple[str, ...], flag: str) -> dict[str, int]:
+def _layout(spec: str, world: int, allowed: tuple[str, ...], flag: str) -> GridLayout:
+    """The grid a spec names: axes in the order written (first = fastest over ranks)."""
     try:
-        layout = parse_layout_spec(spec, world_size=world, allowed=allowed)
+        return parse_layout_spec(spec, world_size=world, allowed=allowed)
     except ValueError as exc:
         raise ValueError(f"{flag}: {exc}") from None
-    return {name: layout.dim(name) for name in allowed}
 
 
 def default_layouts(world: int) -> tuple[str, str]:
@@ -80,7 +79,7 @@ def default_layouts(world: int) -> tuple[str, str]:
     return f"tp={enc_tp},dp={world // enc_tp}", llm
 
 
-def _validate(args: argparse.Namespace) -> tuple[dict[str, int], dict[str, int]]:
+def _validate(args: argparse.Namespace) -> tuple[GridLayout, GridLayout]:
     """Every check that can fail, before any process starts (ValueError with the fix).
 
     Fills in ``args.encoder``/``args.llm``/``args.batch_size`` when they were left out.
@@ -99,8 +98,10 @@ def _validate(args: argparse.Namespace) -> tuple[dict[str, int], dict[str, int]]
     default_enc, default_llm = default_layouts(args.world)
     args.encoder = args.encoder or default_enc
     args.llm = args.llm or default_llm
-    enc = _sizes(args.encoder, args.world, ("tp", "dp"), "--encoder")
-    llm = _sizes(args.llm, args.world, ("tp", "cp", "dp"), "--llm")
+    enc_layout = _layout(args.encoder, args.world, ("tp", "dp"), "--encoder")
+    llm_layout = _layout(args.llm, args.world, ("tp", "cp", "dp"), "--llm")
+    enc = {n: enc_layout.dim(n) for n in ("tp", "dp")}
+    llm = {n: llm_layout.dim(n) for n in ("tp", "cp", "dp")}
     if args.batch_size is None:
         step = math.lcm(enc["dp"], llm["dp"])
         args.batch_size = -(-8 // step) * step  # the smallest multiple of both DPs >= 8
@@ -108,8 +109,8 @@ def _validate(args: argparse.Namespace) -> tuple[dict[str, int], dict[str, int]]
         raise ValueError(f"--batch-size {args.batch_size} must be >= 1")
     if args.plot:
         _check_plot_target(args.plot)
-    canonical = lambda s: GridLayout(tuple(s.get(n, 1) for n in AXIS_NAMES), AXIS_NAMES)
-    plan_bridge(canonical(enc), canonical(llm), src_name="encoder", dest_name="llm")
+    # The written axis order is the grid's rank order, so nesting is checked on it.
+    plan_bridge(enc_layout, llm_layout, src_name="encoder", dest_name="llm")
     try:
         MimoConfig().check_tp(encoder_tp=enc["tp"], llm_tp=llm["tp"])
     except ValueError as exc:
@@ -128,10 +129,10 @@ def _validate(args: argparse.Namespace) -> tuple[dict[str, int], dict[str, int]]
             f"the demo's sequence length {MimoConfig().seq_len} is not divisible by "
             f"2*cp{'*tp' if args.sequence_parallel else ''}={factor}; lower --llm cp"
         )
-    return enc, llm
+    return enc_layout, llm_layout
 
 
-def _worker(enc: dict[str, int], llm: dict[str, int], opts: dict):
+def _worker(enc: GridLayout, llm: GridLayout, opts: dict):
     """Runs on every rank: train + oracle; rank 0 prints the progress lines."""
     import torch.distributed as dist
 
@@ -153,8 +154,9 @@ def _worker(enc: dict[str, int], llm: dict[str, int], opts: dict):
             )
 
     return run_parity(
-        cfg, encoder_tp=enc["tp"], encoder_dp=enc["dp"], llm_tp=llm["tp"], llm_cp=llm["cp"],
-        llm_dp=llm["dp"], sequence_parallel=opts["sequence_parallel"],
+        cfg, encoder_tp=enc.dim("tp"), encoder_dp=enc.dim("dp"), llm_tp=llm.dim("tp"),
+        llm_cp=llm.dim("cp"), llm_dp=llm.dim("dp"), encoder_dim_names=enc.dim_names,
+        llm_dim_names=llm.dim_names, sequence_parallel=opts["sequence_parallel"],
         fused_loss=opts["fused_loss"], batch=batches, steps=opts["steps"], lr=opts["lr"],
         device=current_device(), on_step=progress,
     )  # fmt: skip

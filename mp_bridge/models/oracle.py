@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from mp_bridge.grid import GridLayout, make_grid
+from mp_bridge.grid import AXIS_NAMES, GridLayout, make_grid
 
 from .build import build_colocated_mimo, destroy_colocated_mimo
 from .config import MimoConfig
@@ -111,6 +111,8 @@ def run_parity(
     llm_tp: int = 1,
     llm_cp: int = 1,
     llm_dp: int = 1,
+    encoder_dim_names: Sequence[str] = AXIS_NAMES,
+    llm_dim_names: Sequence[str] = AXIS_NAMES,
     sequence_parallel: bool = False,
     fused_loss: bool = False,
     batch: MimoBatch | Sequence[MimoBatch] | None = None,
@@ -125,7 +127,8 @@ def run_parity(
 
     ``batch``: one global batch used at every step, or a list cycled over the steps
     (default: one seeded :func:`synthetic_batch` of ``batch_size`` samples). Grids are
-    built and destroyed here (``make_grid`` with the default ``tp, cp, pp, dp`` order) and
+    built and destroyed here (``make_grid`` with ``encoder_dim_names`` / ``llm_dim_names``,
+    default ``tp, cp, pp, dp``; the two orders must nest, see ``plan_bridge``) and
     each must cover the whole world, so many layouts can run one after another in one
     world. ``on_step(step, loss, seconds)`` is called after every distributed step (e.g.
     for progress lines).
@@ -150,8 +153,13 @@ def run_parity(
         raise ValueError("batch is an empty sequence; pass at least one MimoBatch")
     init_state = {k: v.clone() for k, v in reference.state_dict().items()}
 
-    enc_grid = make_grid(tp=encoder_tp, dp=encoder_dp, create=("tp", "dp"))
-    llm_grid = make_grid(tp=llm_tp, cp=llm_cp, dp=llm_dp, create=("tp", "cp", "dp", ("dp", "cp")))
+    enc_grid = make_grid(
+        tp=encoder_tp, dp=encoder_dp, dim_names=encoder_dim_names, create=("tp", "dp")
+    )
+    llm_grid = make_grid(
+        tp=llm_tp, cp=llm_cp, dp=llm_dp, dim_names=llm_dim_names,
+        create=("tp", "cp", "dp", ("dp", "cp")),
+    )  # fmt: skip
     model = build_colocated_mimo(
         reference, enc_grid, llm_grid, sequence_parallel=sequence_parallel,
         fused_loss=fused_loss, device=device,

@@ -67,11 +67,29 @@ def test_default_layouts_per_world_size():
     assert default_layouts(3) == ("tp=1,dp=3", "dp=3")
 
 
+def _args(**overrides) -> argparse.Namespace:
+    values = dict(
+        world=8, encoder=None, llm=None, steps=1, batch_size=None, lr=1e-2,
+        sequence_parallel=False, fused_loss=False, plot=None,
+    )  # fmt: skip
+    return argparse.Namespace(**(values | overrides))
+
+
 @pytest.mark.parametrize("world", range(1, 17))
 def test_defaults_pass_every_check_for_any_world(world):
-    args = argparse.Namespace(
-        world=world, encoder=None, llm=None, steps=1, batch_size=None, lr=1e-2,
-        sequence_parallel=True, fused_loss=False, plot=None,
-    )  # fmt: skip
+    args = _args(world=world, sequence_parallel=True)
     enc, llm = _validate(args)  # raises on a layout the demo cannot run
-    assert args.batch_size >= 8 and args.batch_size % enc["dp"] == args.batch_size % llm["dp"] == 0
+    assert (
+        args.batch_size >= 8
+        and args.batch_size % enc.dim("dp") == args.batch_size % llm.dim("dp") == 0
+    )
+
+
+def test_written_axis_order_is_the_grid_order():
+    # `mp-bridge plan` and the demo read a spec the same way: first axis written = fastest.
+    args = _args(world=8, encoder="dp=4,tp=2", llm="dp=4,tp=2")
+    enc, llm = _validate(args)
+    assert enc.dim_names[:2] == ("dp", "tp") and enc.coords(1) == {"dp": 1, "tp": 0}
+    args = _args(world=8, encoder="dp=4,tp=2", llm="tp=2,cp=2,dp=2")
+    with pytest.raises(ValueError, match="layouts do not nest: rank 2"):
+        _validate(args)
