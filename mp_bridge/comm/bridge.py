@@ -28,7 +28,7 @@ import torch.distributed as dist
 from mp_bridge.grid.layout import GridLayout
 
 from .bridge_plan import BridgeDirection, BridgePlan, plan_bridge
-from .primitives import all_gather_tensor, group_size
+from .primitives import all_gather_tensor, all_reduce_sum, copy_to_group
 
 __all__ = ["ColocatedBridgeCommunicator"]
 
@@ -65,11 +65,7 @@ def _check_dim_mapping(dim_mapping: Mapping[str, int] | None) -> dict[str, int]:
 
 def _cp_all_reduce(grad: torch.Tensor, cp_group: dist.ProcessGroup | None) -> torch.Tensor:
     """Sum the per-CP-rank partial gradients (out of place; identity for no/size-1 group)."""
-    if group_size(cp_group) == 1:
-        return grad
-    out = grad.clone(memory_format=torch.contiguous_format)
-    dist.all_reduce(out, op=dist.ReduceOp.SUM, group=cp_group)
-    return out
+    return all_reduce_sum(grad, cp_group)
 
 
 def _slot(x: torch.Tensor, dim: int, slot: int, k: int) -> torch.Tensor:
@@ -107,19 +103,6 @@ class _FanOut(torch.autograd.Function):
     def backward(ctx, grad):
         grad = _cp_all_reduce(grad, ctx.cp_group)
         return all_gather_tensor(grad, ctx.gather_group, ctx.dim), None, None, None, None, None
-
-
-class _CpGradReduce(torch.autograd.Function):
-    """Forward: identity. Backward: all-reduce(SUM) over the dest CP group (EQUAL, CP > 1)."""
-
-    @staticmethod
-    def forward(ctx, x, cp_group):
-        ctx.cp_group = cp_group
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _cp_all_reduce(grad, ctx.cp_group), None
 
 
 class ColocatedBridgeCommunicator:
@@ -278,9 +261,8 @@ class ColocatedBridgeCommunicator:
             return _FanIn.apply(x, self._gather_group, self._cp_group, dim, slot, k)
         if direction is BridgeDirection.FAN_OUT:
             return _FanOut.apply(x, self._gather_group, self._cp_group, dim, slot, k)
-        if self._cp_group is not None and group_size(self._cp_group) > 1:
-            return _CpGradReduce.apply(x, self._cp_group)
-        return x
+        # EQUAL: identity forward, CP all-reduce of the gradient backward (Megatron's f).
+        return copy_to_group(x, self._cp_group)
 
     __call__ = communicate
 

@@ -17,11 +17,12 @@ so any ``dim_names`` order works whenever the two layouts nest, and it is unit-t
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from mp_bridge.grid.layout import GridLayout
 
-__all__ = ["BridgeDirection", "BridgePlan", "plan_bridge"]
+__all__ = ["BridgeDirection", "BridgePlan", "format_rank_table", "plan_bridge"]
 
 # Axes the bridge understands; any other axis must have size 1.
 _KNOWN_AXES = ("tp", "cp", "pp", "dp")
@@ -127,28 +128,50 @@ class BridgePlan:
             f"backward: {bwd}",
             "",
         ]
-        rows = [("rank", self.src_name, self.dest_name, "slot", "gather group", "cp group")]
-        for r in self.src.ranks:
-            rows.append(
-                (
-                    str(r),
-                    _fmt_coords(self.src, r),
-                    _fmt_coords(self.dest, r),
-                    str(self.slot_of(r)),
-                    _fmt_group(self.gather_group_of(r)),
-                    _fmt_group(self.cp_group_of(r)),
-                )
-            )
-        widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-        lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
-        lines.insert(1, "  ".join("-" * w for w in widths))
-        return "\n".join(head + lines)
+        table = format_rank_table(
+            self.src,
+            self.dest,
+            self.src_name,
+            self.dest_name,
+            columns=(
+                ("slot", lambda r: str(self.slot_of(r))),
+                ("gather group", lambda r: _fmt_group(self.gather_group_of(r))),
+                ("cp group", lambda r: _fmt_group(self.cp_group_of(r))),
+            ),
+        )
+        return "\n".join(head) + "\n" + table
 
     def __repr__(self) -> str:
         return (
             f"BridgePlan({self.src!r} -> {self.dest!r}, {self.direction.name}, "
             f"scale={self.scale}, cp={self.cp_size})"
         )
+
+
+def format_rank_table(
+    src: GridLayout,
+    dest: GridLayout,
+    src_name: str = "src",
+    dest_name: str = "dest",
+    *,
+    columns: Sequence[tuple[str, Callable[[int], str]]] = (),
+) -> str:
+    """One row per rank of ``src``: its coords in both layouts (axes of size > 1), then
+    one cell per ``(header, cell_of_rank)`` in ``columns``. Pure text, aligned columns::
+
+        rank  encoder    llm             slot
+        ----  ---------  --------------  ----
+        0     tp=0,dp=0  tp=0,cp=0,dp=0  0
+    """
+    rows = [("rank", src_name, dest_name, *(h for h, _ in columns))]
+    for r in src.ranks:
+        rows.append(
+            (str(r), _fmt_coords(src, r), _fmt_coords(dest, r), *(f(r) for _, f in columns))
+        )
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
 
 
 def _fmt_coords(layout: GridLayout, rank: int) -> str:

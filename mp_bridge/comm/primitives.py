@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 __all__ = [
     "all_gather_tensor",
+    "all_reduce_sum",
     "copy_to_group",
     "gather_along",
     "gather_keep_grad",
@@ -84,8 +85,14 @@ def _reduce_scatter_single(out: torch.Tensor, inp: torch.Tensor, group) -> None:
     fn(out, inp, group=group)
 
 
-def _all_reduce_sum(x: torch.Tensor, group) -> torch.Tensor:
-    out = x.clone(memory_format=torch.contiguous_format)  # never mutate autograd buffers
+def all_reduce_sum(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Sum ``x`` over the group, out of place (no autograd; ``x`` is returned for size 1).
+
+    Clones first: ``x`` may be a buffer autograd owns (an incoming gradient).
+    """
+    if group_size(group) == 1:
+        return x
+    out = x.clone(memory_format=torch.contiguous_format)
     dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
     return out
 
@@ -107,13 +114,13 @@ class _CopyToGroup(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_reduce_sum(grad, ctx.group), None
+        return all_reduce_sum(grad, ctx.group), None
 
 
 class _ReduceFromGroup(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
-        return _all_reduce_sum(x, group)
+        return all_reduce_sum(x, group)
 
     @staticmethod
     def backward(ctx, grad):
@@ -133,26 +140,18 @@ class _GatherAlong(torch.autograd.Function):
         return _own_slice(grad, ctx.group, ctx.dim), None, None, None
 
 
-class _ScatterAlong(torch.autograd.Function):
+class _ToShard(torch.autograd.Function):
+    """Forward: this rank's slice along ``dim`` (of the group sum when ``reduce``).
+    Backward: all-gather along ``dim`` (the adjoint of both slice and reduce-scatter)."""
+
     @staticmethod
-    def forward(ctx, x, group, dim):
+    def forward(ctx, x, group, dim, reduce):
         ctx.group, ctx.dim = group, dim
-        return _own_slice(x, group, dim)
+        return reduce_scatter_tensor(x, group, dim) if reduce else _own_slice(x, group, dim)
 
     @staticmethod
     def backward(ctx, grad):
-        return all_gather_tensor(grad, ctx.group, ctx.dim), None, None
-
-
-class _ReduceScatterAlong(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group, dim):
-        ctx.group, ctx.dim = group, dim
-        return reduce_scatter_tensor(x, group, dim)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return all_gather_tensor(grad, ctx.group, ctx.dim), None, None
+        return all_gather_tensor(grad, ctx.group, ctx.dim), None, None, None
 
 
 def _dim(x: torch.Tensor, dim: int) -> int:
@@ -197,7 +196,7 @@ def scatter_along(x: torch.Tensor, group: dist.ProcessGroup | None, dim: int) ->
     """Keep this rank's contiguous slice along ``dim``; backward all-gathers the grad."""
     if group_size(group) == 1:
         return x
-    return _ScatterAlong.apply(x, group, _dim(x, dim))
+    return _ToShard.apply(x, group, _dim(x, dim), False)
 
 
 def reduce_scatter_along(
@@ -206,4 +205,4 @@ def reduce_scatter_along(
     """Reduce-scatter(SUM) along ``dim``; backward all-gathers the grad (SP's *g-bar*)."""
     if group_size(group) == 1:
         return x
-    return _ReduceScatterAlong.apply(x, group, _dim(x, dim))
+    return _ToShard.apply(x, group, _dim(x, dim), True)

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import argparse
 
-from mp_bridge.comm.bridge_plan import plan_bridge
-from mp_bridge.grid import GridLayout, parse_layout_spec
+from mp_bridge.comm.bridge_plan import format_rank_table, plan_bridge
+from mp_bridge.grid import parse_layout_spec
 
-__all__ = ["add_arguments", "format_rank_table", "run"]
+__all__ = ["add_arguments", "run"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -20,22 +20,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--encoder", default="tp=2,dp=4", help="encoder layout, e.g. tp=2,dp=4")
     parser.add_argument("--llm", default="tp=2,cp=2,dp=2", help="LLM layout, e.g. tp=2,cp=2,dp=2")
     parser.set_defaults(run=run)
-
-
-def format_rank_table(src: GridLayout, dest: GridLayout, src_name: str, dest_name: str) -> str:
-    """One row per rank: its coordinates in ``src`` and in ``dest`` (axes of size > 1)."""
-
-    def coords(layout: GridLayout, rank: int) -> str:
-        c = layout.coords(rank)
-        shown = [f"{n}={c[n]}" for n, s in zip(layout.dim_names, layout.shape) if s > 1]
-        return " ".join(shown) or "-"
-
-    rows = [("rank", src_name, dest_name)]
-    rows += [(str(r), coords(src, r), coords(dest, r)) for r in src.ranks]
-    widths = [max(len(row[i]) for row in rows) for i in range(3)]
-    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -140,86 +140,72 @@ def _check_case(src, dest, direction, scale, *, flat=False, noncontig=False, **g
         assert bwd.bytes_received("all_reduce") == m_dest
 
 
-# ------------------------------------------------------------------ FAN_IN
-@world.case
-def test_fan_in_cp2_grid_cp_group():
-    _check_case(dict(tp=2, dp=4), dict(tp=2, cp=2, dp=2), BridgeDirection.FAN_IN, 2)
-
-
-@world.case
-def test_fan_in_cp4_flat_own_cp_group():
-    _check_case(
+# One case per row: (name, encoder layout, LLM layout, direction, scale, options).
+FAN_IN, FAN_OUT, EQUAL = BridgeDirection.FAN_IN, BridgeDirection.FAN_OUT, BridgeDirection.EQUAL
+SRC_DP_FASTEST, DEST_CP_DP_FASTEST = ("dp", "tp", "cp", "pp"), ("cp", "dp", "tp", "pp")
+CASES = [
+    ("fan_in_cp2_grid_cp_group", dict(tp=2, dp=4), dict(tp=2, cp=2, dp=2), FAN_IN, 2, {}),
+    (
+        "fan_in_cp4_flat_own_cp_group",
         dict(tp=1, dp=8),
         dict(tp=2, cp=4, dp=1),
-        BridgeDirection.FAN_IN,
+        FAN_IN,
         8,
-        flat=True,
-        dest_groups=(),
-    )
-
-
-@world.case
-def test_fan_in_cp1_noncontiguous():
-    _check_case(dict(tp=2, dp=4), dict(tp=4, dp=2), BridgeDirection.FAN_IN, 2, noncontig=True)
-
-
-@world.case
-def test_fan_in_dp_fastest_orders_that_nest():
+        dict(flat=True, dest_groups=()),
+    ),
+    (
+        "fan_in_cp1_noncontiguous",
+        dict(tp=2, dp=4),
+        dict(tp=4, dp=2),
+        FAN_IN,
+        2,
+        dict(noncontig=True),
+    ),
+    ("fan_in_k4_dest_tp_larger", dict(tp=1, dp=8), dict(tp=4, dp=2), FAN_IN, 4, {}),
+    ("fan_in_k4_cp2", dict(tp=2, dp=4), dict(tp=4, cp=2, dp=1), FAN_IN, 4, {}),
     # src dp fastest (rank = ds + 4·ts), dest cp fastest then dp: dd = ds // 2 on every rank.
-    _check_case(
+    (
+        "fan_in_dp_fastest_orders_that_nest",
         dict(tp=2, dp=4),
         dict(tp=2, cp=2, dp=2),
-        BridgeDirection.FAN_IN,
+        FAN_IN,
         2,
-        src_order=("dp", "tp", "cp", "pp"),
-        dest_order=("cp", "dp", "tp", "pp"),
-    )
-
-
-# ----------------------------------------------------------------- FAN_OUT
-@world.case
-def test_fan_out_cp2_noncontiguous_own_cp_group():
-    _check_case(
+        dict(src_order=SRC_DP_FASTEST, dest_order=DEST_CP_DP_FASTEST),
+    ),
+    (
+        "fan_out_cp2_noncontiguous_own_cp_group",
         dict(tp=4, dp=2),
         dict(tp=1, cp=2, dp=4),
-        BridgeDirection.FAN_OUT,
+        FAN_OUT,
         2,
-        noncontig=True,
-        dest_groups=(),
-    )
-
-
-@world.case
-def test_fan_out_cp4_flat():
-    _check_case(dict(tp=8, dp=1), dict(tp=1, cp=4, dp=2), BridgeDirection.FAN_OUT, 2, flat=True)
-
-
-@world.case
-def test_fan_out_cp1_scale8():
-    _check_case(dict(tp=8, dp=1), dict(tp=1, dp=8), BridgeDirection.FAN_OUT, 8)
-
-
-# ------------------------------------------------------------------- EQUAL
-@world.case
-def test_equal_cp1_is_identity():
-    _check_case(dict(tp=2, dp=4), dict(tp=2, dp=4), BridgeDirection.EQUAL, 1)
-
-
-@world.case
-def test_equal_cp2():
-    _check_case(dict(tp=2, dp=4), dict(tp=1, cp=2, dp=4), BridgeDirection.EQUAL, 1)
-
-
-@world.case
-def test_equal_cp4_flat_noncontiguous():
-    _check_case(
+        dict(noncontig=True, dest_groups=()),
+    ),
+    ("fan_out_cp4_flat", dict(tp=8, dp=1), dict(tp=1, cp=4, dp=2), FAN_OUT, 2, dict(flat=True)),
+    ("fan_out_k4_cp2", dict(tp=8, dp=1), dict(tp=1, cp=2, dp=4), FAN_OUT, 4, {}),
+    ("fan_out_cp1_scale8", dict(tp=8, dp=1), dict(tp=1, dp=8), FAN_OUT, 8, {}),
+    ("equal_cp1_is_identity", dict(tp=2, dp=4), dict(tp=2, dp=4), EQUAL, 1, {}),
+    ("equal_cp2", dict(tp=2, dp=4), dict(tp=1, cp=2, dp=4), EQUAL, 1, {}),
+    (
+        "equal_cp4_flat_noncontiguous",
         dict(tp=4, dp=2),
         dict(tp=1, cp=4, dp=2),
-        BridgeDirection.EQUAL,
+        EQUAL,
         1,
-        flat=True,
-        noncontig=True,
-    )
+        dict(flat=True, noncontig=True),
+    ),
+]
+
+
+def _register(name, src, dest, direction, scale, options):
+    def case():
+        _check_case(src, dest, direction, scale, **options)
+
+    case.__name__ = case.__qualname__ = f"test_{name}"
+    globals()[case.__name__] = world.case(case)
+
+
+for _row in CASES:
+    _register(*_row)
 
 
 @world.case

@@ -55,7 +55,7 @@ def test_plan_non_nesting_prints_coords_then_one_line_error(capsys):
     code = main(["plan", "--encoder", "dp=4,tp=2", "--llm", "tp=2,cp=2,dp=2"])
     captured = capsys.readouterr()
     assert code == 2
-    assert "2     dp=2 tp=0  tp=0 cp=1 dp=0" in captured.out
+    assert "2     dp=2,tp=0  tp=0,cp=1,dp=0" in captured.out
     err = captured.err.strip().splitlines()
     assert len(err) == 1 and "layouts do not nest: rank 2 has encoder coords" in err[0]
 
