@@ -5,7 +5,8 @@ Lower bound on bytes each rank must receive (m = per-rank src activation bytes):
 forward (k-1)·m, FAN_OUT backward (k-1)·m/k, EQUAL 0; the dest-CP gradient all-reduce is
 listed separately (it is required whenever dest CP > 1). "bare" times the same collectives
 (all-gather of the same bytes in the same group, plus the CP all-reduce when there is one)
-without the bridge around them. Times are medians over iterations of the slowest rank.
+without the bridge around them, alternating with the bridge run by run. Times are
+medians over iterations of the slowest rank.
 Prints a table and the command; never asserts on time.
 
     python bench/bridge.py [--iters 50] [--batch 16] [--seq 128] [--hidden 256]
@@ -43,15 +44,20 @@ def _spec(d: dict[str, int]) -> str:
     return ",".join(f"{k}={v}" for k, v in d.items())
 
 
-def _timed(fn, iters: int) -> float:
-    """Median seconds of ``fn()`` over ``iters`` runs, each started after a barrier."""
-    times = []
+def _timed(fns, iters: int) -> list[float]:
+    """Median seconds of each ``fn()`` over ``iters`` rounds, each run after a barrier.
+
+    The functions alternate within a round, so a change in machine load (the CPU is
+    shared) hits both sides of a ratio alike instead of biasing whichever ran later.
+    """
+    times: list[list[float]] = [[] for _ in fns]
     for _ in range(iters):
-        dist.barrier()
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        for fn, acc in zip(fns, times):
+            dist.barrier()
+            t0 = time.perf_counter()
+            fn()
+            acc.append(time.perf_counter() - t0)
+    return [statistics.median(t) for t in times]
 
 
 def _bench_layout(src: dict, dest: dict, args: argparse.Namespace) -> dict:
@@ -85,8 +91,7 @@ def _bench_layout(src: dict, dest: dict, args: argparse.Namespace) -> dict:
         for _ in range(2):  # warm-up: the first collectives on a new group set up links
             step()
             bare()
-        t_bridge = _timed(step, args.iters)
-        t_bare = _timed(bare, args.iters)
+        t_bridge, t_bare = _timed([step, bare], args.iters)
     lower = {"FAN_IN": (k - 1) * m, "FAN_OUT": (k - 1) * m // k, "EQUAL": 0}[direction]
     return dict(
         layout=f"{_spec(src)} -> {_spec(dest)}",
