@@ -4,13 +4,14 @@ An engine turns one token chunk ``h [C, H]`` of the TP-replicated hidden states 
 local weight shard ``W [V_local, H]`` into per-token ``(value, lse)`` (``forward_chunk``),
 and a chunk's logits plus per-token factors into the full ``d loss / d h`` rows and this
 rank's ``d loss / d W`` (``grad_chunk``, accumulated in fp32). Only the chunk's logits
-(``C x V_local`` fp32) are ever alive.
+(``C x V_local`` fp32; the invariant engine's real blocks, zero-padded to whole tiles) are
+ever alive, plus, in the invariant engine, O(log blocks) ``[C, H]`` fp32 partials.
 
 Collectives per chunk over ``tp_group`` (none when TP = 1):
 
 - ``DefaultEngine``: forward one all-gather of ``[4, C]`` fp32 stats; gradient one
   all-reduce(SUM) of ``[C, H]`` fp32 (``d h`` partials of the vocab shards).
-- ``InvariantEngine``: forward one all-gather of ``[P, tiles, 4, TOKEN_TILE]``; gradient
+- ``InvariantEngine``: forward one all-gather of ``[P, 4, tiles, TOKEN_TILE]``; gradient
   one all-gather of ``[P, tiles, TOKEN_TILE, H]`` subtree partials folded in the canonical
   tree order (an all-reduce's order depends on TP, so it cannot be used), where ``P`` is
   the most subtrees a rank holds (1 for power-of-two aligned shards).
@@ -229,26 +230,19 @@ class InvariantEngine:
         w = torch.cat([w, w.new_zeros(rows - n)]).view(tiles, TOKEN_TILE)  # padded rows: 0
         g = block_grad_(e, m, lse, w, self._slots(t, tiles), lay, self.spec)
         g = g if h.dtype == torch.float32 else g.to(h.dtype)
-        pool: list[torch.Tensor] = []  # d h partial buffers freed by the fold, reused
+        pool: list[torch.Tensor] = []  # [TOKEN_TILE, H] partials freed by the fold, reused
 
-        def leaves():
-            # A generator: the fold keeps O(log K) [T, TOKEN_TILE, H] partials alive.
+        def leaves(i: int):
+            # A generator: the fold keeps O(log K) [TOKEN_TILE, H] partials alive.
             for j in lay.real_local_blocks:
-                wj = self._w_block(j)
-                gwj = gw[j * b : (j + 1) * b] if gw is not None else None
-                out = (
-                    pool.pop()
-                    if pool
-                    else hb.new_empty((tiles, TOKEN_TILE, hd), dtype=torch.float32)
-                )
-                for i in range(tiles):  # tiles in token order: d W sums tokens tile by tile
-                    gij = g[i, j]
-                    if gwj is not None:
-                        _accumulate_weight_grad(gwj, gij, hb[i])
-                    if h.dtype == torch.float32:
-                        torch.mm(gij, wj, out=out[i])  # (T, B) @ (B, H)
-                    else:
-                        out[i].copy_(torch.mm(gij, wj))
+                gij = g[i, j]
+                if gw is not None:  # tiles in token order: d W sums tokens tile by tile
+                    _accumulate_weight_grad(gw[j * b : (j + 1) * b], gij, hb[i])
+                out = pool.pop() if pool else hb.new_empty((TOKEN_TILE, hd), dtype=torch.float32)
+                if h.dtype == torch.float32:
+                    torch.mm(gij, self._w_block(j), out=out)  # (T, B) @ (B, H)
+                else:
+                    out.copy_(torch.mm(gij, self._w_block(j)))
                 yield lay.first + j, out
 
         def add_(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -256,6 +250,11 @@ class InvariantEngine:
             pool.append(y)
             return x
 
-        pieces = stream_fold(leaves(), add_)
+        # Tile by tile (partials stay O(log K) x one tile); pieces stacked over tiles.
+        per_tile = [stream_fold(leaves(i), add_) for i in range(tiles)]
+        pieces = [
+            (piece, torch.stack([tile[p][1] for tile in per_tile]))
+            for p, (piece, _) in enumerate(per_tile[0])
+        ]
         root = gather_fold(pieces, lay, self.tp_group, _add_, (tiles, TOKEN_TILE, hd), h.device)
         return root.reshape(-1, hd)[:n]

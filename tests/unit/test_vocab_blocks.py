@@ -1,4 +1,4 @@
-"""Canonical block tree (pure) and the exactness of its identity elements."""
+"""Canonical block tree (pure), exact identity elements, batch-independent block math."""
 
 from __future__ import annotations
 
@@ -7,7 +7,16 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from mp_bridge.layers.invariant import combine_stats
+from mp_bridge.layers._loss_common import LossSpec
+from mp_bridge.layers.fused_loss import fused_linear_logprobs
+from mp_bridge.layers.invariant import (
+    TOKEN_TILE,
+    BlockLayout,
+    block_grad_,
+    block_stats_,
+    combine_stats,
+    target_slots,
+)
 from mp_bridge.layers.vocab_blocks import (
     check_block_aligned,
     fold_tree,
@@ -78,3 +87,72 @@ def test_padding_partials_fold_as_exact_no_ops():
     identity[0] = float("-inf")
     assert torch.equal(combine_stats(x, identity), x)
     assert torch.equal(combine_stats(identity, x), x)
+
+
+# ------------------------------------------------- batched block math, thread counts
+def _block_layout(blocks_per_rank: int, rank: int) -> BlockLayout:
+    # vocab 2500: 10 real blocks, the last one holds 196 true ids; no process group needed.
+    tp = -(-10 // blocks_per_rank)
+    return BlockLayout(2500, blocks_per_rank * 256, tp, rank)
+
+
+def _block_math(z, target, layout, spec, tiles=slice(0, 4)):
+    """Stats, then d value / d z with fixed per-token lse and factors, for ``z[tiles]``."""
+    z = z.clone(memory_format=torch.contiguous_format)
+    slots = target_slots(target, layout)
+    stats, m = block_stats_(z, layout, slots, with_sum=True)
+    lse = torch.linspace(4.0, 6.0, 4 * TOKEN_TILE).view(4, TOKEN_TILE)[tiles]
+    w = torch.linspace(0.5, 1.5, 4 * TOKEN_TILE).view(4, TOKEN_TILE)[tiles]
+    return stats, block_grad_(z, m, lse, w, slots, layout, spec)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_block_math_rows_do_not_depend_on_the_batch(threads):
+    """Each row's stats and gradient have the same bits whether the batch holds 4 tiles x
+    10 blocks (TP 1) or the tiles / blocks of one rank of another layout: element-wise
+    kernels and row reductions over 640 Ki elements are split across threads differently
+    from those over a few tiles."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        g = torch.Generator().manual_seed(0)
+        z = torch.randn(4, 10, TOKEN_TILE, 256, generator=g) * 4
+        target = torch.randint(0, 2500, (4 * TOKEN_TILE,), generator=g)
+        spec = LossSpec("ce", 2500, -100, 0.1)
+        full_stats, full_grad = _block_math(z, target, _block_layout(10, 0), spec)
+        for per, rank, tiles in ((4, 1, slice(0, 4)), (3, 3, slice(1, 3)), (2, 2, slice(3, 4))):
+            layout = _block_layout(per, rank)
+            blocks = slice(layout.first, layout.first + layout.num_local)
+            t = target.view(4, TOKEN_TILE)[tiles].reshape(-1)
+            stats, grad = _block_math(z[tiles, blocks], t, layout, spec, tiles)
+            assert torch.equal(stats, full_stats[:, tiles, blocks]), (per, rank)
+            assert torch.equal(grad, full_grad[tiles, blocks]), (per, rank)
+    finally:
+        torch.set_num_threads(old)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_fused_invariant_is_chunk_and_batch_invariant_at_any_thread_count(threads):
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        g = torch.Generator().manual_seed(1)
+        hidden = torch.randn(300, 32, generator=g)
+        weight = torch.randn(2560, 32, generator=g) * 0.3
+        target = torch.randint(0, 2500, (300,), generator=g)
+
+        def run(h, t, chunk):
+            hh = h.clone().requires_grad_(True)
+            out = fused_linear_logprobs(
+                hh, weight, t, vocab_size=2500, chunk_size=chunk, invariant=True
+            )
+            out.backward(torch.linspace(0.5, 1.5, 300)[: out.shape[0]])
+            return out.detach(), hh.grad
+
+        ref = run(hidden[:200], target[:200], 200)
+        for chunk, n in ((1, 200), (64, 200), (130, 200), (300, 300), (64, 300)):
+            value, grad = run(hidden[:n], target[:n], chunk)
+            assert torch.equal(value[:200], ref[0]), (chunk, n)
+            assert torch.equal(grad[:200], ref[1]), (chunk, n)
+    finally:
+        torch.set_num_threads(old)
