@@ -190,7 +190,7 @@ class InvariantEngine:
             wt = self._w_block(j).t()
             for i in range(tiles):
                 if low is None:
-                    torch.mm(hb[i], wt, out=z[i, j])  # (T, H) @ (H, B)
+                    torch.mm(hb[i], wt, out=z[i, j])  # (TOKEN_TILE, H) @ (H, B)
                 else:
                     z[i, j].copy_(torch.mm(hb[i], wt, out=low))
         if self.spec.temperature != 1.0:
@@ -240,7 +240,7 @@ class InvariantEngine:
                     _accumulate_weight_grad(gw[j * b : (j + 1) * b], gij, hb[i])
                 out = pool.pop() if pool else hb.new_empty((TOKEN_TILE, hd), dtype=torch.float32)
                 if h.dtype == torch.float32:
-                    torch.mm(gij, self._w_block(j), out=out)  # (T, B) @ (B, H)
+                    torch.mm(gij, self._w_block(j), out=out)  # (TOKEN_TILE, B) @ (B, H)
                 else:
                     out.copy_(torch.mm(gij, self._w_block(j)))
                 yield lay.first + j, out
