@@ -131,7 +131,8 @@ class ColocatedBridgeCommunicator:
         src_name, dest_name: names used in messages and ``plan.describe()``.
 
     Use as a context manager (or call ``destroy()``, idempotent) to free the groups; like
-    group creation, ``destroy()`` must run on every rank.
+    group creation, ``destroy()`` must run on every rank. Construction ends with one world
+    barrier (so every rank's groups are fully connected before any rank uses or frees them).
     """
 
     def __init__(
@@ -179,6 +180,11 @@ class ColocatedBridgeCommunicator:
         except BaseException:
             self.destroy()  # do not leak the groups created so far
             raise
+        # gloo finishes a new group's TCP handshakes asynchronously: a rank that returned
+        # from new_group and destroyed the group at once could close a socket its peer is
+        # still handshaking on ("connectFullMesh failed: Connection closed by peer").
+        # One world barrier after creation makes every group complete before any use.
+        dist.barrier()
 
     def _dest_cp_group(self, dest_grid: Any) -> dist.ProcessGroup | None:
         try:

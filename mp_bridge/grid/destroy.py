@@ -31,6 +31,10 @@ def destroy_grid(grid: Any) -> None:
             f"grid={grid!r} is not a megatron HyperCommGrid (no _pgs dict of groups); pass "
             "the grid make_grid or HyperCommGrid(...) returned"
         )
+    if pgs:
+        # Every rank must have finished connecting its groups before any rank frees them
+        # (gloo handshakes complete asynchronously; see ColocatedBridgeCommunicator).
+        dist.barrier()
     for pg in list(pgs.values()):
         if pg is not None and pg != dist.GroupMember.NON_GROUP_MEMBER:
             dist.destroy_process_group(pg)
