@@ -48,13 +48,16 @@ hidden gradient (see ``_fused_engine``).
 
 Cost: the same FLOPs as the default path, in fixed small matmuls (on one CPU thread here
 they run at 70-90 GFLOP/s, as fast as the default path's one big GEMM; ``TOKEN_TILE =
-128`` would gain about 10 % on them); the block math is about 10 batched kernels per
-chunk, not per (tile, block); extra memory is the chunk's fp32 logits (as in the default
-path) plus O(log K) ``[chunk, H]`` fp32 partials of the hidden gradient; the hidden
-gradient costs ``K - 1`` adds of ``[chunk, H]`` in tree order and, at TP > 1, an
-all-gather in place of an all-reduce. Measured fwd+bwd (d)/(c) ratio in
-``bench/RESULTS.md``. Bits are identical for a given machine, torch/BLAS build and
-intra-op thread count; the GEMM kernels of another build may round differently.
+128`` would gain about 10 % on them; a ``bmm`` over all blocks of a tile gives the same
+bits per block on this build but is no faster, so each block keeps its own ``mm``). The
+block math is about 10 batched kernels per chunk, not per (tile, block). Extra memory:
+the chunk's fp32 logits (as in the default path), O(log K) ``[TOKEN_TILE, H]`` fp32
+partials of the hidden gradient and ``P`` ``[chunk, H]`` subtree results. The hidden
+gradient costs ``K - 1`` adds of ``[TOKEN_TILE, H]`` per tile in tree order and, at
+TP > 1, an all-gather in place of an all-reduce. Measured fwd+bwd (d)/(c) = 1.01 / 1.07
+/ 1.09 at V = 64k, TP 1/2/4, N = 4096, H = 1024 on CPU (``bench/RESULTS.md``). Bits are
+identical for a given machine, torch/BLAS build and intra-op thread count; the GEMM
+kernels of another build may round differently.
 """
 
 from __future__ import annotations
