@@ -124,7 +124,9 @@ class ColocatedBridgeCommunicator:
     them and frees them in ``destroy()``. Groups owned by the grid are never destroyed here.
 
     Args:
-        src_grid, dest_grid: megatron-core ``HyperCommGrid``s on the same ranks.
+        src_grid, dest_grid: megatron-core ``HyperCommGrid``s on the same ranks (a
+            :class:`~mp_bridge.grid.GridLayout` works too; it holds no groups, so the
+            communicator creates the dest CP groups itself).
         dim_mapping: tensor dims of ``'b'``, ``'s'``, ``'h'``; default
             ``{'b': 0, 's': 1, 'h': 2}``. A batch-major flattened ``(b*s, h)`` tensor uses
             ``{'b': 0, 'h': 1}`` (then only ``b*s`` divisible by ``k`` can be checked).
@@ -167,7 +169,9 @@ class ColocatedBridgeCommunicator:
         self._destroyed = False
 
         try:
-            for members in self._plan.gather_groups:  # collective: same order on every rank
+            # EQUAL's gather groups are single ranks: nothing to create.
+            gather_groups = self._plan.gather_groups if self._plan.scale > 1 else ()
+            for members in gather_groups:  # collective: same order on every rank
                 pg = dist.new_group(list(members))
                 if self._rank in members:
                     self._gather_group = pg
@@ -187,16 +191,14 @@ class ColocatedBridgeCommunicator:
         dist.barrier()
 
     def _dest_cp_group(self, dest_grid: Any) -> dist.ProcessGroup | None:
+        # A GridLayout (no get_pg) or a grid without a 'cp' group: the same answer on every
+        # rank, so every rank creates the groups (collective) and owns them.
+        if not hasattr(dest_grid, "get_pg"):
+            return self._create_cp_groups()
         try:
             pg = dest_grid.get_pg("cp")
-        except KeyError:  # the grid lacks it (same answer on every rank): create our own
-            mine = None
-            for members in self._plan.cp_groups:
-                pg = dist.new_group(list(members))
-                if self._rank in members:
-                    mine = pg
-                    self._owned.append(pg)
-            return mine
+        except KeyError:
+            return self._create_cp_groups()
         if self._rank in self._plan.src.ranks:
             expected = list(self._plan.cp_group_of(self._rank))
             got = dist.get_process_group_ranks(pg) if pg is not None else None
@@ -207,6 +209,15 @@ class ColocatedBridgeCommunicator:
                     f"{expected}; build the grid's groups with create_pg('cp')"
                 )
         return pg
+
+    def _create_cp_groups(self) -> dist.ProcessGroup | None:
+        mine = None
+        for members in self._plan.cp_groups:
+            pg = dist.new_group(list(members))
+            if self._rank in members:
+                mine = pg
+                self._owned.append(pg)
+        return mine
 
     # ------------------------------------------------------------------ properties
     @property

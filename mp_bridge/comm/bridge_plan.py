@@ -46,8 +46,10 @@ class BridgePlan:
     - ``gather_groups``: FAN_IN one group per (dest dp j, src tp t): the ``scale`` ranks
       with src dp in ``[j·k, j·k+k)`` and src tp ``t``, ordered by src dp. FAN_OUT one per
       (src dp i, dest tp t, dest cp c): the ranks with dest dp in ``[i·k, i·k+k)``, ordered
-      by dest dp. EQUAL: none (``scale == 1``). Member order is the concatenation order of
-      the batch pieces (it is also ascending rank, i.e. process-group rank order).
+      by dest dp. EQUAL: one single-rank group per rank (``scale == 1``; nothing to
+      gather, no process group is created). Every rank sits in exactly one group of
+      ``scale`` members. Member order is the concatenation order of the batch pieces (it
+      is also ascending rank, i.e. process-group rank order).
     - ``cp_groups``: the dest CP groups (single ranks when dest CP = 1), whose all-reduce
       rebuilds the full-sequence gradient in backward.
     """
@@ -72,10 +74,7 @@ class BridgePlan:
     def gather_group_of(self, rank: int) -> tuple[int, ...]:
         """Members of ``rank``'s gather group in concatenation order (``(rank,)`` if EQUAL)."""
         self._check_rank(rank)
-        for group in self.gather_groups:
-            if rank in group:
-                return group
-        return (rank,)
+        return next(g for g in self.gather_groups if rank in g)
 
     def cp_group_of(self, rank: int) -> tuple[int, ...]:
         """Members of ``rank``'s dest CP group (``(rank,)`` when dest CP = 1)."""
@@ -184,13 +183,19 @@ def _fmt_group(group: tuple[int, ...]) -> str:
     return "[" + ",".join(str(r) for r in group) + "]"
 
 
+def _as_layout(arg: str, layout: object) -> GridLayout:
+    """``layout`` itself, or the GridLayout of a megatron ``HyperCommGrid`` (duck-typed)."""
+    if isinstance(layout, GridLayout):
+        return layout
+    if all(hasattr(layout, a) for a in ("shape", "dim_names", "rank_offset")):
+        return GridLayout.from_grid(layout)
+    raise TypeError(
+        f"{arg} must be a GridLayout or a HyperCommGrid (GridLayout.from_grid converts one), "
+        f"got {type(layout).__name__}"
+    )
+
+
 def _validate(src: GridLayout, dest: GridLayout, src_name: str, dest_name: str) -> None:
-    for arg, layout in (("src", src), ("dest", dest)):
-        if not isinstance(layout, GridLayout):
-            raise TypeError(
-                f"{arg} must be a GridLayout (use GridLayout.from_grid(hyper_comm_grid)), "
-                f"got {type(layout).__name__}"
-            )
     if src.size != dest.size or src.rank_offset != dest.rank_offset:
         raise ValueError(
             f"{src_name} {src!r} covers ranks [{src.ranks.start}, {src.ranks.stop}) but "
@@ -247,7 +252,10 @@ def _nesting_error(
 def plan_bridge(
     src: GridLayout, dest: GridLayout, *, src_name: str = "src", dest_name: str = "dest"
 ) -> BridgePlan:
-    """Plan the bridge from ``src`` (TP×DP) to ``dest`` (TP×CP×DP) on the same ranks.
+    r"""Plan the bridge from ``src`` (TP×DP) to ``dest`` (TP×CP×DP) on the same ranks.
+
+    ``src`` and ``dest`` are :class:`GridLayout`\ s (a ``HyperCommGrid`` is read with
+    ``GridLayout.from_grid``; no process group is touched).
 
     Raises ``ValueError`` (before any group exists) when: the grids cover different ranks;
     ``tp``/``dp`` axes are missing; src CP > 1; PP > 1 on either side; the DP sizes do not
@@ -255,6 +263,7 @@ def plan_bridge(
     ``src_dp // k == dest_dp``, FAN_OUT ``dest_dp // k == src_dp``, EQUAL equal), naming the
     first offending rank with both coordinate sets.
     """
+    src, dest = _as_layout("src", src), _as_layout("dest", dest)
     _validate(src, dest, src_name, dest_name)
     dps, dpd = src.dim("dp"), dest.dim("dp")
     if dps > dpd:
@@ -285,6 +294,9 @@ def plan_bridge(
             d = dest.coords(r)
             key = (d["dp"] // k, d["tp"], d.get("cp", 0))
             buckets.setdefault(key, []).append((d["dp"], r))
+    else:  # EQUAL: each rank is its own (trivial) gather group, like cp_groups at cp=1
+        for r in src.ranks:
+            buckets[(r,)] = [(0, r)]
     gather_groups = tuple(tuple(r for _, r in sorted(buckets[key])) for key in sorted(buckets))
     if "cp" in dest.dim_names:
         cp_groups = tuple(tuple(g) for g in dest.groups("cp"))

@@ -22,11 +22,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(run=run)
 
 
+def _layout(flag: str, spec: str, world: int):
+    """``parse_layout_spec`` whose error names the flag the spec came from."""
+    try:
+        return parse_layout_spec(spec, world_size=world)
+    except ValueError as exc:
+        raise ValueError(f"{flag}: {exc}") from None
+
+
 def run(args: argparse.Namespace) -> int:
     if args.world < 1:
         raise ValueError(f"--world {args.world} must be >= 1")
-    src = parse_layout_spec(args.encoder, world_size=args.world)
-    dest = parse_layout_spec(args.llm, world_size=args.world)
+    src = _layout("--encoder", args.encoder, args.world)
+    dest = _layout("--llm", args.llm, args.world)
     print(f"world {args.world}: encoder {src!r} -> llm {dest!r}\n")
     try:
         plan = plan_bridge(src, dest, src_name="encoder", dest_name="llm")

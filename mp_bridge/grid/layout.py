@@ -14,11 +14,22 @@ Example, ``GridLayout((2, 2, 2), ("tp", "cp", "dp"))``:
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 __all__ = ["GridLayout"]
+
+
+def _as_int(value: object) -> int | None:
+    """``value`` as an ``int`` if it is an integer (Python or NumPy, not bool), else None."""
+    if isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
 
 
 def _as_dim_list(dims: str | Sequence[str]) -> list[str]:
@@ -43,8 +54,9 @@ class GridLayout:
         shape = tuple(self.shape)
         names = tuple(self.dim_names)
         for size in shape:
-            if isinstance(size, bool) or not isinstance(size, int):
+            if _as_int(size) is None:
                 raise TypeError(f"shape entries must be ints, got {size!r} in shape={shape}")
+        shape = tuple(_as_int(size) for size in shape)  # NumPy ints -> int
         for name in names:
             if not isinstance(name, str) or not name:
                 raise TypeError(
@@ -61,13 +73,14 @@ class GridLayout:
         bad = [s for s in shape if s <= 0]
         if bad:
             raise ValueError(f"shape={shape} has non-positive sizes {bad}; every size must be >= 1")
-        offset = self.rank_offset
-        if isinstance(offset, bool) or not isinstance(offset, int):
-            raise TypeError(f"rank_offset must be an int, got {offset!r}")
+        offset = _as_int(self.rank_offset)
+        if offset is None:
+            raise TypeError(f"rank_offset must be an int, got {self.rank_offset!r}")
         if offset < 0:
             raise ValueError(f"rank_offset={offset} is negative; use 0 or a positive rank")
         object.__setattr__(self, "shape", shape)
         object.__setattr__(self, "dim_names", names)
+        object.__setattr__(self, "rank_offset", offset)
 
     # ------------------------------------------------------------------ basics
     @classmethod
@@ -99,7 +112,8 @@ class GridLayout:
         return 1
 
     def __contains__(self, rank: object) -> bool:
-        return isinstance(rank, int) and rank in self.ranks
+        value = _as_int(rank)
+        return value is not None and value in self.ranks
 
     def __repr__(self) -> str:
         axes = ", ".join(f"{n}={s}" for n, s in zip(self.dim_names, self.shape))
@@ -109,8 +123,9 @@ class GridLayout:
     # ------------------------------------------------------------ coordinates
     def coords(self, rank: int) -> dict[str, int]:
         """Coordinates of a global ``rank``, e.g. ``{"tp": 1, "cp": 0, "dp": 1}``."""
-        if isinstance(rank, bool) or not isinstance(rank, int):
+        if _as_int(rank) is None:
             raise TypeError(f"rank must be an int, got {rank!r}")
+        rank = _as_int(rank)
         if rank not in self.ranks:
             raise ValueError(
                 f"rank={rank} is outside {self!r}, which covers ranks "
@@ -130,7 +145,7 @@ class GridLayout:
         """
         for name, value in coords.items():
             size = self.dim(name)
-            if isinstance(value, bool) or not isinstance(value, int):
+            if _as_int(value) is None:
                 raise TypeError(f"coordinate {name}={value!r} must be an int")
             if not 0 <= value < size:
                 raise ValueError(
@@ -145,7 +160,7 @@ class GridLayout:
             )
         local, stride = 0, 1
         for name, size in zip(self.dim_names, self.shape):
-            local += coords.get(name, 0) * stride
+            local += _as_int(coords.get(name, 0)) * stride
             stride *= size
         return self.rank_offset + local
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 
 import torch.distributed as dist
@@ -52,6 +53,15 @@ def make_grid(
             "torch.distributed.init_process_group first (or use mp_bridge.testing.run_distributed)"
         )
     sizes = {"tp": tp, "cp": cp, "pp": pp, "dp": dp}
+    for axis, size in sizes.items():  # name the argument, before any collective
+        try:
+            if isinstance(size, bool):
+                raise TypeError
+            size = sizes[axis] = operator.index(size)
+        except TypeError:
+            raise TypeError(f"make_grid({axis}={size!r}): {axis} must be an int >= 1") from None
+        if size < 1:
+            raise ValueError(f"make_grid({axis}={size}): {axis} must be >= 1 (1 = no split)")
     names = tuple(dim_names)
     unknown = [n for n in names if n not in sizes]
     if unknown:

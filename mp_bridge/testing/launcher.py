@@ -78,6 +78,16 @@ def _child(
     except Exception:  # noqa: BLE001 - an unpicklable result is an error too
         conn.send(("error", traceback.format_exc()))
     conn.close()
+    # Do not exit before every rank got here: gloo connects its full mesh (the world's and
+    # each new group's) asynchronously, and a rank that exits at once closes sockets a
+    # peer may still be handshaking on ("connectFullMesh failed: Connection closed by
+    # peer"; 25 of 40 8-rank worlds whose fn returned at once failed so). The result is
+    # already sent, so a rank stuck here (a peer failed or hangs) only waits to be killed.
+    try:
+        if dist.is_initialized():
+            dist.barrier()
+    except BaseException:  # noqa: BLE001 - a peer died; the parent has the results
+        pass
     # Skip destroy_process_group: peers may already be gone, and exit frees everything.
     os._exit(0)
 

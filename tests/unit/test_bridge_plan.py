@@ -45,7 +45,7 @@ def test_fan_out_tp4_dp2_to_tp1_cp2_dp4():
 def test_equal_dp_with_cp2():
     plan = plan_bridge(L(tp=2, dp=4), L(tp=1, cp=2, dp=4))
     assert plan.direction is BridgeDirection.EQUAL and plan.scale == 1
-    assert plan.gather_groups == ()
+    assert plan.gather_groups == tuple((r,) for r in range(8))  # one trivial group per rank
     assert plan.gather_group_of(5) == (5,) and plan.slice_for(5, 3) == (0, 3)
     assert plan.cp_groups == ((0, 1), (2, 3), (4, 5), (6, 7))
 
@@ -186,15 +186,12 @@ def test_plan_matches_the_data_contract(pair):
     k = plan.scale
     assert k == max(dps, dpd) // min(dps, dpd)
 
-    # Every rank in exactly one gather group of `scale` members (none for EQUAL).
+    # Every rank in exactly one gather group of `scale` members (single ranks for EQUAL).
     members = [r for g in plan.gather_groups for r in g]
-    if plan.direction is BridgeDirection.EQUAL:
-        assert members == [] and k == 1
-    else:
-        assert sorted(members) == list(src.ranks)
-        assert all(len(g) == k for g in plan.gather_groups)
-        # Member order is ascending rank (= process-group rank order of torch groups).
-        assert all(list(g) == sorted(g) for g in plan.gather_groups)
+    assert sorted(members) == list(src.ranks)
+    assert all(len(g) == k for g in plan.gather_groups)
+    # Member order is ascending rank (= process-group rank order of torch groups).
+    assert all(list(g) == sorted(g) for g in plan.gather_groups)
     # CP groups partition the ranks into groups of dest cp, sharing dest tp and dp.
     cp_members = sorted(r for g in plan.cp_groups for r in g)
     assert cp_members == list(src.ranks)
