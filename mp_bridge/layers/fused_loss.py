@@ -24,14 +24,16 @@ Collectives per call over ``tp_group`` with ``k = ceil(N / chunk)`` chunks (none
 - default: forward ``k`` all-gathers of ``[4, chunk]`` fp32 stats; gradients ``k``
   all-reduce(SUM)s of ``[chunk, H]`` fp32 (in forward for sum/mean, in backward else).
 - ``invariant=True``: ``chunk`` is rounded up to a multiple of ``TOKEN_TILE`` (64); forward
-  ``k`` all-gathers of ``[P, chunk / 64, 4, 64]`` fp32 stats; gradients ``k`` all-gathers
+  ``k`` all-gathers of ``[P, 4, chunk / 64, 64]`` fp32 stats; gradients ``k`` all-gathers
   of ``[P, chunk / 64, 64, H]`` fp32, ``P`` = the most subtrees a rank holds (1 for
   power-of-two aligned shards; the tree fold replaces the all-reduce, whose summation
   order would depend on TP). Token tiles and vocab blocks are zero-padded to their fixed
   shapes; the last chunk is padded to whole tiles only. Values and gradients are then
   bitwise identical for every TP size whose shard is a multiple of ``VOCAB_BLOCK`` (256)
-  rows, for any ``chunk_size``, and whatever other tokens share the call (see
-  ``mp_bridge.layers.invariant``); ``d weight`` sums tokens tile by tile in token order, so
+  rows (at TP = 1 any ``[V, H]`` weight: it is zero-padded to whole blocks by one copy of
+  the weight, the same bits as the padded layout), for any ``chunk_size``, and whatever
+  other tokens share the call (see ``mp_bridge.layers.invariant``); ``d weight`` sums
+  tokens tile by tile in token order, so
   it is also unchanged by extra tokens appended with zero upstream gradient.
 """
 
@@ -51,7 +53,7 @@ from ._loss_common import (
     check_vocab_size,
     forbid_double_backward,
 )
-from .invariant import TOKEN_TILE, BlockLayout
+from .invariant import TOKEN_TILE, BlockLayout, pad_single_shard
 
 __all__ = ["DEFAULT_CHUNK_ELEMENTS", "fused_linear_cross_entropy", "fused_linear_logprobs"]
 
@@ -172,6 +174,8 @@ def _fused_loss(
     if invariant:
         layout = BlockLayout.for_shard(v_local, vocab, tp_group)
         chunk = -(-chunk // TOKEN_TILE) * TOKEN_TILE  # tiles must not depend on the chunk
+        # TP = 1 with a vocab that is not a whole number of blocks: one zero-padded copy.
+        weight = pad_single_shard(weight, 0, layout)
         engine = InvariantEngine(weight, tp_group, layout, spec)
     else:
         engine = DefaultEngine(weight, tp_group, tp, group_rank(tp_group) * v_local, spec)

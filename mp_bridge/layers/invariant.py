@@ -11,7 +11,10 @@ tiles of ``TOKEN_TILE = 64`` rows. Neither depends on TP, the chunk or the batch
 TP sizes covered: every TP size when the vocab is laid out with
 ``vocab_shard_ranges(vocab_size, tp, multiple=VOCAB_BLOCK)`` (megatron:
 ``make_vocab_size_divisible_by=256``): TP = 1, 2, 3, 4, 8, ... alike (the tests run 1, 2,
-3, 4 and 8). Why: block ``j`` holds ids ``[256 j, 256 (j + 1))`` at every TP size, so a
+3, 4 and 8; the acceptance tests 5 and 6 too). At TP = 1 the unpadded full logits
+``[..., vocab_size]`` (or full weight ``[vocab_size, H]``) are accepted as well: they are
+zero-padded to whole blocks by one copy (``pad_single_shard``), giving the same bits.
+Why: block ``j`` holds ids ``[256 j, 256 (j + 1))`` at every TP size, so a
 block-aligned shard holds whole blocks, and any run of whole blocks splits into whole
 subtrees of one canonical tree over the blocks (``vocab_blocks``); each rank folds its
 subtrees, the subtree results are gathered and every rank folds them in the same tree
@@ -96,6 +99,7 @@ __all__ = [
     "gather_fold",
     "invariant_cross_entropy",
     "invariant_logprobs",
+    "pad_single_shard",
     "stats_values",
     "target_slots",
 ]
@@ -163,11 +167,32 @@ class BlockLayout:
     def for_shard(
         cls, v_local: int, vocab_size: int | None, tp_group: dist.ProcessGroup | None
     ) -> BlockLayout:
-        """Validate block alignment (before any collective) and describe this shard."""
+        """Validate block alignment (before any collective) and describe this shard.
+
+        At TP = 1 any width is accepted: the caller pads the one shard to whole blocks with
+        ``pad_single_shard`` (padding rows are never computed), which is the layout every
+        block-aligned TP size evaluates.
+        """
         tp, rank = group_size(tp_group), group_rank(tp_group)
         vocab = check_vocab_size(vocab_size, v_local * tp, v_local, tp)
+        if tp == 1:
+            v_local = -(-v_local // VOCAB_BLOCK) * VOCAB_BLOCK
         check_block_aligned(v_local, rank * v_local, tp_size=tp)
         return cls(vocab, v_local, tp, rank)
+
+
+def pad_single_shard(x: torch.Tensor, dim: int, layout: BlockLayout) -> torch.Tensor:
+    """Zero-pad ``x`` along ``dim`` to ``layout.v_local`` rows (TP = 1, unaligned vocab).
+
+    A TP = 1 shard of any width (e.g. full ``[N, 1000]`` logits or a ``[1000, H]`` weight)
+    is made block-aligned by one copy; the added ids are >= ``vocab_size`` (padding), and
+    the gradient of ``F.pad`` slices them off. No-op when ``x`` already has the width.
+    """
+    missing = layout.v_local - x.shape[dim]
+    if missing == 0:
+        return x
+    pad = [0, 0] * (x.dim() - 1 - dim % x.dim()) + [0, missing]
+    return torch.nn.functional.pad(x, pad)
 
 
 # ------------------------------------------------------------- batched block numerics
@@ -453,6 +478,7 @@ def invariant_cross_entropy(
     """
     layout = BlockLayout.for_shard(logits.shape[-1], vocab_size, tp_group)
     spec = LossSpec("ce", layout.vocab_size, ignore_index, float(label_smoothing))
+    logits = pad_single_shard(logits, -1, layout)
     return _InvariantVocabLoss.apply(logits, target, tp_group, layout, spec)
 
 
@@ -467,4 +493,5 @@ def invariant_logprobs(
     """``log_softmax(logits / temperature)[target]`` ``[...]`` (fp32), bitwise TP-invariant."""
     layout = BlockLayout.for_shard(logits.shape[-1], vocab_size, tp_group)
     spec = LossSpec("logprob", layout.vocab_size, None, 0.0, float(temperature))
+    logits = pad_single_shard(logits, -1, layout)
     return _InvariantVocabLoss.apply(logits, target, tp_group, layout, spec)
