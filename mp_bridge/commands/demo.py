@@ -85,7 +85,6 @@ def _validate(args: argparse.Namespace) -> tuple[GridLayout, GridLayout]:
     Fills in ``args.encoder``/``args.llm``/``args.batch_size`` when they were left out.
     """
     from mp_bridge.comm.bridge_plan import plan_bridge
-    from mp_bridge.models import MimoConfig
 
     if args.world is None:
         args.world = int(os.environ["WORLD_SIZE"]) if _under_torchrun() else 8
@@ -111,35 +110,64 @@ def _validate(args: argparse.Namespace) -> tuple[GridLayout, GridLayout]:
         _check_plot_target(args.plot)
     # The written axis order is the grid's rank order, so nesting is checked on it.
     plan_bridge(enc_layout, llm_layout, src_name="encoder", dest_name="llm")
-    try:
-        MimoConfig().check_tp(encoder_tp=enc["tp"], llm_tp=llm["tp"])
-    except ValueError as exc:
-        raise ValueError(
-            f"{exc} (the demo model is fixed: lower the tp in --encoder/--llm)"
-        ) from None
+    factor = 2 * llm["cp"] * (llm["tp"] if args.sequence_parallel else 1)
+    args.config = demo_config(encoder_tp=enc["tp"], llm_tp=llm["tp"], seq_factor=factor)
+    args.config.check_tp(encoder_tp=enc["tp"], llm_tp=llm["tp"])  # holds by construction
     for flag, dp in (("--encoder", enc["dp"]), ("--llm", llm["dp"])):
         if args.batch_size % dp:
             raise ValueError(
                 f"--batch-size {args.batch_size} does not split over {flag} dp={dp}; "
                 f"use a multiple of {dp}"
             )
-    factor = 2 * llm["cp"] * (llm["tp"] if args.sequence_parallel else 1)
-    if MimoConfig().seq_len % factor:
-        raise ValueError(
-            f"the demo's sequence length {MimoConfig().seq_len} is not divisible by "
-            f"2*cp{'*tp' if args.sequence_parallel else ''}={factor}; lower --llm cp"
-        )
     return enc_layout, llm_layout
+
+
+def demo_config(*, encoder_tp: int = 1, llm_tp: int = 1, seq_factor: int = 2):
+    """The demo's ``MimoConfig``, widened only as far as the layout needs (pure).
+
+    The default ``MimoConfig()`` when it fits (TP sizes dividing 8, sequence length 16
+    divisible by ``seq_factor = 2 * cp [* tp with SP]``). Otherwise, for a TP size ``t``
+    that does not divide 8: ``heads = lcm(t, 2)``, the hidden size the next multiple of
+    the heads, the FFN / projection widths the next multiple of ``t`` (TP 3: 6 heads,
+    hidden 18, FFN 33; TP 6: 6 heads, hidden 18, FFN 36), and the sequence length the
+    next multiple of ``seq_factor``. Sizes stay close to the default, so the parity
+    tolerances keep their meaning (a wider model has more near-zero gradients, which
+    Adam's normalization turns into larger relative weight differences).
+    """
+    import dataclasses
+
+    from mp_bridge.models import MimoConfig
+
+    base = MimoConfig()
+
+    def up(value: int, step: int) -> int:
+        return -(-value // step) * step
+
+    def heads(default: int, tp: int) -> int:
+        return default if default % tp == 0 else math.lcm(tp, 2)
+
+    enc_heads, llm_heads = heads(base.enc_heads, encoder_tp), heads(base.llm_heads, llm_tp)
+    return dataclasses.replace(
+        base,
+        enc_heads=enc_heads,
+        enc_hidden=up(base.enc_hidden, enc_heads),
+        enc_ffn=up(base.enc_ffn, encoder_tp),
+        proj_hidden=up(base.proj_hidden, encoder_tp),
+        llm_heads=llm_heads,
+        llm_hidden=up(base.llm_hidden, llm_heads),
+        llm_ffn=up(base.llm_ffn, llm_tp),
+        seq_len=up(base.seq_len, seq_factor),
+    )
 
 
 def _worker(enc: GridLayout, llm: GridLayout, opts: dict):
     """Runs on every rank: train + oracle; rank 0 prints the progress lines."""
     import torch.distributed as dist
 
-    from mp_bridge.models import MimoConfig, run_parity, synthetic_batch
+    from mp_bridge.models import run_parity, synthetic_batch
     from mp_bridge.testing import current_device
 
-    cfg = MimoConfig()
+    cfg = opts["config"]
     rank0 = dist.get_rank() == 0
     # A few different batches, cycled: the loss falls as the model memorizes them.
     batches = [synthetic_batch(cfg, opts["batch_size"], seed=100 + i) for i in range(POOL)]
@@ -245,6 +273,7 @@ def run(args: argparse.Namespace) -> int:
         "lr": args.lr,
         "sequence_parallel": args.sequence_parallel,
         "fused_loss": args.fused_loss,
+        "config": args.config,
     }
     start = time.perf_counter()
     if _under_torchrun():
