@@ -21,7 +21,7 @@ from mp_bridge.models import ParityReport
         (["--steps", "0"], "--steps 0 must be >= 1"),
         (["--batch-size", "6"], "--batch-size 6 does not split over --encoder dp=4"),
         # TP 3 / CP 16 are no longer refused: demo_config widens the model (heads, FFN,
-        # sequence) to fit; see tests/unit/test_acceptance_layers.py.
+        # sequence) to fit; see tests/unit/test_acceptance_layers_unit.py.
         # dp 4 -> dp 3 does not nest: the bridge plan refuses it with the rank's coordinates.
         (["--world", "12", "--encoder", "tp=3,dp=4", "--llm", "tp=4,dp=3"], "divide"),
         (["--lr", "-1"], r"--lr -1.0 must be a positive finite number"),
