@@ -25,6 +25,11 @@ GRAD_RTOL = 1e-5
 LOSS_RTOL = 1e-5
 POOL = 4  # distinct synthetic batches, cycled over the steps
 WEIGHT_RTOL = 1e-4
+# Weights may instead agree within 1% of one Adam step (0.01 * lr) in absolute terms: see
+# ParityReport.passed. 20 Adam steps amplify rounding in near-zero gradient elements (e.g.
+# tp=6 -> tp=6 on 6 ranks: 4e-5 abs = 0.4% of a step, 1.5e-4 rel) while losses and
+# first-step gradients agree to 1e-6; a wiring error moves whole tensors by ~lr per step.
+WEIGHT_STEP_FRACTION = 0.01
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -209,28 +214,47 @@ def _run_in_torchrun(args, enc, llm, opts):
     return _worker(enc, llm, opts), dist.get_rank() == 0
 
 
-def format_parity_table(report) -> str:
+def format_parity_table(report, *, weight_atol: float = 0.0) -> str:
     """Distributed vs single-process: max abs / rel difference and the tolerance used."""
     steps = len(report.ref_losses)
     rows = [
-        ("quantity", "max abs", "max rel", "rtol", "ok"),
-        (f"loss ({steps} steps)", report.loss_max_abs, report.loss_max_rel, LOSS_RTOL),
-        ("param grads (step 1)", report.param_grad_max_abs, report.param_grad_max_rel, GRAD_RTOL),
-        ("encoder input grad", report.input_grad_max_abs, report.input_grad_max_rel, WEIGHT_RTOL),
-        ("weights (gathered)", report.weight_max_abs, report.weight_max_rel, WEIGHT_RTOL),
+        (f"loss ({steps} steps)", report.loss_max_abs, report.loss_max_rel, LOSS_RTOL, 0.0),
+        (
+            "param grads (step 1)",
+            report.param_grad_max_abs,
+            report.param_grad_max_rel,
+            GRAD_RTOL,
+            0.0,
+        ),
+        (
+            "encoder input grad",
+            report.input_grad_max_abs,
+            report.input_grad_max_rel,
+            WEIGHT_RTOL,
+            0.0,
+        ),
+        (
+            "weights (gathered)",
+            report.weight_max_abs,
+            report.weight_max_rel,
+            WEIGHT_RTOL,
+            weight_atol,
+        ),
     ]
-    cells = [rows[0]] + [
-        (name, f"{a:.2e}", f"{r:.2e}", f"{tol:.0e}", "yes" if r <= tol else "NO")
-        for name, a, r, tol in rows[1:]
-    ]
+    cells = [("quantity", "max abs", "max rel", "tolerance", "ok")]
+    for name, a, r, rtol, atol in rows:
+        tol = f"rel {rtol:.0e}" + (f" or abs {atol:.0e}" if atol else "")
+        cells.append((name, f"{a:.2e}", f"{r:.2e}", tol, "yes" if r <= rtol or a <= atol else "NO"))
     widths = [max(len(c[i]) for c in cells) for i in range(5)]
     lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in cells]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
 
 
-def _passed(report) -> bool:
-    return report.passed(loss_rtol=LOSS_RTOL, weight_rtol=WEIGHT_RTOL, grad_rtol=GRAD_RTOL)
+def _passed(report, weight_atol: float) -> bool:
+    return report.passed(
+        loss_rtol=LOSS_RTOL, weight_rtol=WEIGHT_RTOL, grad_rtol=GRAD_RTOL, weight_atol=weight_atol
+    )
 
 
 def _check_plot_target(path: str) -> None:
@@ -287,7 +311,7 @@ def run(args: argparse.Namespace) -> int:
         )
         report, printer = run_distributed(_worker, args.world, enc, llm, opts)[0], True
     if not printer:
-        return 0 if _passed(report) else 1
+        return 0 if _passed(report, WEIGHT_STEP_FRACTION * args.lr) else 1
     mean_s = sum(report.step_seconds) / len(report.step_seconds)
     n = min(POOL, len(report.ref_losses))
     first, last = report.ref_losses[:n], report.ref_losses[-n:]
@@ -297,11 +321,11 @@ def run(args: argparse.Namespace) -> int:
         f"batches: first pass {sum(first) / n:.4f}, last pass {sum(last) / n:.4f}"
     )
     print(f"parity vs single-process oracle ({report.encoder} -> {report.llm}):\n")
-    print(format_parity_table(report))
+    print(format_parity_table(report, weight_atol=WEIGHT_STEP_FRACTION * args.lr))
     if args.plot:
         _plot(report, args.plot)
         print(f"\nwrote {args.plot}")
-    ok = _passed(report)
+    ok = _passed(report, WEIGHT_STEP_FRACTION * args.lr)
     print(f"\nparity {'OK' if ok else 'FAILED'} in {time.perf_counter() - start:.1f} s")
     if not ok:
         print(

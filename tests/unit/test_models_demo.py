@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import re
 
 import pytest
@@ -51,9 +52,9 @@ def _report(loss_rel: float) -> ParityReport:
 def test_parity_table_marks_each_row():
     table = format_parity_table(_report(1e-7))
     lines = table.splitlines()
-    assert lines[0].split() == ["quantity", "max", "abs", "max", "rel", "rtol", "ok"]
+    assert lines[0].split() == ["quantity", "max", "abs", "max", "rel", "tolerance", "ok"]
     assert lines[2].startswith("loss (2 steps)") and lines[2].endswith("yes")
-    assert "1.00e-07" in lines[2] and "1e-05" in lines[2]
+    assert "1.00e-07" in lines[2] and "rel 1e-05" in lines[2]
     assert _report(1e-7).passed()
     bad = format_parity_table(_report(1e-3))
     assert bad.splitlines()[2].endswith("NO")
@@ -93,3 +94,15 @@ def test_written_axis_order_is_the_grid_order():
     args = _args(world=8, encoder="dp=4,tp=2", llm="tp=2,cp=2,dp=2")
     with pytest.raises(ValueError, match="layouts do not nest: rank 2"):
         _validate(args)
+
+
+def test_weights_pass_within_a_fraction_of_an_adam_step():
+    drifted = dataclasses.replace(_report(1e-7), weight_max_abs=4e-5, weight_max_rel=1.5e-4)
+    assert not drifted.passed()  # relative bound alone: fails
+    assert drifted.passed(weight_atol=1e-4)  # 0.01 * lr at lr 1e-2
+    table = format_parity_table(drifted, weight_atol=1e-4).splitlines()
+    assert table[-1].startswith("weights") and "or abs 1e-04" in table[-1]
+    assert table[-1].endswith("yes")
+    assert format_parity_table(drifted).splitlines()[-1].endswith("NO")
+    far = dataclasses.replace(drifted, weight_max_abs=5e-3, weight_max_rel=2e-2)
+    assert not far.passed(weight_atol=1e-4)
