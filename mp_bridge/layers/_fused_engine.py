@@ -27,7 +27,7 @@ import torch.distributed as dist
 from mp_bridge.comm.primitives import all_gather_tensor
 
 from ._loss_common import LossSpec
-from .invariant import (
+from .invariant_blocks import (
     TOKEN_TILE,
     BlockLayout,
     block_col,

@@ -53,7 +53,8 @@ from ._loss_common import (
     check_vocab_size,
     forbid_double_backward,
 )
-from .invariant import TOKEN_TILE, BlockLayout, pad_single_shard
+from .invariant_blocks import BlockLayout, pad_single_shard
+from .vocab_blocks import TOKEN_TILE
 
 __all__ = ["DEFAULT_CHUNK_ELEMENTS", "fused_linear_cross_entropy", "fused_linear_logprobs"]
 

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from mp_bridge.layers._loss_common import LossSpec
 from mp_bridge.layers.fused_loss import fused_linear_logprobs
-from mp_bridge.layers.invariant import (
+from mp_bridge.layers.invariant_blocks import (
     TOKEN_TILE,
     BlockLayout,
     block_grad_,
