@@ -71,8 +71,6 @@ import torch.distributed as dist
 from ._loss_common import LossSpec
 from .invariant_blocks import (
     BlockLayout,
-    TargetSlots,
-    block_col,
     block_grad_,
     block_stats_,
     combine_stats,
@@ -85,24 +83,7 @@ from .invariant_blocks import (
 )
 from .vocab_blocks import TOKEN_TILE, VOCAB_BLOCK
 
-__all__ = [
-    "TOKEN_TILE",
-    "VOCAB_BLOCK",
-    "BlockLayout",
-    "TargetSlots",
-    "block_col",
-    "block_grad_",
-    "block_stats_",
-    "combine_stats",
-    "exp_shift_",
-    "fold_blocks",
-    "gather_fold",
-    "invariant_cross_entropy",
-    "invariant_logprobs",
-    "pad_single_shard",
-    "stats_values",
-    "target_slots",
-]
+__all__ = ["TOKEN_TILE", "VOCAB_BLOCK", "invariant_cross_entropy", "invariant_logprobs"]
 
 #: Materialized path: tiles per batch, about this many fp32 logits (8 MiB) per batch.
 _BATCH_ELEMENTS = 1 << 21
