@@ -87,8 +87,11 @@ def _step(method, h, w, target, group, layer):
     loss.backward()
 
 
-def _rank_bench(n: int, hidden: int, vocab: int, methods: tuple[str, ...], repeat: int = 1):
+def _rank_bench(
+    n: int, hidden: int, vocab: int, methods: tuple[str, ...], repeat: int = 1, threads: int = 1
+):
     warnings.filterwarnings("ignore")
+    torch.set_num_threads(threads)  # run_distributed starts ranks with one thread
     ctypes.CDLL("libc.so.6").mallopt(-3, 64 * 1024)  # M_MMAP_THRESHOLD: freed memory leaves
     tp, rank = dist.get_world_size(), dist.get_rank()
     group = dist.new_group(list(range(tp))) if tp > 1 else None
@@ -145,11 +148,20 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--tp", type=int, nargs="+", default=[1, 2, 4])
     p.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     p.add_argument("--repeat", type=int, default=1, help="runs per method; best time kept")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="intra-op threads per rank (default: cores // TP, at least 1, so TP=1 uses "
+        "every core instead of leaving all but one idle)",
+    )
     args = p.parse_args(argv)
+    cores = os.cpu_count() or 1
     print(f"command: {' '.join([os.path.basename(sys.executable), *sys.argv])}")
     print(
         f"N={args.n} H={args.hidden} fp32 CPU, torch {torch.__version__}, "
-        f"{os.cpu_count()} CPU cores, gloo, 1 thread per rank, best of {args.repeat}\n"
+        f"{cores} CPU cores, gloo, "
+        f"{args.threads or 'cores // TP'} thread(s) per rank, best of {args.repeat}\n"
     )
     header = "| V | TP | method | peak extra MiB | x (a) | fwd+bwd s | x (a) | cpu s | x (a) |"
     print(header + "\n|---|---|---|---|---|---|---|---|---|")
@@ -164,6 +176,7 @@ def main(argv: list[str] | None = None) -> None:
                 vocab,
                 tuple(args.methods),
                 args.repeat,
+                args.threads or max(1, cores // tp),
                 timeout_s=1200,
             )
             base = None
