@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
+from test_comm_reference import FLAT, bridge_mismatches, rand, reference_attention
 
 from mp_bridge.comm import (
     BridgeDirection,
@@ -29,12 +29,7 @@ from mp_bridge.layers import context_parallel_attention
 from mp_bridge.testing import CollectiveCounter, DistributedWorld, run_distributed
 
 world = DistributedWorld(4, timeout_s=120)
-ORDER = ("tp", "cp", "pp", "dp")
 TOL = dict(rtol=1e-5, atol=1e-5)  # fp32 attention against torch's
-
-
-def _rand(*shape, seed):
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
 
 
 def _return_rank():
@@ -49,57 +44,16 @@ def test_run_distributed_survives_functions_that_return_at_once():
         assert run_distributed(_return_rank, 8, timeout_s=120) == list(range(8))
 
 
-def _bridge(
-    src,
-    dest,
-    *,
-    batch,
-    seq,
-    layouts=False,
-    flat=False,
-    src_order=ORDER,
-    dest_order=ORDER,
-    strided=False,
-):
-    """Mismatches of a bridge forward / backward with the DESIGN.md data contract."""
-    rank, h = dist.get_rank(), 3
-    sg = make_grid(**src, dim_names=src_order, create=())
-    dg = make_grid(**dest, dim_names=dest_order, create=())
-    sl, dl = GridLayout.from_grid(sg), GridLayout.from_grid(dg)
-    x_all, w_all = _rand(batch, seq, h, seed=1), _rand(batch, seq, h, seed=2)
-
-    def rows(layout):
-        per = batch // layout.dim("dp")
-        i = layout.coords(rank)["dp"]
-        return slice(i * per, (i + 1) * per)
-
-    args = (sl, dl) if layouts else (sg, dg)
-    bad = []
-    mapping = {"b": 0, "h": 1} if flat else None
-    with ColocatedBridgeCommunicator(*args, dim_mapping=mapping) as bridge:
-        x = x_all[rows(sl)].clone()
-        if strided:  # same values, non-contiguous strides
-            x = x.transpose(1, 2).contiguous().transpose(1, 2)
-        x.requires_grad_()
-        y = bridge.communicate(x.flatten(0, 1) if flat else x)
-        y = y.view(-1, seq, h) if flat else y
-        if not torch.equal(y, x_all[rows(dl)]):
-            bad.append(f"{src}->{dest}: forward is not the dest shard")
-        idx = cp_shard_indices(seq, dl.dim("cp"), dl.coords(rank).get("cp", 0))
-        (y.index_select(1, idx) * w_all[rows(dl)].index_select(1, idx)).sum().backward()
-        if not torch.equal(x.grad, w_all[rows(sl)]):
-            bad.append(f"{src}->{dest}: src gradient is not W on this rank's rows")
-    return bad
-
-
 @world.case
 def test_bridge_layouts_of_four_ranks():
     bad = []
-    bad += _bridge(dict(tp=1, dp=4), dict(tp=1, cp=4, dp=1), batch=4, seq=8)  # FAN_IN k=4
-    bad += _bridge(dict(tp=4, dp=1), dict(tp=1, cp=1, dp=4), batch=8, seq=4)  # FAN_OUT k=4
-    bad += _bridge(dict(tp=2, dp=2), dict(tp=1, cp=2, dp=2), batch=2, seq=4, strided=True)
-    bad += _bridge(dict(tp=1, dp=4), dict(tp=2, dp=2), batch=4, seq=4, flat=True)
-    bad += _bridge(
+    bad += bridge_mismatches(dict(tp=1, dp=4), dict(tp=1, cp=4, dp=1), batch=4, seq=8)  # FAN_IN k=4
+    bad += bridge_mismatches(
+        dict(tp=4, dp=1), dict(tp=1, cp=1, dp=4), batch=8, seq=4
+    )  # FAN_OUT k=4
+    bad += bridge_mismatches(dict(tp=2, dp=2), dict(tp=1, cp=2, dp=2), batch=2, seq=4, strided=True)
+    bad += bridge_mismatches(dict(tp=1, dp=4), dict(tp=2, dp=2), batch=4, seq=4, mapping=FLAT)
+    bad += bridge_mismatches(
         dict(tp=2, dp=2),
         dict(tp=1, cp=4, dp=1),
         batch=2,
@@ -114,8 +68,8 @@ def test_bridge_layouts_of_four_ranks():
 def test_bridge_on_grid_layouts_creates_its_cp_groups():
     # GridLayouts hold no groups: the communicator creates the dest CP groups (it called
     # dest_grid.get_pg and crashed with AttributeError before).
-    bad = _bridge(dict(tp=2, dp=2), dict(tp=1, cp=2, dp=2), batch=2, seq=4, layouts=True)
-    bad += _bridge(dict(tp=1, dp=4), dict(tp=1, cp=2, dp=2), batch=4, seq=4, layouts=True)
+    bad = bridge_mismatches(dict(tp=2, dp=2), dict(tp=1, cp=2, dp=2), batch=2, seq=4, layouts=True)
+    bad += bridge_mismatches(dict(tp=1, dp=4), dict(tp=1, cp=2, dp=2), batch=4, seq=4, layouts=True)
     assert not bad, bad
 
 
@@ -128,7 +82,7 @@ def test_bridge_api_as_spelled_in_issue_3():
     assert bridge.direction is BridgeDirection.EQUAL and bridge.scale == 1
     assert bridge.plan.gather_group_of(dist.get_rank()) == (dist.get_rank(),)
     assert "vision" in bridge.plan.describe() and "lm" in bridge.plan.describe()
-    x = _rand(3, 4, 2, seed=3)
+    x = rand(3, 4, 2, seed=3)
     with CollectiveCounter() as counter:
         with pytest.raises(ValueError, match="dim_mapping"):
             bridge.communicate(x[0])  # 2-D input with the 3-D default mapping
@@ -162,7 +116,7 @@ def test_partition_cp2_sp_tp2_shard_unshard_and_gradient():
     bad = []
     for sp in (False, True):
         adapter = PartitionAdapter(cp_group=cp_g, tp_group=tp_g, sequence_parallel=sp)
-        emb = _rand(2, 16, 3, seed=4).requires_grad_()
+        emb = rand(2, 16, 3, seed=4).requires_grad_()
         labels = torch.arange(32).view(2, 16)
         out = adapter.shard(emb, labels=labels, loss_mask=torch.ones(2, 16))
         want = emb.detach().index_select(1, idx)
@@ -175,7 +129,7 @@ def test_partition_cp2_sp_tp2_shard_unshard_and_gradient():
             bad.append(f"sp={sp}: position ids are not the original positions")
         if not torch.equal(adapter.unshard(out.embeddings), emb.detach()):
             bad.append(f"sp={sp}: unshard")
-        w = _rand(2, 16, 3, seed=5).index_select(1, idx)
+        w = rand(2, 16, 3, seed=5).index_select(1, idx)
         (out.embeddings * (w.chunk(2, 1)[t] if sp else w)).sum().backward()
         expected = torch.zeros(2, 16, 3)
         expected[:, idx] = w  # index_select's adjoint zero-pads the other CP ranks' tokens
@@ -183,21 +137,9 @@ def test_partition_cp2_sp_tp2_shard_unshard_and_gradient():
             bad.append(f"sp={sp}: gradient is not the zero-padded local one")
     with pytest.raises(ValueError, match="divisible by 2·cp·tp=8"):
         PartitionAdapter(cp_group=cp_g, tp_group=tp_g, sequence_parallel=True).shard(
-            _rand(2, 12, 3, seed=0)
+            rand(2, 12, 3, seed=0)
         )
     assert not bad, bad
-
-
-def _reference_attention(q, k, v, lengths, causal):
-    def sdpa(a, b, c):
-        out = F.scaled_dot_product_attention(
-            a.transpose(1, 2), b.transpose(1, 2), c.transpose(1, 2), is_causal=causal
-        )
-        return out.transpose(1, 2)
-
-    if lengths is None:
-        return sdpa(q, k, v)
-    return torch.cat([sdpa(*p) for p in zip(*(t.split(lengths, 1) for t in (q, k, v)))], 1)
 
 
 @world.case
@@ -209,9 +151,9 @@ def test_cp_attention_cp4_plain_and_packed_matches_one_process():
     for causal in (True, False):
         for lengths in (None, [8, 16, 24]):
             seq, b = (48, 1) if lengths else (16, 2)
-            q, k, v = (_rand(b, seq, 4, 8, seed=s).requires_grad_() for s in (10, 11, 12))
-            ref = _reference_attention(q, k, v, lengths, causal)
-            g_out = _rand(*ref.shape, seed=13)
+            q, k, v = (rand(b, seq, 4, 8, seed=s).requires_grad_() for s in (10, 11, 12))
+            ref = reference_attention(q, k, v, lengths, causal)
+            g_out = rand(*ref.shape, seed=13)
             grads = torch.autograd.grad((ref * g_out).sum(), (q, k, v))
             cu = None if lengths is None else [0, 8, 24, 48]
             idx = cp_shard_indices(seq, 4, r) if cu is None else cp_shard_indices_packed(cu, 4, r)

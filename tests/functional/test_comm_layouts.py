@@ -18,13 +18,21 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-from test_comm_reference import cu_of, rand, ref_cut, reference_attention, tp_cp_groups
+from test_comm_reference import (
+    FLAT,
+    SBH,
+    bridge_mismatches,
+    cu_of,
+    rand,
+    ref_cut,
+    reference_attention,
+    tp_cp_groups,
+)
 
 from mp_bridge.comm import (
     BridgeDirection,
     ColocatedBridgeCommunicator,
     PartitionAdapter,
-    cp_shard_indices,
     deterministic_all_reduce,
 )
 from mp_bridge.grid import GridLayout, make_grid
@@ -32,84 +40,29 @@ from mp_bridge.layers import context_parallel_attention
 from mp_bridge.testing import CollectiveCounter, DistributedWorld, current_device
 
 world = DistributedWorld(6, timeout_s=120)
-ORDER = ("tp", "cp", "pp", "dp")
-SBH = {"s": 0, "b": 1, "h": 2}
-FLAT = {"b": 0, "h": 1}
 TOL = dict(rtol=1e-5, atol=1e-5)  # fp32 attention, see module docstring
 
 
 # ------------------------------------------------------------------------- bridge
-def _bridge_mismatches(
-    src,
-    dest,
-    *,
-    batch,
-    seq,
-    dtype=torch.float32,
-    mapping=None,
-    offset=0,
-    src_order=ORDER,
-    dest_order=ORDER,
-):
-    """Bridge a known global batch ``[batch, seq, 3]`` and backprop a weighted sum through
-    the dest CP ``index_select``; return the mismatches with the data contract (global
-    batch split over DP in contiguous blocks, both grids; ``dL/dX = W``) on this rank."""
-    rank, h = dist.get_rank(), 3
-    src_grid = make_grid(**src, rank_offset=offset, dim_names=src_order, create=())
-    dest_grid = make_grid(**dest, rank_offset=offset, dim_names=dest_order, create=())
-    sl, dl = GridLayout.from_grid(src_grid), GridLayout.from_grid(dest_grid)
-    x_all = rand(batch, seq, h, seed=1).to(dtype)
-    w_all = rand(batch, seq, h, seed=2).to(dtype)
-
-    def rows(layout):
-        per = batch // layout.dim("dp")
-        i = layout.coords(rank)["dp"]
-        return slice(i * per, (i + 1) * per)
-
-    # Into the layout ``mapping`` describes, and back to [b, s, h].
-    if mapping == SBH:
-        to_map = from_map = lambda t: t.transpose(0, 1)
-    elif mapping == FLAT:
-        to_map, from_map = (lambda t: t.flatten(0, 1)), (lambda t: t.view(-1, seq, h))
-    else:
-        to_map = from_map = lambda t: t
-    bad = []
-    with ColocatedBridgeCommunicator(src_grid, dest_grid, dim_mapping=mapping) as bridge:
-        if rank not in sl.ranks:
-            return bad
-        x = to_map(x_all[rows(sl)]).clone().requires_grad_()
-        y = from_map(bridge.communicate(x))
-        if y.dtype != dtype or not torch.equal(y, x_all[rows(dl)]):
-            bad.append(f"{src}->{dest}: forward is not the dest shard")
-        idx = cp_shard_indices(seq, dl.dim("cp"), dl.coords(rank).get("cp", 0))
-        idx = idx.to(y.device)
-        (y.index_select(1, idx) * w_all[rows(dl)].index_select(1, idx)).sum().backward()
-        if not torch.equal(from_map(x.grad), w_all[rows(sl)]):
-            bad.append(f"{src}->{dest}: src gradient is not W on this rank's rows")
-    return bad
-
-
 @world.case
 def test_bridge_layouts_of_six_ranks():
     bad = []
     # EQUAL, dest CP 2, dest TP < src TP.
-    bad += _bridge_mismatches(dict(tp=2, dp=3), dict(tp=1, cp=2, dp=3), batch=3, seq=8)
+    bad += bridge_mismatches(dict(tp=2, dp=3), dict(tp=1, cp=2, dp=3), batch=3, seq=8)
     # FAN_IN k=3, dest TP > src TP, bf16, one sample per src rank.
-    bad += _bridge_mismatches(
+    bad += bridge_mismatches(
         dict(tp=1, dp=6), dict(tp=2, dp=3), batch=6, seq=4, dtype=torch.bfloat16
     )
     # FAN_IN k=3 into CP 6, [s, b, h] input (batch on dim 1).
-    bad += _bridge_mismatches(
-        dict(tp=2, dp=3), dict(tp=1, cp=6, dp=1), batch=3, seq=12, mapping=SBH
-    )
+    bad += bridge_mismatches(dict(tp=2, dp=3), dict(tp=1, cp=6, dp=1), batch=3, seq=12, mapping=SBH)
     # FAN_OUT k=3 with dest CP 2, fp16.
-    bad += _bridge_mismatches(
+    bad += bridge_mismatches(
         dict(tp=6, dp=1), dict(tp=1, cp=2, dp=3), batch=3, seq=4, dtype=torch.float16
     )
     # FAN_OUT k=3, src local batch == k, flattened (b*s, h).
-    bad += _bridge_mismatches(dict(tp=3, dp=2), dict(tp=1, dp=6), batch=6, seq=4, mapping=FLAT)
+    bad += bridge_mismatches(dict(tp=3, dp=2), dict(tp=1, dp=6), batch=6, seq=4, mapping=FLAT)
     # dp fastest in both grids (rank = dp + 3·tp and rank = dp + 3·cp) still nests.
-    bad += _bridge_mismatches(
+    bad += bridge_mismatches(
         dict(tp=2, dp=3),
         dict(tp=1, cp=2, dp=3),
         batch=3,
@@ -124,8 +77,8 @@ def test_bridge_layouts_of_six_ranks():
 def test_bridge_grids_on_part_of_the_world():
     bad = []
     # Ranks 2-5: FAN_IN k=2; ranks 1-4: FAN_OUT k=2 with dest CP 2 ([s, b, h] input).
-    bad += _bridge_mismatches(dict(tp=1, dp=4), dict(tp=2, dp=2), batch=4, seq=4, offset=2)
-    bad += _bridge_mismatches(
+    bad += bridge_mismatches(dict(tp=1, dp=4), dict(tp=2, dp=2), batch=4, seq=4, offset=2)
+    bad += bridge_mismatches(
         dict(tp=4, dp=1), dict(tp=1, cp=2, dp=2), batch=2, seq=4, offset=1, mapping=SBH
     )
     assert not bad, bad

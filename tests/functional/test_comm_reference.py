@@ -8,6 +8,8 @@ Shared by ``test_partition.py``, ``test_cp_attention.py`` and ``test_comm_layout
   then ``chunk(tp)`` for sequence parallelism.
 - ``reference_attention``: ``F.scaled_dot_product_attention`` on full tensors, per
   sequence when packed, with grouped-query K/V repeated to the query heads.
+- ``bridge_mismatches``: a bridge run on a known global batch checked against the data
+  contract of DESIGN.md (used by ``test_comm_layouts.py`` and ``test_acceptance_comm.py``).
 
 The tests in this file pin the references to literal layouts (DESIGN.md's example), so an
 oracle that drifted together with the code under test would be caught here.
@@ -21,8 +23,13 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from mp_bridge.grid import make_grid
+from mp_bridge.comm import ColocatedBridgeCommunicator
+from mp_bridge.grid import GridLayout, make_grid
 from mp_bridge.testing import current_device
+
+ORDER = ("tp", "cp", "pp", "dp")
+SBH = {"s": 0, "b": 1, "h": 2}  # dim_mapping of an [s, b, h] tensor
+FLAT = {"b": 0, "h": 1}  # dim_mapping of a batch-major flattened (b*s, h) tensor
 
 
 @functools.cache
@@ -86,6 +93,66 @@ def reference_attention(q, k, v, lengths=None, causal=True):
         return _sdpa(q, k, v, causal)
     split = [t.split(list(lengths), 1) for t in (q, k, v)]
     return torch.cat([_sdpa(a, b, c, causal) for a, b, c in zip(*split)], 1)
+
+
+def bridge_mismatches(
+    src,
+    dest,
+    *,
+    batch,
+    seq,
+    dtype=torch.float32,
+    mapping=None,
+    offset=0,
+    src_order=ORDER,
+    dest_order=ORDER,
+    layouts=False,
+    strided=False,
+):
+    """Bridge a known global batch ``[batch, seq, 3]`` and backprop a weighted sum through
+    the dest CP ``index_select``; return the mismatches with the data contract (global
+    batch split over DP in contiguous blocks, both grids; ``dL/dX = W``) on this rank.
+
+    ``layouts``: hand the communicator ``GridLayout``s instead of the grids; ``strided``:
+    a non-contiguous input with the same values. The CP cut of the loss is ``ref_cut``.
+    """
+    rank, h = dist.get_rank(), 3
+    src_grid = make_grid(**src, rank_offset=offset, dim_names=src_order, create=())
+    dest_grid = make_grid(**dest, rank_offset=offset, dim_names=dest_order, create=())
+    sl, dl = GridLayout.from_grid(src_grid), GridLayout.from_grid(dest_grid)
+    x_all = rand(batch, seq, h, seed=1).to(dtype)
+    w_all = rand(batch, seq, h, seed=2).to(dtype)
+
+    def rows(layout):
+        per = batch // layout.dim("dp")
+        i = layout.coords(rank)["dp"]
+        return slice(i * per, (i + 1) * per)
+
+    # Into the layout ``mapping`` describes, and back to [b, s, h].
+    if mapping == SBH:
+        to_map = from_map = lambda t: t.transpose(0, 1)
+    elif mapping == FLAT:
+        to_map, from_map = (lambda t: t.flatten(0, 1)), (lambda t: t.view(-1, seq, h))
+    else:
+        to_map = from_map = lambda t: t
+    bad = []
+    args = (sl, dl) if layouts else (src_grid, dest_grid)
+    with ColocatedBridgeCommunicator(*args, dim_mapping=mapping) as bridge:
+        if rank not in sl.ranks:
+            return bad
+        x = to_map(x_all[rows(sl)]).clone()
+        if strided:
+            x = x.transpose(-1, -2).contiguous().transpose(-1, -2)
+        x.requires_grad_()
+        y = from_map(bridge.communicate(x))
+        if y.dtype != dtype or not torch.equal(y, x_all[rows(dl)]):
+            bad.append(f"{src}->{dest}: forward is not the dest shard")
+        idx = ref_cut(torch.arange(seq), 0, dl.dim("cp"), dl.coords(rank).get("cp", 0))
+        idx = idx.to(y.device)
+        (y.index_select(1, idx) * w_all[rows(dl)].index_select(1, idx)).sum().backward()
+        if not torch.equal(from_map(x.grad), w_all[rows(sl)]):
+            bad.append(f"{src}->{dest}: src gradient is not W on this rank's rows")
+    return bad
 
 
 # ------------------------------------------------------------ the references themselves
