@@ -10,9 +10,17 @@ from .embedding import VocabParallelEmbedding
 from .fused_loss import fused_linear_cross_entropy, fused_linear_logprobs
 from .lm_head import VocabParallelLMHead
 from .reductions import masked_count, masked_mean, masked_sum
-from .vocab_shards import padded_vocab_size, vocab_shard_ranges, vocab_shard_size
+from .vocab_shards import (
+    VocabShard,
+    padded_vocab_size,
+    vocab_shard_ranges,
+    vocab_shard_size,
+    vocab_shards,
+)
 
 __all__ = [
+    "VocabShard",
+    "vocab_shards",
     "padded_vocab_size",
     "vocab_shard_ranges",
     "vocab_shard_size",

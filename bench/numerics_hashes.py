@@ -1,0 +1,98 @@
+"""Print SHA-256 hashes of loss values and gradients for fixed inputs (refactor guard).
+
+Run before and after a change that must not move a single bit; the two outputs must be
+identical (same machine, build and thread count). Covers the materialized and fused
+paths, default and invariant, fp32 and bf16, at TP 1/2/4 (gloo ranks on CPU).
+
+    .venv/bin/python bench/numerics_hashes.py > before.txt   # ... change ... then diff
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+import torch.distributed as dist
+
+from mp_bridge.layers import (
+    fused_linear_cross_entropy,
+    fused_linear_logprobs,
+    vocab_parallel_cross_entropy,
+    vocab_parallel_entropy,
+    vocab_parallel_logprobs,
+)
+from mp_bridge.testing import run_distributed
+
+N, H, V = 37, 48, 1024  # V = 4 whole 256-row blocks: every TP in (1, 2, 4) is invariant-ok
+
+
+def _digest(*tensors: torch.Tensor) -> str:
+    h = hashlib.sha256()
+    for t in tensors:
+        h.update(t.detach().float().contiguous().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def _inputs(dtype: torch.dtype):
+    g = torch.Generator().manual_seed(1234)
+    hidden = torch.randn(N, H, generator=g).to(dtype)
+    weight = (torch.randn(V, H, generator=g) / H**0.5).to(dtype)
+    target = torch.randint(0, V, (N,), generator=g)
+    target[::5] = -100
+    return hidden, weight, target
+
+
+def _rank_hashes() -> list[str]:
+    tp, rank = dist.get_world_size(), dist.get_rank()
+    group = dist.group.WORLD
+    rows = slice(rank * V // tp, (rank + 1) * V // tp)
+    out = []
+    for dtype in (torch.float32, torch.bfloat16):
+        hidden, weight, target = _inputs(dtype)
+        valid = target.clamp(min=0)
+        for invariant in (False, True):
+            tag = f"{str(dtype)[6:]} inv={int(invariant)}"
+            # materialized: logits shard from the full matmul, sliced by rank
+            logits = (hidden.float() @ weight.float().T)[:, rows].to(dtype).requires_grad_()
+            ce = vocab_parallel_cross_entropy(logits, target, tp_group=group, invariant=invariant)
+            ce.sum().backward()
+            out.append(f"{tag} ce          {_digest(ce, logits.grad)}")
+            logits.grad = None
+            lp = vocab_parallel_logprobs(
+                logits, valid, tp_group=group, temperature=0.7, invariant=invariant
+            )
+            lp.sum().backward()
+            out.append(f"{tag} logprobs    {_digest(lp, logits.grad)}")
+            if not invariant:
+                logits.grad = None
+                ent = vocab_parallel_entropy(logits, tp_group=group)
+                ent.sum().backward()
+                out.append(f"{tag} entropy     {_digest(ent, logits.grad)}")
+            # fused: local weight rows
+            for what in ("ce", "logprobs"):
+                h = hidden.clone().requires_grad_()
+                w = weight[rows].clone().requires_grad_()
+                if what == "ce":
+                    val = fused_linear_cross_entropy(
+                        h, w, target, tp_group=group, chunk_size=16, invariant=invariant
+                    )
+                else:
+                    val = fused_linear_logprobs(
+                        h, w, valid, tp_group=group, chunk_size=16, invariant=invariant
+                    )
+                val.sum().backward()
+                gw = [torch.empty_like(w.grad) for _ in range(tp)]
+                dist.all_gather(gw, w.grad.contiguous())
+                out.append(f"{tag} fused_{what:<9}{_digest(val, h.grad, torch.cat(gw))}")
+    return out
+
+
+def main() -> None:
+    for tp in (1, 2, 4):
+        lines = run_distributed(_rank_hashes, tp)[0]
+        for line in lines:
+            print(f"tp={tp} {line}")
+
+
+if __name__ == "__main__":
+    main()
