@@ -25,10 +25,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from mp_bridge.grid.layout import GridLayout
+from mp_bridge.grid import GridLayout
 
 from .bridge_plan import BridgeDirection, BridgePlan, plan_bridge
-from .primitives import all_gather_tensor, all_reduce_sum, copy_to_group
+from .primitives import all_gather_tensor, all_reduce_sum, copy_to_group, forbid_double_backward
 
 __all__ = ["ColocatedBridgeCommunicator"]
 
@@ -84,6 +84,7 @@ class _FanIn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        forbid_double_backward("ColocatedBridgeCommunicator.communicate (FAN_IN)")
         grad = _cp_all_reduce(grad, ctx.cp_group)
         out = _slot(grad, ctx.dim, ctx.slot, ctx.k).contiguous()
         return out, None, None, None, None, None
@@ -101,6 +102,7 @@ class _FanOut(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        forbid_double_backward("ColocatedBridgeCommunicator.communicate (FAN_OUT)")
         grad = _cp_all_reduce(grad, ctx.cp_group)
         return all_gather_tensor(grad, ctx.gather_group, ctx.dim), None, None, None, None, None
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 
-from mp_bridge.comm.bridge_plan import format_rank_table, plan_bridge
+from mp_bridge.comm import format_rank_table, plan_bridge
 from mp_bridge.grid import parse_layout_spec
 
 __all__ = ["add_arguments", "run"]
