@@ -133,10 +133,10 @@ def demo_config(*, encoder_tp: int = 1, llm_tp: int = 1, seq_factor: int = 2):
 
     The default ``MimoConfig()`` when it fits (TP sizes dividing 8, sequence length 16
     divisible by ``seq_factor``, the LLM layout's ``seq_len_divisor``). Otherwise, for a
-    TP size ``t`` that does not divide 8: ``heads = lcm(t, 2)``, the hidden size the next multiple of
-    the heads, the FFN / projection widths the next multiple of ``t`` (TP 3: 6 heads,
-    hidden 18, FFN 33; TP 6: 6 heads, hidden 18, FFN 36), and the sequence length the
-    next multiple of ``seq_factor``. Sizes stay close to the default, so the parity
+    TP size ``t`` that does not divide 8: ``heads = lcm(t, 2)``, the hidden size the next
+    multiple of the heads, the FFN / projection widths the next multiple of ``t`` (TP 3:
+    6 heads, hidden 18, FFN 33; TP 6: 6 heads, hidden 18, FFN 36), and the sequence
+    length the next multiple of ``seq_factor``. Sizes stay close to the default, so the parity
     tolerances keep their meaning (a wider model has more near-zero gradients, which
     Adam's normalization turns into larger relative weight differences).
     """
