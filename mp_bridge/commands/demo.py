@@ -18,9 +18,11 @@ import sys
 import time
 
 from mp_bridge.comm import plan_bridge, seq_len_divisor
-from mp_bridge.grid import GridLayout, parse_layout_spec
+from mp_bridge.grid import GridLayout
 from mp_bridge.table import format_table
 from mp_bridge.testing import under_torchrun
+
+from .layout_flag import layout_from_flag
 
 __all__ = ["add_arguments", "format_parity_table", "run"]
 
@@ -62,14 +64,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(run=run)
 
 
-def _layout(spec: str, world: int, allowed: tuple[str, ...], flag: str) -> GridLayout:
-    """The grid a spec names: axes in the order written (first = fastest over ranks)."""
-    try:
-        return parse_layout_spec(spec, world_size=world, allowed=allowed)
-    except ValueError as exc:
-        raise ValueError(f"{flag}: {exc}") from None
-
-
 def default_layouts(world: int) -> tuple[str, str]:
     """The ``--encoder``/``--llm`` specs used when they are not given, for ``world`` ranks.
 
@@ -103,8 +97,8 @@ def _validate(args: argparse.Namespace) -> tuple[GridLayout, GridLayout]:
     default_enc, default_llm = default_layouts(args.world)
     args.encoder = args.encoder or default_enc
     args.llm = args.llm or default_llm
-    enc_layout = _layout(args.encoder, args.world, ("tp", "dp"), "--encoder")
-    llm_layout = _layout(args.llm, args.world, ("tp", "cp", "dp"), "--llm")
+    enc_layout = layout_from_flag("--encoder", args.encoder, args.world, ("tp", "dp"))
+    llm_layout = layout_from_flag("--llm", args.llm, args.world, ("tp", "cp", "dp"))
     enc = {n: enc_layout.axis_size(n) for n in ("tp", "dp")}
     llm = {n: llm_layout.axis_size(n) for n in ("tp", "cp", "dp")}
     if args.batch_size is None:
