@@ -15,6 +15,9 @@ Why the CP all-reduce: with dest CP > 1 the LLM takes its sequence chunks with
 ``index_select``, whose adjoint zero-pads, so each CP rank's incoming gradient holds only
 its own chunks. Summing over the dest CP group rebuilds the full-sequence gradient before
 the direction step (the gradient is cloned first: autograd owns the incoming buffer).
+
+Double backward: FAN_IN and FAN_OUT raise on ``backward(create_graph=True)`` (their
+backward collectives run outside autograd); EQUAL is ``copy_to_group``, which supports it.
 """
 
 from __future__ import annotations
