@@ -23,8 +23,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from mp_bridge.comm import ColocatedBridgeCommunicator
-from mp_bridge.comm.primitives import all_gather_tensor
+from mp_bridge.comm import ColocatedBridgeCommunicator, all_gather_tensor
 from mp_bridge.grid import make_grid
 from mp_bridge.testing import CollectiveCounter, current_device, run_distributed
 

@@ -1,32 +1,72 @@
-"""Autograd-aware collectives, the colocated bridge, and sequence partitioning."""
+"""Autograd-aware collectives, the colocated bridge, and sequence partitioning.
+
+Everything other packages use from ``comm`` is exported here (import from
+``mp_bridge.comm``, not from its modules): the differentiable collectives and their plain
+helpers (``primitives``), the CP cut (``cp_indices``), the packed-sequence mask
+(``cp_mask``), the CP K/V gather (``kv_gather``), the bridge and the partition adapter.
+"""
 
 from .bridge import ColocatedBridgeCommunicator
-from .bridge_plan import BridgeDirection, BridgePlan, plan_bridge
-from .cp_indices import cp_shard_indices, cp_shard_indices_packed
+from .bridge_plan import BridgeDirection, BridgePlan, format_rank_table, plan_bridge
+from .cp_indices import (
+    cp_factor,
+    cp_gather_order,
+    cp_shard_indices,
+    cp_shard_indices_packed,
+    normalize_cu_seqlens,
+    seq_len_divisor,
+)
+from .cp_mask import packed_sequence_mask
 from .deterministic import deterministic_all_reduce
+from .kv_gather import GatherKV, ReduceScatterKV, gather_kv
 from .partition import PartitionAdapter, ShardedBatch
 from .primitives import (
+    all_gather_tensor,
+    all_reduce_sum,
     copy_to_group,
+    forbid_double_backward,
     gather_along,
     gather_keep_grad,
+    group_rank,
+    group_size,
     reduce_from_group,
     reduce_scatter_along,
+    reduce_scatter_tensor,
     scatter_along,
 )
 
 __all__ = [
+    # differentiable collectives (primitives.py)
     "copy_to_group",
     "gather_along",
     "gather_keep_grad",
     "reduce_from_group",
     "reduce_scatter_along",
     "scatter_along",
+    "forbid_double_backward",
+    # plain (non-autograd) helpers (primitives.py)
+    "all_gather_tensor",
+    "all_reduce_sum",
+    "group_rank",
+    "group_size",
+    "reduce_scatter_tensor",
+    # bridge
     "plan_bridge",
     "BridgePlan",
     "BridgeDirection",
     "ColocatedBridgeCommunicator",
+    "format_rank_table",
+    # context parallelism
+    "cp_factor",
+    "cp_gather_order",
     "cp_shard_indices",
     "cp_shard_indices_packed",
+    "normalize_cu_seqlens",
+    "packed_sequence_mask",
+    "seq_len_divisor",
+    "GatherKV",
+    "ReduceScatterKV",
+    "gather_kv",
     "PartitionAdapter",
     "ShardedBatch",
     "deterministic_all_reduce",

@@ -15,6 +15,9 @@ Why the CP all-reduce: with dest CP > 1 the LLM takes its sequence chunks with
 ``index_select``, whose adjoint zero-pads, so each CP rank's incoming gradient holds only
 its own chunks. Summing over the dest CP group rebuilds the full-sequence gradient before
 the direction step (the gradient is cloned first: autograd owns the incoming buffer).
+
+Double backward: FAN_IN and FAN_OUT raise on ``backward(create_graph=True)`` (their
+backward collectives run outside autograd); EQUAL is ``copy_to_group``, which supports it.
 """
 
 from __future__ import annotations
@@ -25,10 +28,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from mp_bridge.grid.layout import GridLayout
+from mp_bridge.grid import GridLayout
 
 from .bridge_plan import BridgeDirection, BridgePlan, plan_bridge
-from .primitives import all_gather_tensor, all_reduce_sum, copy_to_group
+from .primitives import all_gather_tensor, all_reduce_sum, copy_to_group, forbid_double_backward
 
 __all__ = ["ColocatedBridgeCommunicator"]
 
@@ -84,6 +87,7 @@ class _FanIn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        forbid_double_backward("ColocatedBridgeCommunicator.communicate (FAN_IN)")
         grad = _cp_all_reduce(grad, ctx.cp_group)
         out = _slot(grad, ctx.dim, ctx.slot, ctx.k).contiguous()
         return out, None, None, None, None, None
@@ -101,6 +105,7 @@ class _FanOut(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        forbid_double_backward("ColocatedBridgeCommunicator.communicate (FAN_OUT)")
         grad = _cp_all_reduce(grad, ctx.cp_group)
         return all_gather_tensor(grad, ctx.gather_group, ctx.dim), None, None, None, None, None
 

@@ -20,12 +20,10 @@ import enum
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from mp_bridge.grid.layout import GridLayout
+from mp_bridge.grid import AXIS_NAMES, GridLayout
+from mp_bridge.table import format_table
 
 __all__ = ["BridgeDirection", "BridgePlan", "format_rank_table", "plan_bridge"]
-
-# Axes the bridge understands; any other axis must have size 1.
-_KNOWN_AXES = ("tp", "cp", "pp", "dp")
 
 
 class BridgeDirection(enum.Enum):
@@ -66,7 +64,7 @@ class BridgePlan:
     @property
     def cp_size(self) -> int:
         """Dest CP size (1 means no CP all-reduce in backward)."""
-        return self.dest.dim("cp")
+        return self.dest.axis_size("cp")
 
     def _check_rank(self, rank: int) -> None:
         self.src.coords(rank)  # raises a ValueError naming the valid range
@@ -167,10 +165,7 @@ def format_rank_table(
         rows.append(
             (str(r), _fmt_coords(src, r), _fmt_coords(dest, r), *(f(r) for _, f in columns))
         )
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
+    return format_table(rows)
 
 
 def _fmt_coords(layout: GridLayout, rank: int) -> str:
@@ -212,24 +207,24 @@ def _validate(src: GridLayout, dest: GridLayout, src_name: str, dest_name: str) 
         unknown = [
             f"{n}={s}"
             for n, s in zip(layout.dim_names, layout.shape)
-            if n not in _KNOWN_AXES and s > 1
+            if n not in AXIS_NAMES and s > 1
         ]
         if unknown:
             raise ValueError(
                 f"{name} grid {layout!r} has axes {unknown} the bridge does not understand; "
-                f"only {list(_KNOWN_AXES)} may have size > 1"
+                f"only {list(AXIS_NAMES)} may have size > 1"
             )
-        if layout.dim("pp") > 1:
+        if layout.axis_size("pp") > 1:
             raise ValueError(
-                f"{name} grid {layout!r} has pp={layout.dim('pp')}; the colocated bridge "
+                f"{name} grid {layout!r} has pp={layout.axis_size('pp')}; the colocated bridge "
                 f"supports pp=1 only (bridge each pipeline stage separately)"
             )
-    if src.dim("cp") > 1:
+    if src.axis_size("cp") > 1:
         raise ValueError(
-            f"{src_name} grid {src!r} has cp={src.dim('cp')}; the bridge input must hold full "
-            f"sequences (src cp=1); shard the sequence on the {dest_name} side instead"
+            f"{src_name} grid {src!r} has cp={src.axis_size('cp')}; the bridge input must hold "
+            f"full sequences (src cp=1); shard the sequence on the {dest_name} side instead"
         )
-    dps, dpd = src.dim("dp"), dest.dim("dp")
+    dps, dpd = src.axis_size("dp"), dest.axis_size("dp")
     if dps % dpd and dpd % dps:
         raise ValueError(
             f"{src_name} dp={dps} and {dest_name} dp={dpd} do not divide one another; "
@@ -265,7 +260,7 @@ def plan_bridge(
     """
     src, dest = _as_layout("src", src), _as_layout("dest", dest)
     _validate(src, dest, src_name, dest_name)
-    dps, dpd = src.dim("dp"), dest.dim("dp")
+    dps, dpd = src.axis_size("dp"), dest.axis_size("dp")
     if dps > dpd:
         direction, k = BridgeDirection.FAN_IN, dps // dpd
         rule = f"{src_name} dp // {k} == {dest_name} dp"

@@ -25,6 +25,7 @@ __all__ = [
     "cp_shard_indices",
     "cp_shard_indices_packed",
     "normalize_cu_seqlens",
+    "seq_len_divisor",
 ]
 
 
@@ -44,12 +45,24 @@ def _check_cp(cp_size: object, cp_rank: object) -> tuple[int, int]:
     return cp, rank
 
 
-def cp_factor(cp_size: int) -> int:
-    """What every (per-sequence) length must be divisible by: ``2·cp``, or 1 when ``cp == 1``.
+def seq_len_divisor(cp_size: int, tp_size: int = 1, *, sequence_parallel: bool = False) -> int:
+    """What every (per-sequence) length must be divisible by: the one formula.
 
-    ``cp_factor(1) == 1`` (no split, so odd lengths are fine), ``cp_factor(4) == 8``.
+    ``2·cp`` for the load-balanced CP cut (1 when ``cp == 1``: no split, any length),
+    times ``tp`` with sequence parallelism (the tokens are then also split over TP).
+    ``seq_len_divisor(1) == 1``, ``seq_len_divisor(4) == 8``,
+    ``seq_len_divisor(2, 3, sequence_parallel=True) == 12``,
+    ``seq_len_divisor(1, 3, sequence_parallel=True) == 3``.
     """
-    return 2 * cp_size if cp_size > 1 else 1
+    cp = _check_int("cp_size", cp_size, 1)
+    tp = _check_int("tp_size", tp_size, 1)
+    if not isinstance(sequence_parallel, bool):
+        raise TypeError(f"sequence_parallel must be a bool, got {sequence_parallel!r}")
+    return (2 * cp if cp > 1 else 1) * (tp if sequence_parallel else 1)
+
+
+#: Former name of :func:`seq_len_divisor` for CP alone, ``cp_factor(cp)``; kept as an alias.
+cp_factor = seq_len_divisor
 
 
 def normalize_cu_seqlens(
@@ -58,9 +71,9 @@ def normalize_cu_seqlens(
     """Validate cumulative sequence lengths and return them as a list of ints.
 
     ``cu_seqlens`` is ``[0, l0, l0+l1, ...]`` (1-D, non-decreasing, starting at 0); every
-    length must be divisible by ``factor`` (``cp_factor(cp)``) and, if given, the last entry
-    must equal ``total`` (the packed token count). Entries may be Python or NumPy ints, or
-    a 1-D integer tensor. Raises ``ValueError``/``TypeError``.
+    length must be divisible by ``factor`` (``seq_len_divisor(cp)``) and, if given, the
+    last entry must equal ``total`` (the packed token count). Entries may be Python or
+    NumPy ints, or a 1-D integer tensor. Raises ``ValueError``/``TypeError``.
     """
     if isinstance(cu_seqlens, torch.Tensor):
         if cu_seqlens.dim() != 1 or cu_seqlens.dtype.is_floating_point or cu_seqlens.is_complex():
@@ -140,7 +153,7 @@ def cp_shard_indices_packed(
     ``cu_seqlens=[0, 4, 12], cp=2``: rank 0 -> [0, 3, 4, 5, 10, 11], rank 1 -> [1, 2, 6, 7, 8, 9].
     """
     cp, rank = _check_cp(cp_size, cp_rank)
-    bounds = normalize_cu_seqlens(cu_seqlens, cp_factor(cp))
+    bounds = normalize_cu_seqlens(cu_seqlens, seq_len_divisor(cp))
     parts = [
         start + cp_shard_indices(end - start, cp, rank, device=device)
         for start, end in zip(bounds[:-1], bounds[1:])
@@ -165,6 +178,6 @@ def cp_gather_order(
     if cu_seqlens is None:
         parts = [cp_shard_indices(seq_len, cp, r, device=device) for r in range(cp)]
     else:
-        bounds = normalize_cu_seqlens(cu_seqlens, cp_factor(cp), total=seq_len)
+        bounds = normalize_cu_seqlens(cu_seqlens, seq_len_divisor(cp), total=seq_len)
         parts = [cp_shard_indices_packed(bounds, cp, r, device=device) for r in range(cp)]
     return torch.cat(parts)

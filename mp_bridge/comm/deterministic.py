@@ -78,6 +78,7 @@ def deterministic_all_reduce(
     one process, not the world (groups are always explicit here): it returns a copy.
     Collectives: one all-gather, plus one metadata all-gather when ``check``. Every rank
     must call it with the same ``op`` and a tensor of the same shape and dtype.
+    Not differentiable (no autograd Function): the result carries no graph.
     """
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"tensor must be a torch.Tensor, got {type(tensor).__name__}")

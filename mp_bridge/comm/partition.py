@@ -31,11 +31,11 @@ import torch
 import torch.distributed as dist
 
 from .cp_indices import (
-    cp_factor,
     cp_gather_order,
     cp_shard_indices,
     cp_shard_indices_packed,
     normalize_cu_seqlens,
+    seq_len_divisor,
 )
 from .primitives import gather_along, gather_keep_grad, group_rank, group_size, scatter_along
 
@@ -114,7 +114,7 @@ class PartitionAdapter:
     # ------------------------------------------------------------------ pure helpers
     def _check_len(self, seq_len: int, sequence_parallel: bool, what: str) -> None:
         sp = sequence_parallel and self.tp_size > 1
-        factor = cp_factor(self.cp_size) * (self.tp_size if sp else 1)
+        factor = seq_len_divisor(self.cp_size, self.tp_size, sequence_parallel=sp)
         if seq_len % factor:
             cp_part = "2·cp" if self.cp_size > 1 else "cp"
             need = (
@@ -133,7 +133,7 @@ class PartitionAdapter:
         """Global token indices this CP rank keeps (see :func:`cp_shard_indices`)."""
         if cu_seqlens is None:
             return cp_shard_indices(seq_len, self.cp_size, self.cp_rank, device=device)
-        bounds = normalize_cu_seqlens(cu_seqlens, cp_factor(self.cp_size), total=seq_len)
+        bounds = normalize_cu_seqlens(cu_seqlens, seq_len_divisor(self.cp_size), total=seq_len)
         return cp_shard_indices_packed(bounds, self.cp_size, self.cp_rank, device=device)
 
     # ------------------------------------------------------------------------ shard
@@ -159,7 +159,7 @@ class PartitionAdapter:
         self._check_len(seq_len, self.sequence_parallel, f"sequence length embeddings.shape[{dim}]")
         bounds = None
         if cu_seqlens is not None:
-            bounds = normalize_cu_seqlens(cu_seqlens, cp_factor(self.cp_size), total=seq_len)
+            bounds = normalize_cu_seqlens(cu_seqlens, seq_len_divisor(self.cp_size), total=seq_len)
         # [b, s, h] / [s, b, h]: the batch is the other of dims 0 and 1. A 2-D [T, h]
         # (packed, seq_dim=0) has no batch dim: its default positions are 1-D [T].
         batch = embeddings.shape[1 - dim] if embeddings.dim() >= 3 and dim <= 1 else None

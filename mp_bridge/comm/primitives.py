@@ -12,6 +12,11 @@ in group rank order.
 - ``scatter_along``: keep this rank's slice along d; backward all-gather along d.
 - ``reduce_scatter_along``: reduce-scatter(SUM) along d; backward all-gather (SP's g-bar).
 
+Double backward: each Function's backward applies its adjoint *Function* (copy <->
+reduce, gather_along <-> reduce_scatter_along, gather_keep_grad <-> scatter_along), so a
+``backward(create_graph=True)`` records the backward collective in the graph and second
+derivatives are correct. ``forbid_double_backward`` is the guard for Functions that cannot.
+
 Collectives are called as ``dist.<name>`` at call time, so a ``CollectiveCounter`` sees them.
 """
 
@@ -24,6 +29,7 @@ __all__ = [
     "all_gather_tensor",
     "all_reduce_sum",
     "copy_to_group",
+    "forbid_double_backward",
     "gather_along",
     "gather_keep_grad",
     "group_rank",
@@ -105,8 +111,27 @@ def _own_slice(x: torch.Tensor, group, dim: int) -> torch.Tensor:
     return x.narrow(dim, group_rank(group) * size, size).contiguous()
 
 
+def forbid_double_backward(name: str) -> None:
+    """Raise in a ``backward`` run with ``create_graph=True`` (grad mode is on there).
+
+    For autograd Functions whose backward is not built from differentiable ops or adjoint
+    Functions: a graph recorded through it would silently drop a collective.
+    """
+    if torch.is_grad_enabled():
+        raise RuntimeError(
+            f"{name} cannot differentiate twice: backward(create_graph=True) is not supported "
+            "(its backward runs a collective outside autograd, so a second derivative would "
+            "silently miss it); call backward() without create_graph"
+        )
+
+
 # ----------------------------------------------------------------- autograd ops
+# Each backward applies the adjoint Function (not a plain collective), so double backward
+# records the collective: copy <-> reduce, gather(sum) <-> reduce-scatter, gather(keep) <->
+# scatter. Wrappers skip the Functions for a group of size 1, so they only run with n > 1.
 class _CopyToGroup(torch.autograd.Function):
+    """Forward identity; backward ``_ReduceFromGroup`` (all-reduce SUM)."""
+
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
@@ -114,10 +139,12 @@ class _CopyToGroup(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return all_reduce_sum(grad, ctx.group), None
+        return _ReduceFromGroup.apply(grad, ctx.group), None
 
 
 class _ReduceFromGroup(torch.autograd.Function):
+    """Forward all-reduce(SUM), out of place; backward identity (the adjoint of copy)."""
+
     @staticmethod
     def forward(ctx, x, group):
         return all_reduce_sum(x, group)
@@ -128,6 +155,9 @@ class _ReduceFromGroup(torch.autograd.Function):
 
 
 class _GatherAlong(torch.autograd.Function):
+    """Forward all-gather along ``dim``; backward ``_ToShard`` with ``reduce=sum_grad``:
+    reduce-scatter(SUM) (``sum_grad``) or this rank's slice (replicated gradient)."""
+
     @staticmethod
     def forward(ctx, x, group, dim, sum_grad):
         ctx.group, ctx.dim, ctx.sum_grad = group, dim, sum_grad
@@ -135,23 +165,21 @@ class _GatherAlong(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        if ctx.sum_grad:
-            return reduce_scatter_tensor(grad, ctx.group, ctx.dim), None, None, None
-        return _own_slice(grad, ctx.group, ctx.dim), None, None, None
+        return _ToShard.apply(grad, ctx.group, ctx.dim, ctx.sum_grad), None, None, None
 
 
 class _ToShard(torch.autograd.Function):
     """Forward: this rank's slice along ``dim`` (of the group sum when ``reduce``).
-    Backward: all-gather along ``dim`` (the adjoint of both slice and reduce-scatter)."""
+    Backward: ``_GatherAlong`` with ``sum_grad=reduce`` (all-gather along ``dim``)."""
 
     @staticmethod
     def forward(ctx, x, group, dim, reduce):
-        ctx.group, ctx.dim = group, dim
+        ctx.group, ctx.dim, ctx.reduce = group, dim, reduce
         return reduce_scatter_tensor(x, group, dim) if reduce else _own_slice(x, group, dim)
 
     @staticmethod
     def backward(ctx, grad):
-        return all_gather_tensor(grad, ctx.group, ctx.dim), None, None, None
+        return _GatherAlong.apply(grad, ctx.group, ctx.dim, ctx.reduce), None, None, None
 
 
 def _dim(x: torch.Tensor, dim: int) -> int:

@@ -17,7 +17,12 @@ import os
 import sys
 import time
 
-from mp_bridge.grid import GridLayout, parse_layout_spec
+from mp_bridge.comm import plan_bridge, seq_len_divisor
+from mp_bridge.grid import GridLayout
+from mp_bridge.table import format_table
+from mp_bridge.testing import under_torchrun
+
+from .layout_flag import layout_from_flag
 
 __all__ = ["add_arguments", "format_parity_table", "run"]
 
@@ -59,14 +64,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(run=run)
 
 
-def _layout(spec: str, world: int, allowed: tuple[str, ...], flag: str) -> GridLayout:
-    """The grid a spec names: axes in the order written (first = fastest over ranks)."""
-    try:
-        return parse_layout_spec(spec, world_size=world, allowed=allowed)
-    except ValueError as exc:
-        raise ValueError(f"{flag}: {exc}") from None
-
-
 def default_layouts(world: int) -> tuple[str, str]:
     """The ``--encoder``/``--llm`` specs used when they are not given, for ``world`` ranks.
 
@@ -89,10 +86,8 @@ def _validate(args: argparse.Namespace) -> tuple[GridLayout, GridLayout]:
 
     Fills in ``args.encoder``/``args.llm``/``args.batch_size`` when they were left out.
     """
-    from mp_bridge.comm.bridge_plan import plan_bridge
-
     if args.world is None:
-        args.world = int(os.environ["WORLD_SIZE"]) if _under_torchrun() else 8
+        args.world = int(os.environ["WORLD_SIZE"]) if under_torchrun() else 8
     if args.world < 1:
         raise ValueError(f"--world {args.world} must be >= 1")
     if args.steps < 1:
@@ -102,10 +97,10 @@ def _validate(args: argparse.Namespace) -> tuple[GridLayout, GridLayout]:
     default_enc, default_llm = default_layouts(args.world)
     args.encoder = args.encoder or default_enc
     args.llm = args.llm or default_llm
-    enc_layout = _layout(args.encoder, args.world, ("tp", "dp"), "--encoder")
-    llm_layout = _layout(args.llm, args.world, ("tp", "cp", "dp"), "--llm")
-    enc = {n: enc_layout.dim(n) for n in ("tp", "dp")}
-    llm = {n: llm_layout.dim(n) for n in ("tp", "cp", "dp")}
+    enc_layout = layout_from_flag("--encoder", args.encoder, args.world, ("tp", "dp"))
+    llm_layout = layout_from_flag("--llm", args.llm, args.world, ("tp", "cp", "dp"))
+    enc = {n: enc_layout.axis_size(n) for n in ("tp", "dp")}
+    llm = {n: llm_layout.axis_size(n) for n in ("tp", "cp", "dp")}
     if args.batch_size is None:
         step = math.lcm(enc["dp"], llm["dp"])
         args.batch_size = -(-8 // step) * step  # the smallest multiple of both DPs >= 8
@@ -115,7 +110,7 @@ def _validate(args: argparse.Namespace) -> tuple[GridLayout, GridLayout]:
         _check_plot_target(args.plot)
     # The written axis order is the grid's rank order, so nesting is checked on it.
     plan_bridge(enc_layout, llm_layout, src_name="encoder", dest_name="llm")
-    factor = 2 * llm["cp"] * (llm["tp"] if args.sequence_parallel else 1)
+    factor = seq_len_divisor(llm["cp"], llm["tp"], sequence_parallel=args.sequence_parallel)
     args.config = demo_config(encoder_tp=enc["tp"], llm_tp=llm["tp"], seq_factor=factor)
     args.config.check_tp(encoder_tp=enc["tp"], llm_tp=llm["tp"])  # holds by construction
     for flag, dp in (("--encoder", enc["dp"]), ("--llm", llm["dp"])):
@@ -131,11 +126,11 @@ def demo_config(*, encoder_tp: int = 1, llm_tp: int = 1, seq_factor: int = 2):
     """The demo's ``MimoConfig``, widened only as far as the layout needs (pure).
 
     The default ``MimoConfig()`` when it fits (TP sizes dividing 8, sequence length 16
-    divisible by ``seq_factor = 2 * cp [* tp with SP]``). Otherwise, for a TP size ``t``
-    that does not divide 8: ``heads = lcm(t, 2)``, the hidden size the next multiple of
-    the heads, the FFN / projection widths the next multiple of ``t`` (TP 3: 6 heads,
-    hidden 18, FFN 33; TP 6: 6 heads, hidden 18, FFN 36), and the sequence length the
-    next multiple of ``seq_factor``. Sizes stay close to the default, so the parity
+    divisible by ``seq_factor``, the LLM layout's ``seq_len_divisor``). Otherwise, for a
+    TP size ``t`` that does not divide 8: ``heads = lcm(t, 2)``, the hidden size the next
+    multiple of the heads, the FFN / projection widths the next multiple of ``t`` (TP 3:
+    6 heads, hidden 18, FFN 33; TP 6: 6 heads, hidden 18, FFN 36), and the sequence
+    length the next multiple of ``seq_factor``. Sizes stay close to the default, so the parity
     tolerances keep their meaning (a wider model has more near-zero gradients, which
     Adam's normalization turns into larger relative weight differences).
     """
@@ -187,16 +182,13 @@ def _worker(enc: GridLayout, llm: GridLayout, opts: dict):
             )
 
     return run_parity(
-        cfg, encoder_tp=enc.dim("tp"), encoder_dp=enc.dim("dp"), llm_tp=llm.dim("tp"),
-        llm_cp=llm.dim("cp"), llm_dp=llm.dim("dp"), encoder_dim_names=enc.dim_names,
-        llm_dim_names=llm.dim_names, sequence_parallel=opts["sequence_parallel"],
+        cfg, encoder_tp=enc.axis_size("tp"), encoder_dp=enc.axis_size("dp"),
+        llm_tp=llm.axis_size("tp"), llm_cp=llm.axis_size("cp"), llm_dp=llm.axis_size("dp"),
+        encoder_dim_names=enc.axis_names,
+        llm_dim_names=llm.axis_names, sequence_parallel=opts["sequence_parallel"],
         fused_loss=opts["fused_loss"], batch=batches, steps=opts["steps"], lr=opts["lr"],
         device=current_device(), on_step=progress,
     )  # fmt: skip
-
-
-def _under_torchrun() -> bool:
-    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
 def _run_in_torchrun(args, enc, llm, opts):
@@ -245,10 +237,7 @@ def format_parity_table(report, *, weight_atol: float = 0.0) -> str:
     for name, a, r, rtol, atol in rows:
         tol = f"rel {rtol:.0e}" + (f" or abs {atol:.0e}" if atol else "")
         cells.append((name, f"{a:.2e}", f"{r:.2e}", tol, "yes" if r <= rtol or a <= atol else "NO"))
-    widths = [max(len(c[i]) for c in cells) for i in range(5)]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in cells]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
+    return format_table(cells)
 
 
 def _passed(report, weight_atol: float) -> bool:
@@ -300,7 +289,7 @@ def run(args: argparse.Namespace) -> int:
         "config": args.config,
     }
     start = time.perf_counter()
-    if _under_torchrun():
+    if under_torchrun():
         report, printer = _run_in_torchrun(args, enc, llm, opts)
     else:
         from mp_bridge.testing import run_distributed

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import argparse
 
-from mp_bridge.comm.bridge_plan import format_rank_table, plan_bridge
-from mp_bridge.grid import parse_layout_spec
+from mp_bridge.comm import format_rank_table, plan_bridge
+
+from .layout_flag import layout_from_flag
 
 __all__ = ["add_arguments", "run"]
 
@@ -22,19 +23,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(run=run)
 
 
-def _layout(flag: str, spec: str, world: int):
-    """``parse_layout_spec`` whose error names the flag the spec came from."""
-    try:
-        return parse_layout_spec(spec, world_size=world)
-    except ValueError as exc:
-        raise ValueError(f"{flag}: {exc}") from None
-
-
 def run(args: argparse.Namespace) -> int:
     if args.world < 1:
         raise ValueError(f"--world {args.world} must be >= 1")
-    src = _layout("--encoder", args.encoder, args.world)
-    dest = _layout("--llm", args.llm, args.world)
+    src = layout_from_flag("--encoder", args.encoder, args.world)
+    dest = layout_from_flag("--llm", args.llm, args.world)
     print(f"world {args.world}: encoder {src!r} -> llm {dest!r}\n")
     try:
         plan = plan_bridge(src, dest, src_name="encoder", dest_name="llm")

@@ -1,7 +1,10 @@
 """Pure rank geometry of a megatron-core ``HyperCommGrid`` (no ``torch.distributed``).
 
-Convention (the one ``HyperCommGrid`` uses): the first name in ``dim_names`` varies fastest
-over rank ids, so for ``shape=(TP, CP, DP)`` and ``dim_names=("tp", "cp", "dp")``::
+Vocabulary: an *axis* is a grid axis (``"tp"``, ``"cp"``, ...); megatron calls the axis
+names ``dim_names``, and that field keeps its name here so a layout mirrors a
+``HyperCommGrid``; ``axis_names`` is the same tuple. Convention (the one ``HyperCommGrid``
+uses): the first axis name varies fastest over rank ids, so for ``shape=(TP, CP, DP)``
+and ``dim_names=("tp", "cp", "dp")``::
 
     rank = rank_offset + tp + TP * (cp + CP * dp)
 
@@ -32,15 +35,18 @@ def _as_int(value: object) -> int | None:
         return None
 
 
-def _as_dim_list(dims: str | Sequence[str]) -> list[str]:
-    if isinstance(dims, str):
-        return [dims]
-    return list(dims)
+def _as_axis_list(axes: str | Sequence[str]) -> list[str]:
+    if isinstance(axes, str):
+        return [axes]
+    return list(axes)
 
 
 @dataclass(frozen=True)
 class GridLayout:
     """A frozen description of an N-d rank grid: ``shape``, ``dim_names``, ``rank_offset``.
+
+    ``dim_names`` are the grid's *axis* names (megatron's spelling; ``axis_names`` is an
+    alias); ``shape[i]`` is the size of axis ``dim_names[i]``.
 
     Mirrors ``megatron.core.hyper_comm_grid.HyperCommGrid`` exactly (rank enumeration and
     group member order) but needs no process group, so plans can be unit-tested on CPU.
@@ -105,11 +111,20 @@ class GridLayout:
         """The global ranks of the grid, ``range(rank_offset, rank_offset + size)``."""
         return range(self.rank_offset, self.rank_offset + self.size)
 
-    def dim(self, name: str) -> int:
+    @property
+    def axis_names(self) -> tuple[str, ...]:
+        """The grid's axis names, first = fastest over ranks (the ``dim_names`` field)."""
+        return self.dim_names
+
+    def axis_size(self, name: str) -> int:
         """Size of axis ``name``; 1 when the grid has no such axis."""
         if name in self.dim_names:
             return self.shape[self.dim_names.index(name)]
         return 1
+
+    def dim(self, name: str) -> int:
+        """Alias of :meth:`axis_size` (older spelling; ``name`` is a grid axis)."""
+        return self.axis_size(name)
 
     def __contains__(self, rank: object) -> bool:
         value = _as_int(rank)
@@ -144,7 +159,7 @@ class GridLayout:
         Names the grid lacks are accepted with coordinate 0 (such an axis has size 1).
         """
         for name, value in coords.items():
-            size = self.dim(name)
+            size = self.axis_size(name)
             if _as_int(value) is None:
                 raise TypeError(f"coordinate {name}={value!r} must be an int")
             if not 0 <= value < size:
@@ -165,10 +180,10 @@ class GridLayout:
         return self.rank_offset + local
 
     # ----------------------------------------------------------------- groups
-    def _check_dims(self, dims: str | Sequence[str]) -> list[str]:
-        names = _as_dim_list(dims)
+    def _check_axes(self, axes: str | Sequence[str], arg: str = "axes") -> list[str]:
+        names = _as_axis_list(axes)
         if not names:
-            raise ValueError(f"dims is empty; name at least one of {list(self.dim_names)}")
+            raise ValueError(f"{arg} is empty; name at least one of {list(self.dim_names)}")
         unknown = [d for d in names if d not in self.dim_names]
         if unknown:
             raise ValueError(
@@ -176,16 +191,17 @@ class GridLayout:
                 f"{list(self.dim_names)}"
             )
         if len(set(names)) != len(names):
-            raise ValueError(f"dims={names} repeats an axis name; name each axis once")
+            raise ValueError(f"{arg}={names} repeats an axis name; name each axis once")
         return names
 
     def groups(self, dims: str | Sequence[str]) -> list[list[int]]:
-        """Rank groups spanning ``dims``: identical to ``HyperCommGrid.get_rank_enum(dims)``.
+        """Rank groups spanning the axes ``dims`` (one axis name or several; the parameter
+        keeps megatron's name): identical to ``HyperCommGrid.get_rank_enum(dims)``.
 
         Groups are ordered by the remaining axes (slowest first); members by the grouped
         axes, the first-named (fastest) axis varying fastest — i.e. ascending rank.
         """
-        wanted = set(self._check_dims(dims))
+        wanted = set(self._check_axes(dims, "dims"))
         reverse = list(reversed(self.dim_names))  # slowest axis first, as megatron orders
         grouped = [d for d in reverse if d in wanted]
         remaining = [d for d in reverse if d not in wanted]
@@ -199,7 +215,9 @@ class GridLayout:
             # Row-major offsets over `axes` (first listed varies slowest).
             offsets = [0]
             for axis in axes:
-                offsets = [o + i * strides[axis] for o in offsets for i in range(self.dim(axis))]
+                offsets = [
+                    o + i * strides[axis] for o in offsets for i in range(self.axis_size(axis))
+                ]
             return offsets
 
         members = enumerate_axes(grouped)
@@ -208,7 +226,7 @@ class GridLayout:
         ]
 
     def group_of(self, rank: int, dims: str | Sequence[str]) -> list[int]:
-        """The member list of the ``dims`` group that contains ``rank``."""
+        """The member list of the group spanning axes ``dims`` that contains ``rank``."""
         self.coords(rank)  # validates the rank
         for group in self.groups(dims):
             if rank in group:

@@ -14,7 +14,8 @@ from .spec import AXIS_NAMES
 __all__ = ["make_grid"]
 
 
-_DEFAULT_CREATE = ("tp", "cp", "dp")
+# Groups created by default: every axis but pipeline (nothing in mp_bridge uses PP groups).
+_DEFAULT_CREATE = tuple(a for a in AXIS_NAMES if a != "pp")
 
 
 def make_grid(
@@ -25,13 +26,15 @@ def make_grid(
     *,
     rank_offset: int = 0,
     dim_names: Sequence[str] = AXIS_NAMES,
+    axis_names: Sequence[str] | None = None,
     create: Sequence[str | Sequence[str]] | None = None,
     groups: Sequence[str | Sequence[str]] | None = None,
 ) -> HyperCommGrid:
     """A ``HyperCommGrid`` of the given sizes, ordered by ``dim_names``, with groups created.
 
-    ``dim_names`` orders the axes (first = fastest over ranks), e.g. ``("tp", "cp", "pp",
-    "dp")`` (megatron's default) or ``("tp", "dp")``; axes it omits must have size 1.
+    ``dim_names`` (megatron's name for the grid's axis names; ``axis_names`` is an alias)
+    orders the axes (first = fastest over ranks), e.g. ``("tp", "cp", "pp", "dp")``
+    (megatron's default) or ``("tp", "dp")``; axes it omits must have size 1.
     Each entry of ``create`` (alias ``groups``, as DESIGN.md spells it) is an axis name or
     a sequence of names (e.g. ``("dp", "cp")``); default: those of ``tp``, ``cp``, ``dp``
     that ``dim_names`` holds. Groups use the world's default backend (gloo on CPU, NCCL on
@@ -47,6 +50,10 @@ def make_grid(
         raise ValueError("pass either create= or its alias groups=, not both")
     if create is None:
         create = groups
+    if axis_names is not None:
+        if tuple(dim_names) != AXIS_NAMES:
+            raise ValueError("pass either dim_names= or its alias axis_names=, not both")
+        dim_names = axis_names
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError(
             "make_grid needs an initialized torch.distributed world; call "
@@ -86,9 +93,9 @@ def make_grid(
     if isinstance(create, str):
         create = (create,)
     to_create = [[c] if isinstance(c, str) else list(c) for c in create]
-    for dims in to_create:
-        layout.groups(dims)  # validates names before any collective
+    for axes in to_create:
+        layout.groups(axes)  # validates names before any collective
     grid = HyperCommGrid(list(layout.shape), list(names), rank_offset=rank_offset)
-    for dims in to_create:
-        grid.create_pg(dims if len(dims) > 1 else dims[0])
+    for axes in to_create:
+        grid.create_pg(axes if len(axes) > 1 else axes[0])
     return grid

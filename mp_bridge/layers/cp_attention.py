@@ -8,10 +8,12 @@ full-sequence attention in one process whatever order the tokens are held in.
 
 Collectives per call (CP group of size ``n > 1``; none when ``n == 1``):
 
-- forward: **one** all-gather. K, V and the key position ids travel in one byte buffer
-  (``[pos | K | V]`` per rank), so positions cost no extra round trip.
+- forward: **one** all-gather (``mp_bridge.comm.gather_kv``). K, V and the key position
+  ids travel in one byte buffer (``[pos | K | V]`` per rank), so positions cost no extra
+  round trip.
 - backward: **one** reduce-scatter(SUM) of the stacked ``[dK, dV]`` (every rank's queries
-  contribute to every key's gradient; the adjoint of the all-gather).
+  contribute to every key's gradient; the adjoint of the all-gather). Double backward
+  (``create_graph=True``) is supported: the adjoints are autograd Functions.
 
 Memory: the scores are materialised, ``[b, heads, s_local, S]`` in fp32 — this is a
 reference implementation for tests and small models, not a fused kernel.
@@ -25,60 +27,11 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from mp_bridge.comm.cp_indices import (
-    cp_factor,
-    cp_gather_order,
-    cp_shard_indices_packed,
-    normalize_cu_seqlens,
-)
-from mp_bridge.comm.primitives import (
-    all_gather_tensor,
-    group_rank,
-    group_size,
-    reduce_scatter_tensor,
-)
+from mp_bridge.comm import gather_kv, group_rank, group_size, packed_sequence_mask
 
 __all__ = ["context_parallel_attention"]
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
-
-
-class _GatherKV(torch.autograd.Function):
-    """All-gather ``kv`` ``[2, b, s, hk, d]`` (and int64 ``pos`` ``[pb, s]``) over CP.
-
-    Forward: one all-gather of a per-rank byte buffer ``[pos bytes | kv bytes]``; returns
-    ``kv_all [2, b, n·s, hk, d]`` and ``pos_all [pb, n·s]`` (rank-major along the sequence).
-    Backward: reduce-scatter(SUM) of ``d kv_all`` back to ``[2, b, s, hk, d]``.
-    """
-
-    @staticmethod
-    def forward(ctx, kv, pos, group):
-        ctx.group = group
-        n = group_size(group)
-        two, b, s, hk, d = kv.shape
-        pos_bytes = pos.contiguous().reshape(-1).view(torch.uint8)
-        kv_bytes = kv.contiguous().reshape(-1).view(torch.uint8)
-        buf = torch.cat([pos_bytes, kv_bytes]).unsqueeze(0)
-        gathered = all_gather_tensor(buf, group, 0)  # [n, nbytes]
-        npos = pos_bytes.numel()
-        pb = pos.shape[0]
-        if npos:
-            pos_all = gathered[:, :npos].contiguous().view(torch.int64).view(n, pb, s)
-            pos_all = pos_all.permute(1, 0, 2).reshape(pb, n * s)
-        else:  # non-causal call: no positions sent
-            pos_all = pos.new_empty(pb, 0)
-        kv_all = gathered[:, npos:].contiguous().view(kv.dtype).view(n, two, b, s, hk, d)
-        kv_all = kv_all.permute(1, 2, 0, 3, 4, 5).reshape(two, b, n * s, hk, d)
-        ctx.mark_non_differentiable(pos_all)
-        return kv_all, pos_all
-
-    @staticmethod
-    def backward(ctx, grad_kv, _grad_pos):
-        n = group_size(ctx.group)
-        two, b, ns, hk, d = grad_kv.shape
-        per_rank = grad_kv.reshape(two, b, n, ns // n, hk, d).permute(2, 0, 1, 3, 4, 5)
-        grad = reduce_scatter_tensor(per_rank.contiguous(), ctx.group, 0)  # [1, 2, b, s, hk, d]
-        return grad.squeeze(0), None, None
 
 
 def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -168,22 +121,13 @@ def context_parallel_attention(
                 f"packed input (cu_seqlens given) needs b == 1, got q of shape "
                 f"{tuple(q.shape)}; flatten the batch into one packed sequence"
             )
-        bounds = normalize_cu_seqlens(cu_seqlens, cp_factor(n), total=s * n)
-        lengths = torch.tensor([e - a for a, e in zip(bounds[:-1], bounds[1:])])
-        seq_of = torch.repeat_interleave(torch.arange(len(lengths)), lengths)
-        q_seq = seq_of[cp_shard_indices_packed(bounds, n, rank)]
-        k_seq = seq_of[cp_gather_order(s * n, n, cu_seqlens=bounds)]
-        same_seq = (q_seq[:, None] == k_seq[None, :]).to(q.device)  # [s, S]
+        same_seq = packed_sequence_mask(cu_seqlens, n, rank, seq_len=s * n, device=q.device)
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(d)
 
     # ---- the one collective (forward) / reduce-scatter (backward)
     kv = torch.stack([k, v])  # [2, b, s, hk, d]
-    if n > 1:
-        send = pos if pos is not None else torch.zeros(1, 0, dtype=torch.int64, device=q.device)
-        kv, k_pos = _GatherKV.apply(kv, send, cp_group)
-    else:
-        k_pos = pos
+    kv, k_pos = gather_kv(kv, pos, cp_group)
     k_all, v_all = kv[0], kv[1]  # [b, S, hk, d]
 
     compute = torch.float32 if q.dtype in _LOW_PRECISION else q.dtype

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from mp_bridge.comm.primitives import group_size, reduce_from_group
+from mp_bridge.comm import group_size, reduce_from_group
 
 __all__ = ["masked_count", "masked_mean", "masked_sum"]
 

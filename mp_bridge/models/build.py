@@ -17,7 +17,7 @@ import torch.distributed as dist
 from megatron.core.hyper_comm_grid import HyperCommGrid
 
 from mp_bridge.comm import ColocatedBridgeCommunicator, PartitionAdapter
-from mp_bridge.grid.destroy import destroy_grid
+from mp_bridge.grid import destroy_grid
 
 from .encoder import TPEncoder, TPProjection
 from .llm import TPLLM

@@ -16,7 +16,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from mp_bridge.comm.primitives import group_size
+from mp_bridge.comm import group_size
 
 from .config import MimoConfig
 from .sharding import FullStateMixin

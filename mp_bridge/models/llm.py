@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from mp_bridge.comm.primitives import gather_keep_grad, group_size
+from mp_bridge.comm import gather_keep_grad, group_size
 from mp_bridge.layers import (
     VocabParallelEmbedding,
     VocabParallelLMHead,

@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from mp_bridge.comm.primitives import group_size
+from mp_bridge.comm import group_size
 from mp_bridge.layers import masked_mean
 
 from .placement import check_image_tokens, place_image_embeddings

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from mp_bridge.comm.primitives import all_gather_tensor, group_rank
+from mp_bridge.comm import all_gather_tensor, group_rank
 
 __all__ = [
     "FullStateMixin",

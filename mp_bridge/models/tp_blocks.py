@@ -30,7 +30,7 @@ from megatron.core.model_parallel_config import ModelParallelConfig
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from torch import nn
 
-from mp_bridge.comm.primitives import gather_along, group_size, reduce_scatter_along
+from mp_bridge.comm import gather_along, group_size, reduce_scatter_along
 
 from .sharding import mark_sharded
 

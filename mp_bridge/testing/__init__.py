@@ -1,7 +1,7 @@
 """Multi-process test kit: ``run_distributed``, one-world test suites, collective counting."""
 
 from .collectives import CollectiveCall, CollectiveCounter
-from .launcher import DistributedError, current_device, run_distributed
+from .launcher import DistributedError, current_device, run_distributed, under_torchrun
 from .world import DistributedWorld, world_backend
 
 __all__ = [
@@ -11,5 +11,6 @@ __all__ = [
     "DistributedWorld",
     "current_device",
     "run_distributed",
+    "under_torchrun",
     "world_backend",
 ]

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["DistributedError", "current_device", "run_distributed"]
+__all__ = ["DistributedError", "current_device", "run_distributed", "under_torchrun"]
 
 DEFAULT_TIMEOUT_S = 300.0
 
@@ -35,6 +35,18 @@ class DistributedError(RuntimeError):
     def __init__(self, message: str, rank: int | None = None):
         super().__init__(message)
         self.rank = rank
+
+
+def under_torchrun() -> bool:
+    """Whether this process is a worker started by ``torchrun`` (torch elastic).
+
+    The test is ``TORCHELASTIC_RUN_ID`` (what ``torch.distributed.is_torchelastic_launched``
+    checks: torchrun's agent sets it for every worker, nothing else does) plus the ``RANK``
+    and ``WORLD_SIZE`` the callers read. ``RANK``/``WORLD_SIZE`` alone are not enough:
+    :func:`run_distributed` sets them in its forked ranks (megatron reads them) and users
+    set them for ``env://`` initialization, neither of which is a torchrun launch.
+    """
+    return all(k in os.environ for k in ("TORCHELASTIC_RUN_ID", "RANK", "WORLD_SIZE"))
 
 
 def current_device() -> torch.device:

@@ -37,7 +37,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .launcher import DEFAULT_TIMEOUT_S, DistributedError, run_distributed
+from .launcher import DEFAULT_TIMEOUT_S, DistributedError, run_distributed, under_torchrun
 
 __all__ = ["DistributedWorld", "world_backend"]
 
@@ -50,10 +50,6 @@ def world_backend() -> str:
     if backend not in ("gloo", "nccl"):
         raise ValueError(f"MP_BRIDGE_BACKEND={backend!r}; use 'gloo' or 'nccl'")
     return backend
-
-
-def _under_torchrun() -> bool:
-    return "TORCHELASTIC_RUN_ID" in os.environ and "RANK" in os.environ
 
 
 class _CaseProgress:
@@ -132,7 +128,7 @@ class DistributedWorld:
             raise DistributedError(f"the shared world failed earlier: {self._failure}")
         if self._outcomes is None:
             try:
-                if _under_torchrun():
+                if under_torchrun():
                     self._outcomes = self._run_in_process()
                 else:
                     self._outcomes = self._run_forked()
