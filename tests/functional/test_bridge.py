@@ -30,7 +30,7 @@ from mp_bridge.grid import GridLayout, make_grid
 from mp_bridge.testing import DistributedWorld, current_device
 from tests.oracles import FLAT, SBH, bridge_mismatches, run_bridge
 
-world = DistributedWorld(8, timeout_s=120)
+world = DistributedWorld(8)
 
 B, S, H = 8, 8, 3  # global batch, sequence (divisible by 2*cp for cp <= 4), hidden
 ORDER = ("tp", "cp", "pp", "dp")

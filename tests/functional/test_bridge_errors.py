@@ -17,7 +17,7 @@ from mp_bridge.grid import GridLayout, make_grid
 from mp_bridge.testing import CollectiveCounter, DistributedWorld, current_device
 from tests.oracles import SBH, rand
 
-world = DistributedWorld(8, timeout_s=120)
+world = DistributedWorld(8)
 S, H = 8, 3
 ORDER = ("tp", "cp", "pp", "dp")
 

@@ -28,7 +28,7 @@ from mp_bridge.layers import context_parallel_attention
 from mp_bridge.testing import CollectiveCounter, DistributedWorld, current_device
 from tests.oracles import cu_of, rand, ref_cut, reference_attention, tp_cp_groups
 
-world = DistributedWorld(8, timeout_s=120)
+world = DistributedWorld(8)
 CP_SIZES = (1, 2, 4)
 PACKED_LENGTHS = (8, 24, 16)  # three different lengths, each a multiple of 2·cp = 8
 TOL = dict(rtol=1e-5, atol=1e-5)  # see module docstring

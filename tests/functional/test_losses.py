@@ -34,7 +34,7 @@ from mp_bridge.layers import (
 from mp_bridge.testing import CollectiveCounter, DistributedWorld, current_device
 from tests.oracles import gather_rows, rank_in, tp_group, vocab_cut
 
-world = DistributedWorld(8, timeout_s=120)
+world = DistributedWorld(8)
 
 TP_SIZES = (1, 2, 3, 4, 8)
 VOCABS = ((1000, 1), (1001, 1), (50257, 128))  # (vocab_size, multiple)

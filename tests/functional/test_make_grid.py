@@ -9,7 +9,7 @@ import torch.distributed as dist
 from mp_bridge.grid import GridLayout, destroy_grid, make_grid
 from mp_bridge.testing import DistributedWorld
 
-world = DistributedWorld(8, timeout_s=120)
+world = DistributedWorld(8)
 
 
 def _members(group) -> list[int]:

@@ -17,7 +17,7 @@ from mp_bridge.comm import PartitionAdapter
 from mp_bridge.testing import CollectiveCounter, DistributedWorld, current_device
 from tests.oracles import cu_of, rand, ref_cut, tp_cp_groups
 
-world = DistributedWorld(8, timeout_s=120)
+world = DistributedWorld(8)
 CP_SIZES = (1, 2, 4)
 PACKED_LENGTHS = (8, 24, 16)  # three sequences, each a multiple of 2·cp·tp = 16 at most
 
