@@ -181,3 +181,25 @@ def test_registration_errors_name_the_problem():
         world.parametrize("a", ["x", "x"])(lambda a: None)
     with pytest.raises(KeyError, match="no case 'test_missing'"):
         world.check("test_missing")
+
+
+def test_a_stuck_world_of_one_size_leaves_the_other_sizes_alone():
+    world = DistributedWorld(2, timeout_s=120, abort_grace_s=2)
+
+    @world.case(world_size=3)
+    def test_rank_0_raises_before_a_collective():
+        if dist.get_rank() == 0:
+            raise RuntimeError("bad input on rank 0")
+        dist.all_reduce(torch.ones(1))  # ranks 1, 2 wait here for rank 0 forever
+
+    @world.case
+    def test_two_ranks_still_run():
+        x = torch.ones(1)
+        dist.all_reduce(x)
+        return x.item()
+
+    start = time.monotonic()
+    with pytest.raises(DistributedError, match=r"failed on rank 0:(.|\n)*bad input on rank 0"):
+        test_rank_0_raises_before_a_collective()
+    assert time.monotonic() - start < 60  # stopped ~2 s after the failure, not at 120 s
+    assert world.check("test_two_ranks_still_run") == [2.0, 2.0]
