@@ -1,8 +1,10 @@
-"""ColocatedBridgeCommunicator on 8 ranks against a single-process oracle.
+"""ColocatedBridgeCommunicator against the single-process data-contract oracle.
 
-Every case builds the global batch X and loss weights W from one seed on every rank, so the
-oracle is plain indexing of full tensors by the data contract (contiguous DP blocks in both
-grids), never the plan under test.
+Worlds of 8 ranks (one parametrized case per layout, with its collective budget), 6 ranks
+(DP ratio k = 3, CP = 3 and 6, low precision) and 4 ranks (GridLayouts, odd axis orders).
+Every rank builds the global batch X and loss weights W from one seed, so the oracle
+(``tests.oracles.run_bridge``) is plain indexing of full tensors by the data contract
+(contiguous DP blocks in both grids), never the plan under test.
 
 Loss: each rank takes its dest CP chunks with ``index_select`` (chunks i and 2cp-1-i of
 2cp, as in DESIGN.md) and computes ``sum(W * y)`` over them. Dest TP ranks of one replica
@@ -21,39 +23,17 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from torch.distributed import distributed_c10d as c10d
 
 import mp_bridge.comm.bridge as bridge_module
 from mp_bridge.comm import BridgeDirection, ColocatedBridgeCommunicator
 from mp_bridge.grid import GridLayout, make_grid
-from mp_bridge.testing import CollectiveCounter, DistributedWorld, current_device
+from mp_bridge.testing import DistributedWorld, current_device
+from tests.oracles import FLAT, SBH, bridge_mismatches, run_bridge
 
 world = DistributedWorld(8)
 
 B, S, H = 8, 8, 3  # global batch, sequence (divisible by 2*cp for cp <= 4), hidden
 ORDER = ("tp", "cp", "pp", "dp")
-
-
-def _cp_index(seq: int, cp: int, i: int) -> torch.Tensor:
-    """Oracle CP shard: chunks i and 2cp-1-i of 2cp equal chunks, in that order."""
-    c = seq // (2 * cp)
-    return torch.cat(
-        [torch.arange(i * c, (i + 1) * c), torch.arange((2 * cp - 1 - i) * c, (2 * cp - i) * c)]
-    )
-
-
-def _rows(layout: GridLayout, rank: int) -> slice:
-    """Data contract: the global batch is split over DP in contiguous blocks by DP index."""
-    per = B // layout.dim("dp")
-    dp = layout.coords(rank)["dp"]
-    return slice(dp * per, (dp + 1) * per)
-
-
-def _global_tensors(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    gen = torch.Generator().manual_seed(7)
-    x = torch.randn(B, S, H, generator=gen)
-    w = torch.randn(B, S, H, generator=gen)  # differs per sample, position and channel
-    return x.to(device), w.to(device)
 
 
 def _grids(src, dest, *, src_order=ORDER, dest_order=ORDER, dest_groups=("cp",)):
@@ -63,63 +43,24 @@ def _grids(src, dest, *, src_order=ORDER, dest_order=ORDER, dest_groups=("cp",))
 
 
 def _run(bridge, src_grid, dest_grid, *, flat=False, noncontig=False):
-    """One forward+backward through bridge + CP index_select + weighted sum.
-
-    Returns (src grad, expected grad, expected grad had the CP all-reduce been skipped,
-    forward counter, backward counter).
-    """
-    device = current_device()
-    rank = dist.get_rank()
     src, dest = GridLayout.from_grid(src_grid), GridLayout.from_grid(dest_grid)
-    cp, cd = dest.dim("cp"), dest.coords(rank).get("cp", 0)
-    X, W = _global_tensors(device)
-    xs = X[_rows(src, rank)]
-    if flat:
-        xs = xs.reshape(-1, H)  # batch-major flattening (b*s, h)
-    if noncontig:
-        # Storage has the last two dims swapped: the input view is not contiguous.
-        leaf = xs.transpose(-1, -2).contiguous().requires_grad_()
-        x = leaf.transpose(-1, -2)
-        assert not x.is_contiguous()
-    else:
-        leaf = xs.clone().requires_grad_()
-        x = leaf
-
-    with CollectiveCounter() as fwd:
-        y = bridge.communicate(x)
-    yd = X[_rows(dest, rank)]
-    y3 = y.reshape(-1, S, H) if flat else y
-    assert y3.shape == yd.shape, (tuple(y.shape), tuple(yd.shape))
-    assert torch.equal(y3, yd), "forward output is not this rank's dest shard"
-
-    idx = _cp_index(S, cp, cd).to(device)
-    loss = (y3.index_select(1, idx) * W[_rows(dest, rank)].index_select(1, idx)).sum()
-    with CollectiveCounter() as bwd:
-        loss.backward()
-    grad = leaf.grad.transpose(-1, -2) if noncontig else leaf.grad
-    grad = grad.reshape(-1, S, H)
-    expected = W[_rows(src, rank)]
-    mask = torch.zeros(S, device=device)
-    mask[idx] = 1.0
-    without_cp_reduce = expected * mask[None, :, None]
-    return grad, expected, without_cp_reduce, fwd, bwd
+    mapping = FLAT if flat else None
+    return run_bridge(bridge, src, dest, batch=B, seq=S, mapping=mapping, strided=noncontig)
 
 
 def _check_case(src, dest, direction, scale, *, flat=False, noncontig=False, **grid_kw):
     src_grid, dest_grid = _grids(src, dest, **grid_kw)
-    mapping = {"b": 0, "h": 1} if flat else None
+    mapping = FLAT if flat else None
     with ColocatedBridgeCommunicator(src_grid, dest_grid, dim_mapping=mapping) as bridge:
         assert bridge.direction is direction and bridge.scale == scale
-        grad, expected, without, fwd, bwd = _run(
-            bridge, src_grid, dest_grid, flat=flat, noncontig=noncontig
-        )
-    assert torch.equal(grad, expected), "src gradient differs from the oracle dL/dX = W"
+        run = _run(bridge, src_grid, dest_grid, flat=flat, noncontig=noncontig)
+    assert not run.problems, run.problems
     cp = dest.get("cp", 1)
     if cp > 1:
         # The oracle is sensitive to the CP all-reduce: without it the gradient would be
         # W zeroed outside this rank's CP chunks, which is a different tensor.
-        assert not torch.equal(without, expected)
-
+        assert not torch.equal(run.grad_without_cp_reduce, run.expected_grad)
+    fwd, bwd = run.forward, run.backward
     # Collective budget (DESIGN.md) and bytes received, exactly.
     m = (B // GridLayout.from_grid(src_grid).dim("dp")) * S * H * 4  # src shard bytes
     m_dest = (B // GridLayout.from_grid(dest_grid).dim("dp")) * S * H * 4
@@ -143,7 +84,7 @@ def _check_case(src, dest, direction, scale, *, flat=False, noncontig=False, **g
 # One case per row: (name, encoder layout, LLM layout, direction, scale, options).
 FAN_IN, FAN_OUT, EQUAL = BridgeDirection.FAN_IN, BridgeDirection.FAN_OUT, BridgeDirection.EQUAL
 SRC_DP_FASTEST, DEST_CP_DP_FASTEST = ("dp", "tp", "cp", "pp"), ("cp", "dp", "tp", "pp")
-CASES = [
+CASES = [  # one parametrized case per row, its id the name
     ("fan_in_cp2_grid_cp_group", dict(tp=2, dp=4), dict(tp=2, cp=2, dp=2), FAN_IN, 2, {}),
     (
         "fan_in_cp4_flat_own_cp_group",
@@ -194,18 +135,13 @@ CASES = [
         dict(flat=True, noncontig=True),
     ),
 ]
+IDS_8 = [row[0] for row in CASES]
+CASES_8 = [row[1:] for row in CASES]
 
 
-def _register(name, src, dest, direction, scale, options):
-    def case():
-        _check_case(src, dest, direction, scale, **options)
-
-    case.__name__ = case.__qualname__ = f"test_{name}"
-    globals()[case.__name__] = world.case(case)
-
-
-for _row in CASES:
-    _register(*_row)
+@world.parametrize("src, dest, direction, scale, options", CASES_8, ids=IDS_8)
+def test_bridge_layout_of_eight_ranks(src, dest, direction, scale, options):
+    _check_case(src, dest, direction, scale, **options)
 
 
 @world.case
@@ -217,9 +153,10 @@ def test_grids_on_part_of_the_world():
     with ColocatedBridgeCommunicator(src_grid, dest_grid) as bridge:
         assert bridge.direction is BridgeDirection.FAN_IN and bridge.scale == 2
         if dist.get_rank() >= 4:
-            grad, expected, _, fwd, bwd = _run(bridge, src_grid, dest_grid)
-            assert torch.equal(grad, expected)
-            assert fwd.counts() == {"all_gather": 1} and bwd.counts() == {"all_reduce": 1}
+            run = _run(bridge, src_grid, dest_grid)
+            assert not run.problems, run.problems
+            assert run.forward.counts() == {"all_gather": 1}
+            assert run.backward.counts() == {"all_reduce": 1}
         else:
             with pytest.raises(ValueError, match=r"rank \d is outside the bridged grids"):
                 bridge.communicate(torch.zeros(2, S, H, device=current_device()))
@@ -235,86 +172,80 @@ def test_skipping_cp_all_reduce_is_caught():
     bridge_module._cp_all_reduce = lambda grad, group: grad
     try:
         with ColocatedBridgeCommunicator(src_grid, dest_grid) as bridge:
-            grad, expected, without, _, bwd = _run(bridge, src_grid, dest_grid)
+            run = _run(bridge, src_grid, dest_grid)
     finally:
         bridge_module._cp_all_reduce = original
-    assert "all_reduce" not in bwd.counts()
-    assert torch.equal(grad, without)
-    assert not torch.equal(grad, expected)
+    assert "all_reduce" not in run.backward.counts()
+    assert torch.equal(run.grad, run.grad_without_cp_reduce)
+    assert len(run.problems) == 1 and "src gradient is not W" in run.problems[0], run.problems
 
 
-# ------------------------------------------------------------------ errors
-def _live_groups() -> int:
-    # torch's registry of process groups this rank is a member of (incl. WORLD).
-    return len(c10d._world.pg_map)
-
-
-@world.case
-def test_non_nesting_orders_rejected_before_any_group():
-    src_grid, dest_grid = _grids(
-        dict(tp=2, dp=4), dict(tp=2, cp=2, dp=2), src_order=("dp", "tp", "cp", "pp")
+# ------------------------------------------------------------------ 6 ranks
+@world.case(world_size=6)
+def test_bridge_layouts_of_six_ranks():
+    bad = []
+    # EQUAL, dest CP 2, dest TP < src TP.
+    bad += bridge_mismatches(dict(tp=2, dp=3), dict(tp=1, cp=2, dp=3), batch=3, seq=8)
+    # FAN_IN k=3, dest TP > src TP, bf16, one sample per src rank.
+    bad += bridge_mismatches(
+        dict(tp=1, dp=6), dict(tp=2, dp=3), batch=6, seq=4, dtype=torch.bfloat16
     )
-    before = _live_groups()
-    with pytest.raises(ValueError, match=r"do not nest: rank 2 has src coords .*dest coords"):
-        ColocatedBridgeCommunicator(src_grid, dest_grid, src_name="src", dest_name="dest")
-    assert _live_groups() == before
+    # FAN_IN k=3 into CP 6, [s, b, h] input (batch on dim 1).
+    bad += bridge_mismatches(dict(tp=2, dp=3), dict(tp=1, cp=6, dp=1), batch=3, seq=12, mapping=SBH)
+    # FAN_OUT k=3 with dest CP 2, fp16.
+    bad += bridge_mismatches(
+        dict(tp=6, dp=1), dict(tp=1, cp=2, dp=3), batch=3, seq=4, dtype=torch.float16
+    )
+    # FAN_OUT k=3, src local batch == k, flattened (b*s, h).
+    bad += bridge_mismatches(dict(tp=3, dp=2), dict(tp=1, dp=6), batch=6, seq=4, mapping=FLAT)
+    # dp fastest in both grids (rank = dp + 3·tp and rank = dp + 3·cp) still nests.
+    bad += bridge_mismatches(
+        dict(tp=2, dp=3),
+        dict(tp=1, cp=2, dp=3),
+        batch=3,
+        seq=4,
+        src_order=("dp", "tp", "cp", "pp"),
+        dest_order=("dp", "cp", "tp", "pp"),
+    )
+    assert not bad, bad
 
 
-@world.case
-def test_bad_arguments_rejected_before_any_group():
-    src_grid, dest_grid = _grids(dict(tp=2, dp=4), dict(tp=2, cp=2, dp=2))
-    before = _live_groups()
-    with pytest.raises(ValueError, match=r"dim_mapping=\{'b': 0, 'x': 1\} must have keys"):
-        ColocatedBridgeCommunicator(src_grid, dest_grid, dim_mapping={"b": 0, "x": 1})
-    with pytest.raises(ValueError, match="distinct tensor dims"):
-        ColocatedBridgeCommunicator(src_grid, dest_grid, dim_mapping={"b": 0, "h": 2})
-    with pytest.raises(TypeError, match="HyperCommGrid"):
-        ColocatedBridgeCommunicator(object(), dest_grid)
-    small = make_grid(tp=2, dp=2, create=())
-    with pytest.raises(ValueError, match="same ranks"):
-        ColocatedBridgeCommunicator(small, dest_grid)
-    assert _live_groups() == before
+@world.case(world_size=6)
+def test_bridge_grids_on_part_of_six_ranks():
+    bad = []
+    # Ranks 2-5: FAN_IN k=2; ranks 1-4: FAN_OUT k=2 with dest CP 2 ([s, b, h] input).
+    bad += bridge_mismatches(dict(tp=1, dp=4), dict(tp=2, dp=2), batch=4, seq=4, offset=2)
+    bad += bridge_mismatches(
+        dict(tp=4, dp=1), dict(tp=1, cp=2, dp=2), batch=2, seq=4, offset=1, mapping=SBH
+    )
+    assert not bad, bad
 
 
-@world.case
-def test_bad_input_rejected_before_any_collective():
-    device = current_device()
-    src_grid, dest_grid = _grids(dict(tp=8, dp=1), dict(tp=1, cp=2, dp=4))
-    with ColocatedBridgeCommunicator(src_grid, dest_grid) as bridge, CollectiveCounter() as c:
-        with pytest.raises(ValueError, match=r"batch size 6 .* divisible by 4"):
-            bridge.communicate(torch.zeros(6, S, H, device=device))
-        with pytest.raises(ValueError, match=r"\(2 dims\) but dim_mapping"):
-            bridge.communicate(torch.zeros(8, H, device=device))
-        with pytest.raises(TypeError, match="must be a torch.Tensor"):
-            bridge.communicate([1.0])
-    assert c.counts() == {}
+# ------------------------------------------------------------------ 4 ranks
+@world.case(world_size=4)
+def test_bridge_layouts_of_four_ranks():
+    bad = []
+    bad += bridge_mismatches(dict(tp=1, dp=4), dict(tp=1, cp=4, dp=1), batch=4, seq=8)  # FAN_IN k=4
+    bad += bridge_mismatches(
+        dict(tp=4, dp=1), dict(tp=1, cp=1, dp=4), batch=8, seq=4
+    )  # FAN_OUT k=4
+    bad += bridge_mismatches(dict(tp=2, dp=2), dict(tp=1, cp=2, dp=2), batch=2, seq=4, strided=True)
+    bad += bridge_mismatches(dict(tp=1, dp=4), dict(tp=2, dp=2), batch=4, seq=4, mapping=FLAT)
+    bad += bridge_mismatches(
+        dict(tp=2, dp=2),
+        dict(tp=1, cp=4, dp=1),
+        batch=2,
+        seq=8,
+        src_order=("dp", "tp", "cp", "pp"),
+        dest_order=("cp", "tp", "pp", "dp"),
+    )
+    assert not bad, bad
 
 
-# --------------------------------------------------------------- lifecycle
-@world.case
-def test_destroy_is_idempotent_and_frees_groups():
-    src_grid, dest_grid = _grids(dict(tp=2, dp=4), dict(tp=2, cp=2, dp=2), dest_groups=())
-    before = _live_groups()
-    bridge = ColocatedBridgeCommunicator(src_grid, dest_grid)
-    assert _live_groups() == before + 2  # one gather group + one own CP group per rank
-    bridge.destroy()
-    bridge.destroy()
-    assert _live_groups() == before
-    assert bridge.gather_group is None and bridge.cp_group is None
-    with pytest.raises(RuntimeError, match="after destroy"):
-        bridge.communicate(torch.zeros(2, S, H, device=current_device()))
-
-
-@world.case
-def test_fifty_build_destroy_cycles_do_not_leak():
-    device = current_device()
-    src_grid, dest_grid = _grids(dict(tp=2, dp=4), dict(tp=2, cp=2, dp=2), dest_groups=())
-    before = _live_groups()
-    for i in range(50):
-        with ColocatedBridgeCommunicator(src_grid, dest_grid) as bridge:
-            if i % 10 == 0:  # the rebuilt groups work
-                y = bridge.communicate(torch.full((1, 2, 1), float(dist.get_rank()), device=device))
-                assert y.flatten()[::2].tolist() == list(
-                    bridge.plan.gather_group_of(dist.get_rank())
-                )
-        assert _live_groups() == before
+@world.case(world_size=4)
+def test_bridge_on_grid_layouts_creates_its_cp_groups():
+    # GridLayouts hold no groups: the communicator creates the dest CP groups (it called
+    # dest_grid.get_pg and crashed with AttributeError before).
+    bad = bridge_mismatches(dict(tp=2, dp=2), dict(tp=1, cp=2, dp=2), batch=2, seq=4, layouts=True)
+    bad += bridge_mismatches(dict(tp=1, dp=4), dict(tp=1, cp=2, dp=2), batch=4, seq=4, layouts=True)
+    assert not bad, bad

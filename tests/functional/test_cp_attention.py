@@ -1,4 +1,5 @@
-"""context_parallel_attention in an 8-rank world vs one-process full-sequence attention.
+"""context_parallel_attention vs one-process full-sequence attention: 8 ranks (CP 1, 2, 4,
+TP heads, SP), 6 ranks (packed CP 3 with GQA) and 4 ranks (CP 4, plain and packed).
 
 Oracle: ``torch.nn.functional.scaled_dot_product_attention`` on the full tensors (per
 sequence for packed input), computed on every rank from the same seed. Tokens are cut
@@ -20,12 +21,12 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
-from test_comm_reference import cu_of, rand, ref_cut, reference_attention, tp_cp_groups
 
 from mp_bridge.comm import PartitionAdapter, gather_along, reduce_scatter_along
 from mp_bridge.comm.primitives import copy_to_group, reduce_from_group
 from mp_bridge.layers import context_parallel_attention
 from mp_bridge.testing import CollectiveCounter, DistributedWorld, current_device
+from tests.oracles import cu_of, rand, ref_cut, reference_attention, tp_cp_groups
 
 world = DistributedWorld(8)
 CP_SIZES = (1, 2, 4)
@@ -194,8 +195,75 @@ def test_bad_input_raises_before_any_collective():
     assert counter.counts() == {}
 
 
-@world.case
-def test_no_global_parallel_state():
-    from megatron.core import parallel_state
+# ------------------------------------------------------------------ 6 ranks: CP 3
+def _attention_mismatches(cp, lengths, *, hq, hk):
+    """CP attention on packed input vs the one-process reference: out and q/k/v grads."""
+    cp_g = tp_cp_groups(cp)[0] if cp > 1 else None
+    r = 0 if cp_g is None else dist.get_rank(cp_g)
+    s, cu = sum(lengths), cu_of(lengths)
+    full = [rand(1, s, h, 4, seed=10 + i).requires_grad_() for i, h in enumerate((hq, hk, hk))]
+    grad_out = rand(1, s, hq, 4, seed=20)
+    ref = reference_attention(*full, lengths)
+    ref_grads = torch.autograd.grad((ref * grad_out).sum(), full)
+    adapter = PartitionAdapter(cp_group=cp_g)
+    shards = [adapter.shard(x, cu_seqlens=torch.tensor(cu)) for x in full]
+    q, k, v = (sh.embeddings for sh in shards)
+    out = context_parallel_attention(
+        q, k, v, cp_group=cp_g, position_ids=shards[0].position_ids, cu_seqlens=cu
+    )
+    bad = []
+    if not torch.allclose(out, ref_cut(ref, 1, cp, r, lengths), **TOL):
+        bad.append(f"cp={cp} lengths={lengths}: output")
+    (out * ref_cut(grad_out, 1, cp, r, lengths)).sum().backward()
+    for name, x, g in zip("qkv", full, ref_grads):
+        got = x.grad.clone()
+        if cp_g is not None:  # each rank holds its own tokens' part; the sum is the full grad
+            dist.all_reduce(got, group=cp_g)
+        if not torch.allclose(got, g, **TOL):
+            bad.append(f"cp={cp} lengths={lengths}: d{name}")
+    return bad
 
-    assert not parallel_state.model_parallel_is_initialized()
+
+@world.case(world_size=6)
+def test_attention_packed_cp3_gqa_and_no_group_odd_lengths():
+    bad = _attention_mismatches(3, (6, 18, 12), hq=4, hk=2)
+    bad += _attention_mismatches(1, (5, 7, 3), hq=2, hk=2)  # no CP group: any lengths
+    assert not bad, bad
+
+
+@world.case(world_size=6)
+def test_attention_mixed_dtypes_rejected_before_any_collective():
+    cp_g = tp_cp_groups(3)[0]
+    q = torch.zeros(1, 4, 2, 4, device=current_device())
+    with CollectiveCounter() as counter:
+        with pytest.raises(TypeError, match=r"q torch.float32, k torch.bfloat16.*k.to\(q.dtype"):
+            context_parallel_attention(
+                q, q.bfloat16(), q, cp_group=cp_g, position_ids=torch.arange(4)
+            )
+    assert counter.counts() == {}
+
+
+# ------------------------------------------------------------------ 4 ranks: CP 4
+@world.case(world_size=4)
+def test_cp_attention_cp4_plain_and_packed_matches_one_process():
+    cp_g, _, r, _ = tp_cp_groups(4, tp=1)
+    bad = []
+    for causal in (True, False):
+        for lengths in (None, [8, 16, 24]):
+            seq, b = (48, 1) if lengths else (16, 2)
+            q, k, v = (rand(b, seq, 4, 8, seed=s).requires_grad_() for s in (10, 11, 12))
+            ref = reference_attention(q, k, v, lengths, causal)
+            g_out = rand(*ref.shape, seed=13)
+            grads = torch.autograd.grad((ref * g_out).sum(), (q, k, v))
+            cu = None if lengths is None else [0, 8, 24, 48]
+            idx = ref_cut(torch.arange(seq), 0, 4, r, lengths)  # the independent cut
+            local = [t.detach().index_select(1, idx).requires_grad_() for t in (q, k, v)]
+            out = context_parallel_attention(
+                *local, cp_group=cp_g, position_ids=idx, causal=causal, cu_seqlens=cu
+            )
+            (out * g_out.index_select(1, idx)).sum().backward()
+            pairs = [("out", out, ref)] + [(n, t.grad, g) for n, t, g in zip("qkv", local, grads)]
+            for name, got, full in pairs:
+                if not torch.allclose(got, full.detach().index_select(1, idx), **TOL):
+                    bad.append(f"causal={causal} lengths={lengths}: {name}")
+    assert not bad, bad

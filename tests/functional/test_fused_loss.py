@@ -3,7 +3,7 @@
 Every rank builds the same full weight / hidden / targets from one seed, so the oracle
 (``F.linear`` on the full weight + ``F.cross_entropy`` / ``log_softmax``) is computed in
 one process on every rank. TP sizes 1, 2, 3, 4, 8 run on consecutive-rank groups
-(TP = 3 on ranks 0-5; ranks 6, 7 sit those checks out).
+(TP = 3 on ranks 0-5; ranks 6, 7 sit those checks out); TP 5 and 6 on a 6-rank world.
 """
 
 from __future__ import annotations
@@ -11,21 +11,15 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from _vocab_tp_groups import rank_in, tp_group
 
 from mp_bridge.comm import copy_to_group
-from mp_bridge.layers import vocab_shard_ranges
+from mp_bridge.layers import vocab_shard_ranges, vocab_shard_size
 from mp_bridge.layers.fused_loss import fused_linear_cross_entropy, fused_linear_logprobs
 from mp_bridge.testing import CollectiveCounter, DistributedWorld, current_device
+from tests.oracles import gather_rows, rank_in, tp_group, tp_member, vocab_cut
 
 world = DistributedWorld(8, timeout_s=120)  # a failing rank must not hang CI for long
 H = 16
-
-
-def _tp(tp: int):
-    """(this rank takes part, its TP group or None for TP = 1, rank in group or -1)."""
-    group, inside = tp_group(tp)
-    return inside, group, (rank_in(group) if inside else -1)
 
 
 def _data(n, vocab, dtype=torch.float32, seed=0, ignored=(3, 7)):
@@ -87,7 +81,7 @@ BF16 = dict(rtol=3e-2, atol=5e-2)
 def _sweep(tps, vocabs, dtype, tol, reductions=("mean", "sum", "none")):
     checked = 0
     for tp in tps:
-        inside, group, rank = _tp(tp)
+        inside, group, rank = tp_member(tp)
         for vocab in vocabs:
             hidden, weight, target = _data(100, vocab, dtype)
             for invariant in (False, True):
@@ -149,7 +143,7 @@ def test_fused_matches_materialized_vocab_parallel_ops():
     vocab = 997
     hidden, weight, target = _data(100, vocab)
     for tp in (1, 2, 3, 4, 8):
-        inside, group, rank = _tp(tp)
+        inside, group, rank = tp_member(tp)
         if not inside:
             continue
         w_local = _shard(weight, vocab, tp, rank, 1)
@@ -207,7 +201,7 @@ def _bitwise_results(tp, vocab, n_extra, chunk, front, fn_kind):
     h = torch.cat([p[0] for p in parts])
     t = torch.cat([p[1] for p in parts])
     base = slice(n_extra, n_extra + 150) if front else slice(0, 150)
-    inside, group, rank = _tp(tp)
+    inside, group, rank = tp_member(tp)
     if not inside:
         return None
     w_local = _shard(weight, vocab, tp, rank, 256)
@@ -272,7 +266,7 @@ def test_invariant_mode_is_bitwise_identical_across_tp_chunks_and_batches():
 def test_collective_count_and_bytes_per_call():
     vocab, n = 1000, 100
     hidden, weight, target = _data(n, vocab)
-    inside, group, rank = _tp(4)
+    inside, group, rank = tp_member(4)
     w_local = _shard(weight, vocab, 4, rank, 256).requires_grad_(True)
     h = hidden.clone().requires_grad_(True)
     # default, chunk 40: k = 3 chunks; grads in forward for "mean".
@@ -308,7 +302,7 @@ def test_collective_count_and_bytes_per_call():
 @world.case
 def test_mean_over_only_ignored_tokens_is_nan_with_zero_grads_at_tp4():
     # F.cross_entropy(reduction="mean") over only ignored tokens: nan value, zero grads.
-    inside, group, rank = _tp(4)
+    inside, group, rank = tp_member(4)
     hidden, weight, target = _data(50, 1000)
     ignored = torch.full_like(target, -100).int()  # int32 ids are accepted too
     for invariant in (False, True):
@@ -331,7 +325,7 @@ def test_mean_over_only_ignored_tokens_is_nan_with_zero_grads_at_tp4():
 def test_bad_input_raises_before_any_collective():
     vocab = 1000
     hidden, weight, target = _data(10, vocab)
-    inside, group, rank = _tp(2)
+    inside, group, rank = tp_member(2)
     w_local = _shard(weight, vocab, 2, rank, 1)
     bad_target = target.clone()
     bad_target[0] = 1000
@@ -357,3 +351,36 @@ def test_bad_input_raises_before_any_collective():
         with pytest.raises(TypeError, match=r"must share dtype"):
             fused_linear_logprobs(hidden, w_local.double(), target.clamp(min=0), tp_group=group)
     assert counter.counts() == {}
+
+
+# Fused path gradients sum over 37 tokens / the TP ranks in fp32: atol = rtol = 1e-5.
+@world.case(world_size=6)
+def test_fused_losses_tp5_tp6_against_torch():
+    for tp in (5, 6):
+        group, inside = tp_group(tp)
+        if not inside:
+            continue
+        rank = rank_in(group)
+        for vocab in (7, 1001):
+            gen = torch.Generator().manual_seed(vocab * 3 + tp)
+            weight = torch.randn(vocab, 8, generator=gen) / 3
+            hidden = torch.randn(37, 8, generator=gen)
+            target = torch.randint(0, vocab, (37,), generator=gen)
+            target[3] = -100
+            for red in ("mean", "none"):
+                w = vocab_cut(weight, vocab_shard_size(vocab, tp), rank, 0).requires_grad_()
+                h = hidden.clone().requires_grad_()
+                got = fused_linear_cross_entropy(
+                    h, w, target, tp_group=group, vocab_size=vocab, label_smoothing=0.1,
+                    reduction=red, chunk_size=5,
+                )  # fmt: skip
+                w_ref, h_ref = weight.clone().requires_grad_(), hidden.clone().requires_grad_()
+                want = F.cross_entropy(
+                    F.linear(h_ref, w_ref), target, label_smoothing=0.1, reduction=red
+                )
+                torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+                got.sum().backward()
+                want.sum().backward()
+                torch.testing.assert_close(h.grad, h_ref.grad, atol=1e-5, rtol=1e-5)
+                grad_w = gather_rows(w.grad, group, tp)[:vocab]
+                torch.testing.assert_close(grad_w, w_ref.grad, atol=1e-5, rtol=1e-5)

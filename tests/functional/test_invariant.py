@@ -2,7 +2,8 @@
 
 One full logits tensor (same seed on every rank) is split at TP 1, 2, 3, 4, 8 with the
 block-aligned layout ``vocab_shard_ranges(V, tp, multiple=256)``; the oracle is
-``F.cross_entropy`` / ``log_softmax`` on the full logits in one process.
+``F.cross_entropy`` / ``log_softmax`` on the full logits in one process. On a 6-rank world,
+TP 1 on the caller's *unpadded* tensors gives the same bits as TP 2, 3, 5, 6.
 """
 
 from __future__ import annotations
@@ -12,28 +13,18 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from mp_bridge.layers import vocab_shard_ranges
+from mp_bridge.layers import (
+    fused_linear_logprobs,
+    vocab_parallel_cross_entropy,
+    vocab_shard_ranges,
+    vocab_shard_size,
+)
 from mp_bridge.layers.invariant import invariant_cross_entropy, invariant_logprobs
 from mp_bridge.testing import CollectiveCounter, DistributedWorld, current_device
+from tests.oracles import gather_rows, rank_in, tp_group, tp_member, vocab_cut
 
 world = DistributedWorld(8, timeout_s=120)
 VOCAB = 2500  # 10 blocks of 256; the last one holds 196 true ids
-_GROUPS: dict[int, tuple[bool, object]] = {}
-
-
-def _tp(tp: int):
-    if tp == 1:
-        return True, None, 0
-    if tp not in _GROUPS:
-        mine = None
-        for start in range(0, dist.get_world_size() - tp + 1, tp):
-            ranks = list(range(start, start + tp))
-            group = dist.new_group(ranks)  # every rank creates every group, same order
-            if dist.get_rank() in ranks:
-                mine = group
-        _GROUPS[tp] = (mine is not None, mine)
-    inside, group = _GROUPS[tp]
-    return inside, group, (dist.get_rank(group) if inside else -1)
 
 
 def _full(n, dtype=torch.float32, seed=0):
@@ -106,7 +97,7 @@ def _oracle(kind, full, target):
 
 
 @world.case
-def test_matches_full_vocab_oracle_and_is_bitwise_across_tp():
+def test_matches_full_vocab_oracle_and_is_bitwise_acrosstp_member():
     full, target = _full(150)  # 3 token tiles, the last one partial
     checks = _Checks()
     for kind in ("ce", "lp"):
@@ -118,7 +109,7 @@ def test_matches_full_vocab_oracle_and_is_bitwise_across_tp():
         checks.close(base_grad[:, :VOCAB], ref_grad, f"{kind} grad", rtol=1e-5, atol=1e-6)
         checks.equal(base_grad[:, VOCAB:], torch.zeros_like(base_grad[:, VOCAB:]), "padding")
         for tp in (2, 3, 4, 8):
-            inside, group, rank = _tp(tp)
+            inside, group, rank = tp_member(tp)
             if not inside:
                 continue
             local, start = _local(full, tp, rank)
@@ -139,7 +130,7 @@ def test_bf16_logits_bitwise_across_tp_and_close_to_oracle():
     # Gradients come back in bf16 (8 mantissa bits): 1 % relative.
     checks.close(base_grad[:, :VOCAB].float(), ref_grad, "bf16 grad", rtol=1e-2, atol=1e-4)
     for tp in (2, 4, 8):
-        inside, group, rank = _tp(tp)
+        inside, group, rank = tp_member(tp)
         local, start = _local(full, tp, rank)
         out, grad = _call("ce", local, target, group)
         checks.equal(out, base_out, f"bf16 tp={tp} value")
@@ -151,7 +142,7 @@ def test_bf16_logits_bitwise_across_tp_and_close_to_oracle():
 def test_batch_invariance_with_unrelated_tokens():
     full, target = _full(100)
     extra, extra_t = _full(90, seed=4)
-    inside, group, rank = _tp(4)
+    inside, group, rank = tp_member(4)
     ref_out, ref_grad = _call("lp", _local(full, 4, rank)[0], target, group)
     checks = _Checks()
     for logits, t, base in (
@@ -173,7 +164,7 @@ def test_batch_invariance_with_unrelated_tokens():
 @world.case
 def test_one_all_gather_forward_none_backward():
     full, target = _full(150)
-    inside, group, rank = _tp(8)
+    inside, group, rank = tp_member(8)
     x = _local(full, 8, rank)[0].requires_grad_(True)
     with CollectiveCounter() as fwd:
         out = invariant_cross_entropy(
@@ -190,7 +181,7 @@ def test_one_all_gather_forward_none_backward():
 @world.case
 def test_unaligned_shard_is_a_clear_error():
     full, target = _full(8)
-    inside, group, rank = _tp(2)
+    inside, group, rank = tp_member(2)
     start, end = vocab_shard_ranges(VOCAB, 2)[rank]  # 1250 rows: not a multiple of 256
     with pytest.raises(
         ValueError,
@@ -204,3 +195,50 @@ def test_unaligned_shard_is_a_clear_error():
             vocab_size=VOCAB,
             temperature=1.0,
         )
+
+
+@world.case(world_size=6)
+def test_invariant_bitwise_tp1_unpadded_vs_tp2_3_5_6():
+    vocab, n = 1001, 70
+    gen = torch.Generator().manual_seed(5)
+    weight = torch.randn(vocab, 16, generator=gen) / 4
+    hidden = torch.randn(n, 16, generator=gen)
+    target = torch.randint(0, vocab, (n,), generator=gen)
+    padded = torch.cat([weight, weight.new_zeros(1024 - vocab, 16)])
+    logits = hidden @ padded.t()  # one full logits tensor, split at every TP size
+    results = {}
+    for tp in (1, 2, 3, 5, 6):
+        group, inside = tp_group(tp)
+        if not inside:
+            continue
+        rank = rank_in(group)
+        # TP 1: the caller's unpadded tensors; TP > 1: the multiple=256 layout.
+        w0 = (
+            weight
+            if tp == 1
+            else vocab_cut(padded, vocab_shard_size(vocab, tp, multiple=256), rank, 0)
+        )
+        z0 = (
+            logits[:, :vocab]
+            if tp == 1
+            else vocab_cut(logits, vocab_shard_size(vocab, tp, multiple=256), rank, -1)
+        )
+        w, h = w0.clone().requires_grad_(), hidden.clone().requires_grad_()
+        lp = fused_linear_logprobs(
+            h, w, target, tp_group=group, vocab_size=vocab, chunk_size=29, invariant=True
+        )
+        lp.sum().backward()
+        z = z0.clone().requires_grad_()
+        ce = vocab_parallel_cross_entropy(
+            z, target, tp_group=group, vocab_size=vocab, label_smoothing=0.1, invariant=True
+        )
+        ce.sum().backward()
+        grad_z = gather_rows(z.grad.t(), group, tp)[:vocab]
+        results[tp] = (lp, h.grad, gather_rows(w.grad, group, tp)[:vocab], ce, grad_z)
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, results)
+    merged = {tp: r for rank_results in everyone for tp, r in rank_results.items()}
+    assert sorted(merged) == [1, 2, 3, 5, 6]
+    for tp in (2, 3, 5, 6):
+        for i, (a, b) in enumerate(zip(merged[1], merged[tp])):
+            assert torch.equal(a, b), f"TP {tp} output {i} differs from TP 1"

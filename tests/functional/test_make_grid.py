@@ -1,4 +1,5 @@
-"""make_grid inside an 8-rank world: groups hold exactly the ranks GridLayout predicts."""
+"""make_grid in an 8-rank (and a 4-rank) world: groups hold exactly the ranks written out
+by hand for each layout; errors name the argument, the value and the fix."""
 
 from __future__ import annotations
 
@@ -15,36 +16,65 @@ def _members(group) -> list[int]:
     return sorted(dist.get_process_group_ranks(group))
 
 
-def _check_grid(kwargs, dims_list):
-    grid = make_grid(**kwargs, create=dims_list)
-    layout = GridLayout.from_grid(grid)
+def _written_group(groups: list[list[int]], rank: int) -> list[int]:
+    """The hand-written group holding ``rank`` (each rank is in exactly one)."""
+    (group,) = [g for g in groups if rank in g]
+    return group
+
+
+# make_grid arguments -> {axes: every group of those axes, written out by hand}.
+# Default order tp, cp, pp, dp (tp fastest): rank = t + tp·(c + cp·d).
+LITERAL_GRIDS = {
+    "tp2_cp2_dp2": (
+        dict(tp=2, cp=2, dp=2),
+        {
+            "tp": [[0, 1], [2, 3], [4, 5], [6, 7]],
+            "cp": [[0, 2], [1, 3], [4, 6], [5, 7]],
+            "dp": [[0, 4], [1, 5], [2, 6], [3, 7]],
+            ("dp", "cp"): [[0, 2, 4, 6], [1, 3, 5, 7]],
+        },
+    ),
+    "tp2_cp4": (
+        dict(tp=2, cp=4, dp=1),
+        {"cp": [[0, 2, 4, 6], [1, 3, 5, 7]], "tp": [[0, 1], [2, 3], [4, 5], [6, 7]]},
+    ),
+    "tp2_cp1_dp4": (
+        dict(tp=2, cp=1, dp=4),
+        {"cp": [[r] for r in range(8)], "dp": [[0, 2, 4, 6], [1, 3, 5, 7]]},
+    ),
+    # dp fastest: rank = d + 4·t.
+    "dp_first_tp2_dp4": (
+        dict(tp=2, dp=4, dim_names=("dp", "tp", "cp", "pp")),
+        {"tp": [[0, 4], [1, 5], [2, 6], [3, 7]], "dp": [[0, 1, 2, 3], [4, 5, 6, 7]]},
+    ),
+    "tp4_dp2_two_axes": (
+        dict(tp=4, dp=2, dim_names=("tp", "dp")),
+        {"tp": [[0, 1, 2, 3], [4, 5, 6, 7]], "dp": [[0, 4], [1, 5], [2, 6], [3, 7]]},
+    ),
+}
+
+
+@world.parametrize("kwargs, groups", list(LITERAL_GRIDS.values()), ids=list(LITERAL_GRIDS))
+def test_groups_hold_the_written_ranks(kwargs, groups):
+    grid = make_grid(**kwargs, create=list(groups))
     rank = dist.get_rank()
-    for dims in dims_list:
-        predicted = layout.group_of(rank, dims)
-        assert _members(grid.get_pg(list(dims) if not isinstance(dims, str) else dims)) == sorted(
-            predicted
-        ), (dims, predicted)
-    return layout
+    for axes, written in groups.items():
+        got = _members(grid.get_pg(list(axes) if isinstance(axes, tuple) else axes))
+        assert got == _written_group(written, rank), (axes, got)
 
 
 @world.case
-def test_default_order_groups():
-    layout = _check_grid(dict(tp=2, cp=2, dp=2), ["tp", "cp", "dp", ("dp", "cp")])
+def test_default_order_is_tp_cp_pp_dp():
+    layout = GridLayout.from_grid(make_grid(tp=2, cp=2, dp=2, create=()))
     assert layout.dim_names == ("tp", "cp", "pp", "dp")
-
-
-@world.case
-def test_custom_order_groups():
-    _check_grid(dict(tp=2, dp=4, dim_names=("dp", "tp", "cp", "pp")), ["tp", "dp"])
 
 
 @world.case
 def test_offset_grid_on_part_of_the_world():
     # Every rank of the world takes part in group creation, even those outside the grid.
     grid = make_grid(tp=2, dp=2, rank_offset=4, create=["tp"])
-    layout = GridLayout.from_grid(grid)
     if dist.get_rank() >= 4:
-        assert _members(grid.get_pg("tp")) == layout.group_of(dist.get_rank(), "tp")
+        assert _members(grid.get_pg("tp")) == _written_group([[4, 5], [6, 7]], dist.get_rank())
 
 
 @world.case
@@ -69,13 +99,11 @@ def test_positional_sizes_subset_dim_names_and_groups_alias():
     assert layout == GridLayout((2, 4), ("tp", "dp"))
     assert _members(grid.get_pg(["tp", "dp"])) == list(range(8))
     default = make_grid(tp=4, dp=2, dim_names=("tp", "dp"))  # creates tp and dp only
-    assert _members(default.get_pg("tp")) == layout_group(default, "tp")
+    assert _members(default.get_pg("tp")) == _written_group(
+        [[0, 1, 2, 3], [4, 5, 6, 7]], dist.get_rank()
+    )
     with pytest.raises(KeyError):
         default.get_pg("cp")
-
-
-def layout_group(grid, dims):
-    return sorted(GridLayout.from_grid(grid).group_of(dist.get_rank(), dims))
 
 
 @world.case
@@ -92,3 +120,17 @@ def test_destroy_grid_frees_its_groups_and_allows_rebuilding():
         grid.get_pg("tp")
     with pytest.raises(TypeError, match="not a megatron HyperCommGrid"):
         destroy_grid(object())
+
+
+@world.case(world_size=4)
+def test_make_grid_errors_name_the_argument_and_dp_first_groups_on_four_ranks():
+    with pytest.raises(ValueError, match=r"make_grid\(tp=0\): tp must be >= 1"):
+        make_grid(tp=0)
+    with pytest.raises(TypeError, match=r"make_grid\(dp=2.0\): dp must be an int"):
+        make_grid(dp=2.0)
+    with pytest.raises(ValueError, match="needs 8 ranks .* world has only 4"):
+        make_grid(tp=4, dp=2)
+    grid = make_grid(tp=2, dp=2, dim_names=("dp", "tp"), groups=("tp",))
+    # dp fastest: rank = d + 2·t, so a TP group holds ranks d and d + 2.
+    want = _written_group([[0, 2], [1, 3]], dist.get_rank())
+    assert _members(grid.get_pg("tp")) == want

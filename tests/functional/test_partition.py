@@ -1,19 +1,21 @@
-"""PartitionAdapter in an 8-rank world: CP in {1, 2, 4}, with and without SP at TP 2.
+"""PartitionAdapter: 8 ranks (CP in {1, 2, 4}, with and without SP at TP 2), 6 ranks
+(CP 3, packed, ``[s, b, h]``) and 4 ranks (CP 2 × TP 2 against literal token lists).
 
-The oracle for every sharded tensor is an independent reference cut: ``tensor.chunk(2·cp)``
-and keep chunks ``i`` and ``2·cp−1−i`` (per sequence when packed), then ``chunk(tp)`` for SP.
-Shard / unshard only move values, so values and ``shard``'s gradients compare exactly.
+The oracle for every sharded tensor is an independent reference cut (``tests.oracles.
+ref_cut``): ``tensor.chunk(2·cp)`` and keep chunks ``i`` and ``2·cp−1−i`` (per sequence when
+packed), then ``chunk(tp)`` for SP; on 4 ranks, token lists written out by hand. Shard /
+unshard only move values, so values and ``shard``'s gradients compare exactly.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
-from test_comm_reference import cu_of, rand, ref_cut, tp_cp_groups
 
 from mp_bridge.comm import PartitionAdapter
 from mp_bridge.testing import CollectiveCounter, DistributedWorld, current_device
+from tests.oracles import cu_of, rand, ref_cut, tp_cp_groups
 
 world = DistributedWorld(8)
 CP_SIZES = (1, 2, 4)
@@ -25,13 +27,6 @@ def _configs():
         for sp in (False, True):
             for lengths in (None, PACKED_LENGTHS):
                 yield cp, sp, lengths
-
-
-@world.case
-def test_groups_created():
-    for cp in CP_SIZES:
-        cp_g, tp_g, _, _ = tp_cp_groups(cp)
-        assert dist.get_world_size(cp_g) == cp and dist.get_world_size(tp_g) == 2
 
 
 @world.case
@@ -185,8 +180,116 @@ def test_bad_input_raises_before_any_collective():
     assert counter.counts() == {}
 
 
-@world.case
-def test_no_global_parallel_state():
-    from megatron.core import parallel_state
+# ------------------------------------------------------------------ 6 ranks: CP 3
+@world.case(world_size=6)
+def test_partition_sp_tp2_cp3_unshards_per_token_tensors_by_default():
+    cp_g, tp_g, r, t = tp_cp_groups(3)
+    bad = []
+    for seq_dim in (1, 0):
+        emb = rand(2, 24, 5, seed=4)  # S = 24 = 2·cp·tp·2
+        emb_in = emb if seq_dim == 1 else emb.transpose(0, 1)  # [s, b, h] view
+        labels = torch.arange(48, device=emb.device).view(2, 24)
+        adapter = PartitionAdapter(
+            cp_group=cp_g, tp_group=tp_g, sequence_parallel=True, seq_dim=seq_dim
+        )
+        out = adapter.shard(emb_in, labels=labels)
+        if not torch.equal(out.embeddings, ref_cut(emb_in, seq_dim, 3, r, tp=2, t=t)):
+            bad.append(f"seq_dim={seq_dim}: embeddings are not the reference cut")
+        if not torch.equal(out.labels, ref_cut(labels, 1, 3, r)):
+            bad.append(f"seq_dim={seq_dim}: labels are not the CP cut")
+        if not torch.equal(adapter.unshard(out.embeddings), emb_in):
+            bad.append(f"seq_dim={seq_dim}: unshard(embeddings) is not the input")
+        # Per-token tensors are never SP-split, and unshard knows it without being told.
+        if not torch.equal(adapter.unshard(out.labels, seq_dim=1), labels):
+            bad.append(f"seq_dim={seq_dim}: unshard(labels) is not the labels")
+        positions = adapter.unshard(out.position_ids, seq_dim=1)
+        if not torch.equal(positions, torch.arange(24, device=emb.device).expand(2, 24)):
+            bad.append(f"seq_dim={seq_dim}: unshard(position_ids) is not arange(S)")
+    assert not bad, bad
 
-    assert not parallel_state.model_parallel_is_initialized()
+
+@world.case(world_size=6)
+def test_partition_packed_cu_seqlens_forms_and_2d_tokens():
+    cp_g, tp_g, r, _ = tp_cp_groups(3)
+    lengths = (6, 18, 12)  # multiples of 2·cp = 6
+    cu = cu_of(lengths)
+    tokens = rand(36, 4, seed=5)  # packed [T, h], sequence on dim 0
+    adapter = PartitionAdapter(cp_group=cp_g, seq_dim=0)
+    bad = []
+    forms = (cu, torch.tensor(cu, dtype=torch.int32), np.array(cu), tuple(cu))
+    for form in forms:
+        out = adapter.shard(tokens, labels=torch.arange(36), cu_seqlens=form)
+        if not torch.equal(out.embeddings, ref_cut(tokens, 0, 3, r, lengths)):
+            bad.append(f"{type(form).__name__}: embeddings are not the reference cut")
+        # No batch dim: default positions are 1-D original positions.
+        want = ref_cut(torch.arange(36, device=tokens.device), 0, 3, r, lengths)
+        if not torch.equal(out.position_ids, want):
+            bad.append(f"{type(form).__name__}: positions {tuple(out.position_ids.shape)}")
+        if out.cu_seqlens.tolist() != cu:
+            bad.append(f"{type(form).__name__}: cu_seqlens {out.cu_seqlens.tolist()}")
+        if not torch.equal(adapter.unshard(out.embeddings, cu_seqlens=form), tokens):
+            bad.append(f"{type(form).__name__}: unshard(embeddings) is not the input")
+        if not torch.equal(adapter.unshard(out.labels, cu_seqlens=form), torch.arange(36)):
+            bad.append(f"{type(form).__name__}: unshard(labels) is not the labels")
+    assert not bad, bad
+
+
+@world.case(world_size=6)
+def test_partition_without_cp_takes_any_length():
+    # cp = 1 (no group): nothing to balance, so odd and packed odd lengths are fine.
+    emb = rand(2, 7, 3, seed=6)
+    adapter = PartitionAdapter()
+    out = adapter.shard(emb, labels=torch.arange(14).view(2, 7))
+    assert torch.equal(out.embeddings, emb)
+    assert torch.equal(out.position_ids, torch.arange(7, device=emb.device).expand(2, 7))
+    assert torch.equal(adapter.unshard(out.embeddings), emb)
+    packed = adapter.shard(emb[:1], cu_seqlens=[0, 3, 7])
+    assert torch.equal(packed.embeddings, emb[:1])
+    # With SP at tp=2 (and no CP) the length must be a multiple of tp only.
+    _, tp_g, _, t = tp_cp_groups(1)
+    sp = PartitionAdapter(tp_group=tp_g, sequence_parallel=True)
+    assert torch.equal(sp.shard(emb[:, :6]).embeddings, emb[:, 3 * t : 3 * t + 3])
+    with pytest.raises(ValueError, match=r"=7 must be divisible by cp·tp=2 \(cp=1, tp=2"):
+        sp.shard(emb)
+
+
+# ------------------------------------------------------------------ 4 ranks: literal cut
+# S = 16, cp = 2: four chunks of 4 tokens; CP rank 0 keeps chunks 0 and 3, rank 1 1 and 2.
+CP2_TOKENS = {0: [0, 1, 2, 3, 12, 13, 14, 15], 1: [4, 5, 6, 7, 8, 9, 10, 11]}
+# With SP at tp = 2 each TP rank keeps half of its CP rank's tokens.
+CP2_SP2_TOKENS = {(0, 0): [0, 1, 2, 3], (0, 1): [12, 13, 14, 15], (1, 0): [4, 5, 6, 7]}
+CP2_SP2_TOKENS[1, 1] = [8, 9, 10, 11]
+
+
+@world.case(world_size=4)
+def test_partition_cp2_sp_tp2_against_literal_token_lists():
+    cp_g, tp_g, c, t = tp_cp_groups(2)  # rank = t + 2·c on 4 ranks
+    bad = []
+    for sp in (False, True):
+        idx = torch.tensor(CP2_SP2_TOKENS[c, t] if sp else CP2_TOKENS[c])
+        cp_idx = torch.tensor(CP2_TOKENS[c])
+        adapter = PartitionAdapter(cp_group=cp_g, tp_group=tp_g, sequence_parallel=sp)
+        emb = rand(2, 16, 3, seed=4).requires_grad_()
+        labels = torch.arange(32).view(2, 16)
+        out = adapter.shard(emb, labels=labels, loss_mask=torch.ones(2, 16))
+        if not torch.equal(out.embeddings, emb.detach()[:, idx]):
+            bad.append(f"sp={sp}: embeddings are not tokens {idx.tolist()}")
+        if not torch.equal(out.labels, labels[:, cp_idx]):
+            bad.append(f"sp={sp}: labels are not tokens {cp_idx.tolist()}")
+        if not torch.equal(out.position_ids, cp_idx.expand(2, -1)):
+            bad.append(f"sp={sp}: position ids are not the original positions")
+        if not torch.equal(adapter.unshard(out.embeddings), emb.detach()):
+            bad.append(f"sp={sp}: unshard")
+        w = rand(2, 16, 3, seed=5)
+        (out.embeddings * w[:, idx]).sum().backward()
+        # Zero-padded local gradient: w on this rank's CP tokens (with SP, the TP all-gather
+        # brings the other TP rank's half), zero on the other CP rank's tokens.
+        expected = torch.zeros(2, 16, 3)
+        expected[:, cp_idx] = w[:, cp_idx]
+        if not torch.equal(emb.grad, expected):
+            bad.append(f"sp={sp}: gradient is not the zero-padded local one")
+    with pytest.raises(ValueError, match="divisible by 2·cp·tp=8"):
+        PartitionAdapter(cp_group=cp_g, tp_group=tp_g, sequence_parallel=True).shard(
+            rand(2, 12, 3, seed=0)
+        )
+    assert not bad, bad

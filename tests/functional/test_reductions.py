@@ -1,4 +1,5 @@
-"""masked_sum/count/mean over DP×CP groups, and deterministic_all_reduce, on 8 ranks.
+"""masked_sum/count/mean over DP×CP groups, and deterministic_all_reduce, on 8 ranks (and
+deterministic_all_reduce on a group of three of a 6-rank world).
 
 Layout for the masked reductions: ``make_grid(tp=2, cp=2, dp=2)``; the global batch
 ``[4, 16]`` is split over DP by rows and over CP by columns, TP ranks hold copies. Each
@@ -20,6 +21,7 @@ from mp_bridge.comm import deterministic_all_reduce
 from mp_bridge.grid import GridLayout, make_grid
 from mp_bridge.layers import masked_count, masked_mean, masked_sum
 from mp_bridge.testing import CollectiveCounter, DistributedWorld, current_device
+from tests.oracles import rand, tp_cp_groups
 
 world = DistributedWorld(8)
 _GRID = {}
@@ -164,3 +166,17 @@ def test_deterministic_all_reduce_errors_before_the_collective():
         with pytest.raises(ValueError, match=r"differ across the group.*ranks \[3\]|ranks \[0"):
             deterministic_all_reduce(odd, dist.group.WORLD)
     assert counter.counts() == {"all_gather": 1}  # only the small metadata gather
+
+
+@world.case(world_size=6)
+def test_deterministic_all_reduce_on_a_group_of_three():
+    cp_g = tp_cp_groups(3)[0]  # ranks {0, 2, 4} or {1, 3, 5}
+    members = dist.get_process_group_ranks(cp_g)
+    mine = rand(5, 4, seed=30 + dist.get_rank()).t()[:, 1:]  # non-contiguous [4, 4] view
+    parts = [rand(5, 4, seed=30 + m).t()[:, 1:] for m in members]
+    want = (parts[0] + parts[1]) + parts[2]  # fp32 fold in group rank order
+    assert torch.equal(deterministic_all_reduce(mine, cp_g), want)
+    assert torch.equal(deterministic_all_reduce(mine, cp_g, op=dist.ReduceOp.SUM), want)
+    assert torch.equal(deterministic_all_reduce(mine, cp_g, op="mean"), want / 3)
+    empty = torch.zeros(0, 3, device=current_device())
+    assert deterministic_all_reduce(empty, cp_g).shape == (0, 3)

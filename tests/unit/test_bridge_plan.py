@@ -8,6 +8,7 @@ import inspect
 import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
+from megatron.core.hyper_comm_grid import HyperCommGrid
 
 import mp_bridge.comm.bridge_plan as bridge_plan_module
 from mp_bridge.comm.bridge_plan import BridgeDirection, plan_bridge
@@ -86,6 +87,86 @@ def test_plan_module_never_imports_torch_distributed():
     names = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
     names += [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
     assert not [n for n in names if n.startswith("torch")], names
+
+
+# Small layouts with every gather group written out by hand (EQUAL: one rank per group).
+# Default orders (tp fastest): src rank = t + tp·d; dest rank = t + tp·(c + cp·d').
+SMALL_LAYOUTS = {
+    "w1_equal": (L(), L(), BridgeDirection.EQUAL, [[0]]),
+    "w2_fan_in_dp2_to_cp2": (L(dp=2), L(cp=2), BridgeDirection.FAN_IN, [[0, 1]]),
+    "w4_equal_cp2": (L(tp=2, dp=2), L(cp=2, dp=2), BridgeDirection.EQUAL, [[0], [1], [2], [3]]),
+    "w4_fan_in_k4": (L(dp=4), L(cp=4), BridgeDirection.FAN_IN, [[0, 1, 2, 3]]),
+    "w4_fan_out_k4": (L(tp=4), L(dp=4), BridgeDirection.FAN_OUT, [[0, 1, 2, 3]]),
+    # dest replica d' (ranks 2d', 2d'+1) gathers src blocks 2d', 2d'+1 = the same ranks.
+    "w4_fan_in_dest_tp2": (L(dp=4), L(tp=2, dp=2), BridgeDirection.FAN_IN, [[0, 1], [2, 3]]),
+    # src replica d (ranks 2d, 2d+1) holds dest blocks 2d, 2d+1: its two TP ranks.
+    "w4_fan_out_src_tp2": (L(tp=2, dp=2), L(dp=4), BridgeDirection.FAN_OUT, [[0, 1], [2, 3]]),
+    "w6_fan_in_k3": (L(dp=6), L(tp=3, dp=2), BridgeDirection.FAN_IN, [[0, 1, 2], [3, 4, 5]]),
+    "w6_equal_cp2": (L(tp=2, dp=3), L(cp=2, dp=3), BridgeDirection.EQUAL, [[r] for r in range(6)]),
+    # dest rank = c + 2·d': the three dest replicas of one CP rank share a gather group.
+    "w6_fan_out_k3_cp2": (
+        L(tp=6), L(cp=2, dp=3), BridgeDirection.FAN_OUT, [[0, 2, 4], [1, 3, 5]]
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("src", "dest", "direction", "groups"), list(SMALL_LAYOUTS.values()), ids=list(SMALL_LAYOUTS)
+)
+def test_gather_groups_of_small_layouts_are_the_written_ones(src, dest, direction, groups):
+    plan = plan_bridge(src, dest)
+    assert plan.direction is direction and plan.scale == len(groups[0])
+    assert sorted(map(list, plan.gather_groups)) == groups
+    for group in groups:
+        for r in group:
+            assert list(plan.gather_group_of(r)) == group, r
+
+
+def _factorizations(n: int, parts: int):
+    if parts == 1:
+        yield (n,)
+        return
+    for d in range(1, n + 1):
+        if n % d == 0:
+            for rest in _factorizations(n // d, parts - 1):
+                yield (d, *rest)
+
+
+@pytest.mark.parametrize("world", [1, 2, 4, 6, 8, 12])
+def test_gather_groups_partition_every_world_in_groups_of_scale(world):
+    seen = set()
+    for tps, dps in _factorizations(world, 2):
+        for tpd, cpd, dpd in _factorizations(world, 3):
+            try:
+                plan = plan_bridge(L(tp=tps, dp=dps), L(tp=tpd, cp=cpd, dp=dpd))
+            except ValueError:
+                continue  # DP sizes that do not divide: test_plan_errors
+            seen.add(plan.direction)
+            members = sorted(r for g in plan.gather_groups for r in g)
+            assert members == list(range(world)), (tps, dps, tpd, cpd, dpd, plan.gather_groups)
+            assert all(len(g) == plan.scale for g in plan.gather_groups)
+            # The scale is the DP ratio, whichever side is larger.
+            assert plan.scale == max(dps, dpd) // min(dps, dpd)
+    assert BridgeDirection.EQUAL in seen
+
+
+def test_plan_bridge_reads_hyper_comm_grids_as_written(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "8")  # HyperCommGrid checks its size against it
+    plan = plan_bridge(
+        HyperCommGrid([2, 4], ["tp", "dp"]), HyperCommGrid([2, 2, 2], ["tp", "cp", "dp"])
+    )
+    assert plan.direction is BridgeDirection.FAN_IN and plan.scale == 2 and plan.cp_size == 2
+    assert plan.gather_groups == ((0, 2), (1, 3), (4, 6), (5, 7))
+    assert plan.cp_groups == ((0, 2), (1, 3), (4, 6), (5, 7))
+    # Axis order as the grid lists it (first fastest): src rank = ds + 4·ts, dest rank =
+    # c + 2·dd + 4·td; dest replica dd gathers src DP blocks 2dd, 2dd + 1 (ranks c = 0, 1).
+    dp_first = plan_bridge(
+        HyperCommGrid([4, 2], ["dp", "tp"]), HyperCommGrid([2, 2, 2], ["cp", "dp", "tp"])
+    )
+    assert sorted(dp_first.gather_groups) == [(0, 1), (2, 3), (4, 5), (6, 7)]
+    assert dp_first.gather_group_of(5) == (4, 5)
+    with pytest.raises(TypeError, match="dest must be a GridLayout or a HyperCommGrid"):
+        plan_bridge(HyperCommGrid([2, 4], ["tp", "dp"]), "tp=2,cp=2,dp=2")
 
 
 # ------------------------------------------------------------- error paths

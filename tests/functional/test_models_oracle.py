@@ -23,7 +23,7 @@ Tolerances (``rel`` = max abs difference / max abs reference value, per tensor):
   about lr = 1e-3 (rel > 1e-3).
 
 Runs on gloo here; on 8 GPUs: ``MP_BRIDGE_BACKEND=nccl torchrun --nproc-per-node 8 -m
-pytest tests/functional/test_mimo_oracle.py``.
+pytest tests/functional/test_models_oracle.py``.
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ def _parity(**kwargs):
 
 
 FAN_IN_CP2 = dict(encoder_tp=2, encoder_dp=4, llm_tp=2, llm_cp=2, llm_dp=2)
-#: The layouts of issue 6 (encoder -> LLM); each becomes one case ``test_<name>``.
+#: The layouts of issue 6 (encoder -> LLM); one parametrized case each.
 LAYOUTS = {
     "fan_in_cp2": FAN_IN_CP2,
     "fan_out_cp2": dict(encoder_tp=4, encoder_dp=2, llm_tp=1, llm_cp=2, llm_dp=4),
@@ -88,16 +88,9 @@ LAYOUTS = {
 }
 
 
-def _layout_case(name: str, layout: dict):
-    def case():
-        return _check(_parity(**layout))
-
-    case.__name__ = f"test_{name}"
-    return world.case(case)
-
-
-for _name, _layout in LAYOUTS.items():
-    globals()[f"test_{_name}"] = _layout_case(_name, _layout)
+@world.parametrize("layout", list(LAYOUTS.values()), ids=list(LAYOUTS))
+def test_parity_with_one_process(layout):
+    return _check(_parity(**layout))
 
 
 def _uneven_batch():
@@ -124,9 +117,9 @@ def test_oracle_catches_a_local_loss_denominator():
         report = _parity(**FAN_IN_CP2, batch=_uneven_batch())
     finally:
         mimo_module.masked_mean = original
-    assert report.loss_max_rel > 1e-3 and report.weight_max_rel > 1e-3, report
-    with pytest.raises(AssertionError, match="loss rel"):
-        _check(report)
+    # Far past the bounds the parity cases apply (100x LOSS_RTOL, 10x WEIGHT_RTOL).
+    assert report.loss_max_rel > 100 * LOSS_RTOL, report
+    assert report.weight_max_rel > 10 * WEIGHT_RTOL, report
 
 
 @world.case
@@ -140,9 +133,9 @@ def test_oracle_catches_a_skipped_bridge_cp_all_reduce():
         bridge_module._cp_all_reduce = original
     # The forward is untouched (step-0 loss agrees); gradients and weights do not.
     assert abs(report.dist_losses[0] - report.ref_losses[0]) <= LOSS_RTOL * report.ref_losses[0]
-    assert report.input_grad_max_rel > 1e-2 and report.weight_max_rel > 1e-3, report
-    with pytest.raises(AssertionError, match="input grad"):
-        _check(report)
+    # Far past the bounds the parity cases apply (1000x GRAD_RTOL, 10x WEIGHT_RTOL).
+    assert report.input_grad_max_rel > 1000 * GRAD_RTOL, report
+    assert report.weight_max_rel > 10 * WEIGHT_RTOL, report
 
 
 def _parity_with_buckets(edit):
@@ -163,9 +156,11 @@ def test_oracle_catches_a_skipped_encoder_dp_gradient_sync():
         lambda model, buckets: [(g, ps) for g, ps in buckets if g is not model.encoder_dp_group]
     )
     assert report.worst_param_grad.startswith(("encoder.", "projection.")), report
-    assert report.param_grad_max_rel > 1e-2 and report.weight_max_rel > 1e-3, report
-    with pytest.raises(AssertionError, match="param grad rel"):
-        _check(report)
+    step1 = abs(report.dist_losses[0] - report.ref_losses[0])
+    assert step1 <= LOSS_RTOL * report.ref_losses[0], report  # the first forward is untouched
+    # Far past the bounds the parity cases apply (1000x GRAD_RTOL, 10x WEIGHT_RTOL).
+    assert report.param_grad_max_rel > 1000 * GRAD_RTOL, report
+    assert report.weight_max_rel > 10 * WEIGHT_RTOL, report
 
 
 @world.case
@@ -179,9 +174,8 @@ def test_oracle_catches_a_gradient_summed_over_one_group_too_many():
         ]
     )
     # Adam's update barely changes under a 2x gradient; the first-step gradient check does.
-    assert report.param_grad_max_rel > 0.5, report
-    with pytest.raises(AssertionError, match="param grad rel"):
-        _check(report)
+    assert report.worst_param_grad.startswith("llm."), report
+    assert report.param_grad_max_rel > 0.5, report  # a 2x gradient: rel 1, >> GRAD_RTOL
 
 
 # ------------------------------------------------------------- image agreement

@@ -21,7 +21,6 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from _vocab_tp_groups import rank_in, tp_group
 
 from mp_bridge.layers import (
     VocabParallelLMHead,
@@ -30,8 +29,10 @@ from mp_bridge.layers import (
     vocab_parallel_entropy,
     vocab_parallel_logprobs,
     vocab_shard_ranges,
+    vocab_shard_size,
 )
 from mp_bridge.testing import CollectiveCounter, DistributedWorld, current_device
+from tests.oracles import gather_rows, rank_in, tp_group, vocab_cut
 
 world = DistributedWorld(8)
 
@@ -259,3 +260,43 @@ def test_parity_with_megatron_cross_entropy_math():
         grad = M.calculate_gradients(*ops[:2], tgt1d, *ops[2:], upstream)
         torch.testing.assert_close(ours, loss, **FP32_TOL)
         torch.testing.assert_close(our_grad, grad, **FP32_GRAD_TOL)
+
+
+# TP sizes that do not divide 8 and leave a rank out (TP 5 on 6 ranks). Tolerances: values
+# against fp64 torch atol = rtol = 1e-5 (a few fp32 ulps of values <~ 20); logit gradients
+# (softmax - onehot terms, |g| <= ~3) atol 1e-6, rtol 1e-5.
+@world.case(world_size=6)
+def test_materialized_ops_tp5_tp6_against_torch():
+    for tp in (5, 6):
+        group, inside = tp_group(tp)
+        if not inside:
+            continue
+        rank = rank_in(group)
+        for vocab in (7, 4099):
+            gen = torch.Generator().manual_seed(vocab + tp)
+            full = 3 * torch.randn(3, 5, vocab, generator=gen, dtype=torch.float64)
+            target = torch.randint(0, vocab, (3, 5), generator=gen)
+            target[0, 0], target[1, 1] = vocab - 1, 3
+            up = torch.randn(3, 5, generator=gen, dtype=torch.float64)
+            local = vocab_cut(full.float(), vocab_shard_size(vocab, tp), rank, -1).requires_grad_()
+            ref = full.clone().requires_grad_()
+            ce = vocab_parallel_cross_entropy(
+                local, target, tp_group=group, vocab_size=vocab, ignore_index=3,
+                label_smoothing=0.2,
+            )  # fmt: skip
+            want = F.cross_entropy(
+                ref.flatten(0, 1), target.flatten(), ignore_index=3, label_smoothing=0.2,
+                reduction="none",
+            ).view(3, 5)  # fmt: skip
+            lp = vocab_parallel_logprobs(
+                local, target, tp_group=group, vocab_size=vocab, temperature=0.7
+            )
+            want_lp = torch.log_softmax(ref / 0.7, -1).gather(-1, target[..., None])[..., 0]
+            ent = vocab_parallel_entropy(local, tp_group=group, vocab_size=vocab)
+            want_ent = -(torch.softmax(ref, -1) * torch.log_softmax(ref, -1)).sum(-1)
+            for got, exp in ((ce, want), (lp, want_lp), (ent, want_ent)):
+                torch.testing.assert_close(got.double(), exp.detach(), atol=1e-5, rtol=1e-5)
+            ((ce + lp + ent).double() * up).sum().backward()
+            ((want + want_lp + want_ent) * up).sum().backward()
+            grad = gather_rows(local.grad.movedim(-1, 0), group, tp)[:vocab].movedim(0, -1)
+            torch.testing.assert_close(grad.double(), ref.grad, atol=1e-6, rtol=1e-5)

@@ -1,4 +1,5 @@
-"""``mp-bridge demo`` argument checks (all before any process starts) and its parity table."""
+"""``mp-bridge demo`` argument checks (all before any process starts), its parity table, and
+the model it widens for TP sizes that do not divide 8 (literal sizes)."""
 
 from __future__ import annotations
 
@@ -9,8 +10,13 @@ import re
 import pytest
 
 from mp_bridge.cli import main
-from mp_bridge.commands.demo import _validate, default_layouts, format_parity_table
-from mp_bridge.models import ParityReport
+from mp_bridge.commands.demo import (
+    _validate,
+    default_layouts,
+    demo_config,
+    format_parity_table,
+)
+from mp_bridge.models import MimoConfig, ParityReport
 
 
 @pytest.mark.parametrize(
@@ -106,3 +112,40 @@ def test_weights_pass_within_a_fraction_of_an_adam_step():
     assert format_parity_table(drifted).splitlines()[-1].endswith("NO")
     far = dataclasses.replace(drifted, weight_max_abs=5e-3, weight_max_rel=2e-2)
     assert not far.passed(weight_atol=1e-4)
+
+
+def test_demo_config_default_unchanged_and_widened_for_tp3_5_6():
+    assert demo_config(encoder_tp=2, llm_tp=8, seq_factor=8) == MimoConfig()
+    for tp in (3, 5, 6):
+        cfg = demo_config(encoder_tp=tp, llm_tp=tp, seq_factor=2 * 3)
+        cfg.check_tp(encoder_tp=tp, llm_tp=tp)  # would raise on a misfit
+        assert cfg.seq_len % 6 == 0 and cfg.llm_hidden <= 20 and cfg.enc_hidden <= 20
+
+
+_TP3 = dict(enc_heads=6, enc_hidden=18, enc_ffn=33, proj_hidden=33)
+_TP3.update(llm_heads=6, llm_hidden=18, llm_ffn=33, seq_len=16)
+_TP6 = dict(enc_heads=6, enc_hidden=18, enc_ffn=36, proj_hidden=36)
+_TP6.update(llm_heads=6, llm_hidden=18, llm_ffn=36, seq_len=16)
+_CP3 = dict(enc_heads=8, enc_hidden=16, enc_ffn=32, proj_hidden=32)
+_CP3.update(llm_heads=8, llm_hidden=16, llm_ffn=32, seq_len=18)
+
+
+@pytest.mark.parametrize(
+    "encoder, llm, want",
+    [
+        ("tp=3,dp=2", "tp=3,dp=2", _TP3),
+        ("tp=6,dp=1", "tp=6,dp=1", _TP6),
+        ("tp=1,dp=6", "cp=3,dp=2", _CP3),
+    ],
+)
+def test_demo_widens_world6_layouts_with_tp3_tp6_cp3_to_the_written_sizes(encoder, llm, want):
+    args = argparse.Namespace(
+        world=6, encoder=encoder, llm=llm, steps=1, batch_size=None, lr=1e-2,
+        sequence_parallel=False, fused_loss=False, plot=None,
+    )  # fmt: skip
+    _validate(args)  # used to raise "MimoConfig.enc_heads=8 is not divisible by encoder tp=3"
+    # Widened by hand from MimoConfig() (heads 8, hidden 16, ffn / proj 32, seq 16): TP t
+    # not dividing 8 takes lcm(t, 2) heads, hidden up to a multiple of the heads, ffn / proj
+    # up to a multiple of t; CP 3 takes the sequence up to a multiple of 2·3.
+    got = {name: getattr(args.config, name) for name in want}
+    assert got == want

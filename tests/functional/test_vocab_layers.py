@@ -18,10 +18,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from _vocab_tp_groups import rank_in, tp_group
 
 from mp_bridge.layers import VocabParallelEmbedding, VocabParallelLMHead, vocab_shard_ranges
 from mp_bridge.testing import CollectiveCounter, DistributedWorld, current_device
+from tests.oracles import rank_in, tp_group
 
 world = DistributedWorld(8)
 

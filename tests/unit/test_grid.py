@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import math
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -149,3 +150,15 @@ def test_rank_and_coord_errors():
 def test_from_grid_rejects_other_objects():
     with pytest.raises(TypeError, match="expects a HyperCommGrid"):
         GridLayout.from_grid(object())
+
+
+def test_grid_layout_takes_numpy_integers():
+    layout = GridLayout(np.array([2, 3]), ["tp", "dp"], np.int64(2))
+    assert layout == GridLayout((2, 3), ("tp", "dp"), 2)
+    assert type(layout.shape[0]) is int and type(layout.rank_offset) is int
+    assert layout.coords(np.int64(5)) == {"tp": 1, "dp": 1}
+    assert layout.rank(tp=np.int64(1), dp=np.int32(1)) == 5 and np.int64(7) in layout
+    with pytest.raises(TypeError, match="shape entries must be ints"):
+        GridLayout((2.0, 3), ("tp", "dp"))
+    with pytest.raises(TypeError, match="rank must be an int"):
+        layout.coords(True)

@@ -1,28 +1,22 @@
-"""Acceptance probes (single process): contract cases a user of the issues would try.
+"""Invariant mode at TP = 1 (single process) on the caller's unpadded tensors.
 
-- ``invariant=True`` at TP = 1 (``tp_group=None``) on the *unpadded* full logits ``[N, V]``
+``invariant=True`` at TP = 1 (``tp_group=None``) on the *unpadded* full logits ``[N, V]``
   / full weight ``[V, H]`` (V not a multiple of 256) used to raise "needs the local vocab
   shard to be a multiple of 256 rows"; it must give the same bits as the block-padded
-  layout that TP = 2, 4, 8 (``multiple=256``) evaluate. Exactness: ``torch.equal``.
-- The demo widens its tiny model for TP sizes that do not divide 8 (TP 3, 5, 6) instead
-  of refusing the layout, and keeps the default model otherwise.
+layout that TP = 2, 4, 8 (``multiple=256``) evaluate. Exactness: ``torch.equal``.
 """
 
 from __future__ import annotations
 
-import argparse
-
 import pytest
 import torch
 
-from mp_bridge.commands.demo import _validate, demo_config
 from mp_bridge.layers import (
     fused_linear_cross_entropy,
     fused_linear_logprobs,
     vocab_parallel_cross_entropy,
     vocab_parallel_logprobs,
 )
-from mp_bridge.models import MimoConfig
 
 
 def _problem(vocab: int, n: int = 70, h: int = 16):
@@ -79,24 +73,3 @@ def test_invariant_tp1_unaligned_still_checks_vocab_size():
         vocab_parallel_logprobs(
             torch.randn(3, 1000), torch.zeros(3, dtype=torch.long), vocab_size=1001, invariant=True
         )
-
-
-def test_demo_config_default_unchanged_and_widened_for_tp3_5_6():
-    assert demo_config(encoder_tp=2, llm_tp=8, seq_factor=8) == MimoConfig()
-    for tp in (3, 5, 6):
-        cfg = demo_config(encoder_tp=tp, llm_tp=tp, seq_factor=2 * 3)
-        cfg.check_tp(encoder_tp=tp, llm_tp=tp)  # would raise on a misfit
-        assert cfg.seq_len % 6 == 0 and cfg.llm_hidden <= 20 and cfg.enc_hidden <= 20
-
-
-@pytest.mark.parametrize(
-    "encoder, llm",
-    [("tp=3,dp=2", "tp=3,dp=2"), ("tp=6,dp=1", "tp=6,dp=1"), ("tp=1,dp=6", "cp=3,dp=2")],
-)
-def test_demo_accepts_world6_layouts_with_tp3_tp6_cp3(encoder, llm):
-    args = argparse.Namespace(
-        world=6, encoder=encoder, llm=llm, steps=1, batch_size=None, lr=1e-2,
-        sequence_parallel=False, fused_loss=False, plot=None,
-    )  # fmt: skip
-    _validate(args)  # used to raise "MimoConfig.enc_heads=8 is not divisible by encoder tp=3"
-    args.config.check_tp(encoder_tp=int(encoder[3]), llm_tp=int(llm[3]) if llm[:2] == "tp" else 1)

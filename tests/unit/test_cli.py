@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from mp_bridge.cli import main
@@ -65,3 +67,40 @@ def test_plan_bad_spec_is_one_line_error(capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2
     assert len(err) == 1 and "covers 12 ranks but the world has 8" in err[0]
+
+
+@pytest.mark.parametrize(
+    ("world", "encoder", "llm", "direction"),
+    [
+        (1, "tp=1,dp=1", "tp=1,cp=1,dp=1", "EQUAL"),
+        (2, "dp=2", "cp=2", "FAN_IN"),
+        (4, "tp=2,dp=2", "tp=1,cp=2,dp=2", "EQUAL"),
+        (6, "tp=1,dp=6", "tp=3,dp=2", "FAN_IN"),
+        (12, "tp=6,dp=2", "tp=1,cp=2,dp=6", "FAN_OUT"),
+        (16, "tp=2,dp=8", "tp=2,cp=4,dp=2", "FAN_IN"),
+    ],
+)
+def test_cli_plan_worlds(capsys, world, encoder, llm, direction):
+    assert main(["plan", "--world", str(world), "--encoder", encoder, "--llm", llm]) == 0
+    out = capsys.readouterr().out
+    assert f"direction {direction}" in out
+    rows = [line.split()[0] for line in out.splitlines() if line[:1].isdigit()]
+    assert rows == [str(r) for r in range(world)]
+
+
+@pytest.mark.parametrize(
+    ("argv", "match"),
+    [
+        (["--world", "16"], r"--encoder: .*covers 8 ranks but the world has 16"),
+        (["--world", "8", "--llm", "tp=2,cp=2,dp=3"], r"--llm: .*covers 12 ranks"),
+        (["--world", "8", "--encoder", "tp=2,xp=4"], r"--encoder: .*unknown axis 'xp'"),
+        (["--world", "8", "--llm", "tp=2,dp=4,"], r"--llm: .*not NAME=SIZE"),
+        (["--world", "6", "--encoder", "tp=2,dp=3", "--llm", "tp=3,dp=2"], "do not divide"),
+        (["--world", "0"], r"--world 0 must be >= 1"),
+    ],
+)
+def test_cli_plan_bad_specs_one_line_naming_the_flag(capsys, argv, match):
+    assert main(["plan", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("mp-bridge plan: error:")
+    assert re.search(match, err), err

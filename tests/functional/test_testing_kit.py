@@ -1,0 +1,205 @@
+"""DistributedWorld: many cases in one world, per-case reports, no long hang on a stuck case,
+cases at several world sizes and parametrized cases in one module.
+
+Most tests here build their own small worlds (the thing under test is the world itself);
+the module-level ``world`` shows the registration forms as pytest collects them.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from mp_bridge.testing import DistributedError, DistributedWorld
+
+world = DistributedWorld(2, timeout_s=120)
+
+
+@world.case
+def test_default_size_case_runs_on_two_ranks():
+    assert dist.get_world_size() == 2
+
+
+@world.case(world_size=3)
+def test_sized_case_runs_on_three_ranks():
+    x = torch.ones(1)
+    dist.all_reduce(x)
+    assert dist.get_world_size() == 3 and x.item() == 3
+
+
+@world.parametrize("n, name", [(1, "one"), (3, "three")])
+def test_parametrized_case_gets_its_values(n, name):
+    assert {1: "one", 3: "three"}[n] == name
+
+
+@world.parametrize("size", [1, 2, 3], world_size=3)
+def test_parametrized_sized_case(size):
+    group = dist.new_group(list(range(size)))  # collective over the 3-rank world
+    if dist.get_rank() < size:
+        assert dist.get_world_size(group) == size
+
+
+def test_cases_share_one_world_and_report_separately():
+    world = DistributedWorld(4, timeout_s=60)
+    pids: list[int] = []
+
+    @world.case
+    def test_ok():
+        x = torch.ones(1)
+        dist.all_reduce(x)
+        assert x.item() == 4
+        return dist.get_rank()
+
+    @world.case
+    def test_fails_on_rank_3_after_its_collectives():
+        x = torch.ones(1)
+        dist.all_reduce(x)
+        assert dist.get_rank() != 3, "rank 3 disagrees"
+
+    @world.case
+    def test_still_runs_after_a_symmetric_failure():
+        import os
+
+        pids.append(os.getpid())
+        x = torch.ones(1)
+        dist.all_reduce(x)
+        return os.getpid()
+
+    assert world.check("test_ok") == [0, 1, 2, 3]
+    with pytest.raises(DistributedError, match=r"failed on rank 3:(.|\n)*rank 3 disagrees"):
+        test_fails_on_rank_3_after_its_collectives()
+    later = world.check("test_still_runs_after_a_symmetric_failure")
+    assert len(set(later)) == 4  # four processes, one world started once
+    assert pids == []  # the cases ran in the children, not here
+
+
+def test_case_stuck_in_a_collective_stops_the_world_quickly():
+    world = DistributedWorld(3, timeout_s=120, abort_grace_s=2)
+
+    @world.case
+    def test_before():
+        dist.barrier()
+
+    @world.case
+    def test_rank_0_raises_before_a_collective():
+        if dist.get_rank() == 0:
+            raise RuntimeError("bad input on rank 0")
+        dist.all_reduce(torch.ones(1))  # ranks 1, 2 wait here for rank 0 forever
+
+    @world.case
+    def test_after():
+        dist.barrier()
+
+    start = time.monotonic()
+    test_before()  # finished before the failure: still reported as passing
+    elapsed = time.monotonic() - start
+    assert elapsed < 60, f"the world waited {elapsed:.0f} s; it should stop ~2 s after the failure"
+    with pytest.raises(DistributedError, match=r"failed on rank 0:(.|\n)*bad input on rank 0"):
+        test_rank_0_raises_before_a_collective()
+    with pytest.raises(DistributedError, match=r"did not finish on rank 0: case .*rank 0"):
+        test_after()
+
+
+def test_duplicate_case_names_are_rejected():
+    world = DistributedWorld(2)
+
+    def test_same():
+        pass
+
+    world.case(test_same)
+    with pytest.raises(ValueError, match="registered twice"):
+        world.case(test_same)
+
+
+def test_cases_at_several_sizes_each_see_their_own_world():
+    world = DistributedWorld(4, timeout_s=120)
+
+    @world.case
+    def test_default():
+        return dist.get_world_size(), os.getpid()
+
+    @world.case(world_size=2)
+    def test_two():
+        return dist.get_world_size(), os.getpid()
+
+    @world.case(world_size=2)
+    def test_two_again():
+        return dist.get_world_size(), os.getpid()
+
+    @world.case(world_size=3)
+    def test_expects_six_ranks_but_registered_at_three():
+        assert dist.get_world_size() == 6, f"world size {dist.get_world_size()}, not 6"
+
+    assert world.sizes == (4, 2, 3)
+    default, two, two_again = (
+        world.check(n) for n in ("test_default", "test_two", "test_two_again")
+    )
+    assert [s for s, _ in default] == [4] * 4 and [s for s, _ in two] == [2, 2]
+    assert two == two_again  # one start-up per size: the same two processes ran both cases
+    assert not {p for _, p in two} & {p for _, p in default}  # and another world for size 4
+    with pytest.raises(DistributedError, match=r"failed on rank 0:(.|\n)*world size 3, not 6"):
+        test_expects_six_ranks_but_registered_at_three()
+
+
+def test_parametrize_registers_one_case_and_one_test_id_per_set():
+    world = DistributedWorld(2, timeout_s=120)
+
+    @world.parametrize("cp, sp", [(1, False), (2, True)], world_size=3)
+    def test_shard(cp, sp):
+        assert not sp or dist.get_rank() != 2, "rank 2 rejects sp"
+        return cp * 10 + dist.get_world_size()
+
+    @world.parametrize("layout", [dict(tp=2), dict(tp=4)], ids=["tp2", "tp4"])
+    def test_layout(layout):
+        return layout["tp"]
+
+    (mark,) = test_shard.pytestmark
+    assert mark.name == "parametrize" and mark.args == ("world_case", ["1-False", "2-True"])
+    assert test_shard.__name__ == "test_shard"
+    assert world.check("test_shard[1-False]") == [13, 13, 13]
+    test_layout("tp4")
+    assert world.check("test_layout[tp2]") == [2, 2]
+    with pytest.raises(DistributedError, match=r"test_shard\[2-True\]' failed on rank 2"):
+        test_shard("2-True")
+
+
+def test_registration_errors_name_the_problem():
+    world = DistributedWorld(2)
+    with pytest.raises(ValueError, match=r"world_size=0 must be a positive int"):
+        world.case(world_size=0)(lambda: None)
+    with pytest.raises(ValueError, match=r"world_size=0 must be a positive int"):
+        DistributedWorld(0)
+    with pytest.raises(ValueError, match=r"parameter set 1 \(1,\) has 1 values"):
+        world.parametrize("a, b", [(1, 2), (1,)])
+    with pytest.raises(ValueError, match="ids has 1 entries for 2"):
+        world.parametrize("a", [1, 2], ids=["x"])
+    with pytest.raises(ValueError, match="not unique"):
+        world.parametrize("a", ["x", "x"])(lambda a: None)
+    with pytest.raises(KeyError, match="no case 'test_missing'"):
+        world.check("test_missing")
+
+
+def test_a_stuck_world_of_one_size_leaves_the_other_sizes_alone():
+    world = DistributedWorld(2, timeout_s=120, abort_grace_s=2)
+
+    @world.case(world_size=3)
+    def test_rank_0_raises_before_a_collective():
+        if dist.get_rank() == 0:
+            raise RuntimeError("bad input on rank 0")
+        dist.all_reduce(torch.ones(1))  # ranks 1, 2 wait here for rank 0 forever
+
+    @world.case
+    def test_two_ranks_still_run():
+        x = torch.ones(1)
+        dist.all_reduce(x)
+        return x.item()
+
+    start = time.monotonic()
+    with pytest.raises(DistributedError, match=r"failed on rank 0:(.|\n)*bad input on rank 0"):
+        test_rank_0_raises_before_a_collective()
+    assert time.monotonic() - start < 60  # stopped ~2 s after the failure, not at 120 s
+    assert world.check("test_two_ranks_still_run") == [2.0, 2.0]
