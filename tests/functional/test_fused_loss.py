@@ -14,8 +14,7 @@ import torch.nn.functional as F
 from _vocab_tp_groups import rank_in, tp_group
 
 from mp_bridge.comm import copy_to_group
-from mp_bridge.layers import vocab_shard_ranges
-from mp_bridge.layers.fused_loss import fused_linear_cross_entropy, fused_linear_logprobs
+from mp_bridge.layers import fused_linear_cross_entropy, fused_linear_logprobs, vocab_shard_ranges
 from mp_bridge.testing import CollectiveCounter, DistributedWorld, current_device
 
 world = DistributedWorld(8, timeout_s=120)  # a failing rank must not hang CI for long

@@ -13,7 +13,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from mp_bridge.layers import vocab_shard_ranges
-from mp_bridge.layers.invariant import invariant_cross_entropy, invariant_logprobs
+from mp_bridge.layers.losses import invariant_cross_entropy, invariant_logprobs
 from mp_bridge.testing import CollectiveCounter, DistributedWorld, current_device
 
 world = DistributedWorld(8, timeout_s=120)
