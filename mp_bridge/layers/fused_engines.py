@@ -147,6 +147,11 @@ class InvariantEngine:
     hidden gradient uses ``[TOKEN_TILE, B] x [B, H]`` and the weight gradient ``[B,
     TOKEN_TILE] x [TOKEN_TILE, H]`` (tiles added in token order). Chunks must start on a
     multiple of ``TOKEN_TILE`` so tiles are the same for every chunk size.
+
+    Cost: the FLOPs of the default engine, in fixed small matmuls; about 10 batched block
+    kernels per chunk, not per (tile, block). The hidden gradient adds ``K - 1`` adds of
+    ``[TOKEN_TILE, H]`` per tile in tree order, ``P`` ``[chunk, H]`` subtree results and,
+    at TP > 1, an all-gather in place of an all-reduce. Timings: ``bench/RESULTS.md``.
     """
 
     weight: torch.Tensor

@@ -16,6 +16,7 @@ gathered and every rank folds them in the same tree order (``loss_reduce.gather_
 which is the expression TP = 1 evaluates. At TP = 1 a shard of any width is zero-padded
 to whole blocks by one copy (``pad_single_shard``), giving the same bits. A shard that is
 not block-aligned cannot give the same expression and is rejected before any collective.
+TP = 1, 2, 3, 4, 8, ... alike (the tests run 1, 2, 3, 4 and 8; the acceptance tests 5, 6).
 Bits are identical for a given machine, torch/BLAS build and intra-op thread count.
 """
 
