@@ -94,10 +94,6 @@ class DefaultEngine:
     shard: VocabShard
     spec: LossSpec
 
-    @property
-    def valid(self) -> int:
-        return self.shard.num_real
-
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         z = torch.mm(h, self.weight.t())  # (C, H) @ (H, V_local)
         z = z if z.dtype == torch.float32 else z.float()
@@ -108,7 +104,7 @@ class DefaultEngine:
     def forward_chunk(self, h: torch.Tensor, t: torch.Tensor) -> ChunkResult:
         z = self._logits(h)
         col = shard_columns(t, self.shard)
-        stats, m = row_stats_(z, col, self.valid, self.spec.with_sum)  # z <- exp(z - m)
+        stats, m = row_stats_(z, col, self.shard.num_real, self.spec.with_sum)  # z <- exp(z - m)
         value, lse = stats_values(gather_merge_stats(stats, self.tp_group), self.spec)
         return ChunkResult(ChunkState(z, m), value, lse)
 
@@ -117,10 +113,10 @@ class DefaultEngine:
 
     def grad_chunk(self, state, h, t, lse, w, gw: torch.Tensor | None) -> torch.Tensor:
         z, m = state.logits, state.row_max
-        valid = self.valid
+        valid = self.shard.num_real
         if m is None:  # raw logits (backward recompute): softmax = exp(z - lse)
             if valid < z.shape[1]:
-                z[:, max(valid, 0) :] = float("-inf")
+                z[:, valid:] = float("-inf")
             p = z.sub_(lse.unsqueeze(1)).exp_()
         else:  # exp(z - m) from forward: softmax = exp(z - m) * exp(m - lse)
             p = z.mul_(torch.exp(m - lse).unsqueeze(1))

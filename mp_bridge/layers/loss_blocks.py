@@ -28,7 +28,7 @@ from typing import NamedTuple
 
 import torch
 
-from .loss_tree import Piece, local_pieces
+from .loss_tree import Piece, local_pieces, max_pieces
 from .vocab_shards import VocabShard
 
 __all__ = [
@@ -155,7 +155,8 @@ class BlockLayout:
 
     @property
     def max_pieces(self) -> int:
-        return max(len(self.pieces(r)) for r in range(self.tp_size))
+        """Most pieces any rank of this layout holds (``P`` of the gathered partials)."""
+        return max_pieces(self.v_local // self.block, self.tp_size, self.num_real)
 
 
 def pad_single_shard(x: torch.Tensor, dim: int, layout: BlockLayout) -> torch.Tensor:

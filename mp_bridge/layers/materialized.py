@@ -41,20 +41,14 @@ __all__ = ["DefaultCrossEntropy", "DefaultEntropy", "InvariantLoss"]
 BATCH_ELEMENTS = 1 << 21
 
 
-def _valid(shard: VocabShard) -> int:
-    """True columns of ``shard`` (its columns past them are padding)."""
-    return max(min(shard.vocab_size - shard.start, shard.size), 0)
-
-
 def _masked_fp32(logits: torch.Tensor, shard: VocabShard, scale: float) -> torch.Tensor:
     """fp32 (fp64 for fp64) local logits (times ``scale``) with padding columns at ``-inf``."""
     acc = torch.promote_types(logits.dtype, torch.float32)
     x = logits.to(acc) * scale if scale != 1.0 else logits.to(acc)
-    valid = shard.vocab_size - shard.start  # columns [valid, V_local) are padding
-    if valid < x.shape[-1]:
+    if shard.num_real < shard.size:  # columns [num_real, V_local) are padding
         if x.data_ptr() == logits.data_ptr():
             x = x.clone()  # fp32 input: never write into the caller's tensor
-        x[..., max(valid, 0) :] = float("-inf")
+        x[..., shard.num_real :] = float("-inf")
     return x
 
 
@@ -101,7 +95,7 @@ class DefaultCrossEntropy(torch.autograd.Function):
         g = grad_loss.to(p.dtype)
         if spec.ignore_index is not None:
             g = torch.where(ignored, 0.0, g)
-        grad = softmax_grad_rows_(p, col, g * scale, spec, _valid(shard), weight_last=True)
+        grad = softmax_grad_rows_(p, col, g * scale, spec, shard.num_real, weight_last=True)
         return grad.to(logits.dtype), None, None, None, None, None
 
 
