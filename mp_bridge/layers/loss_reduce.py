@@ -16,18 +16,18 @@ invariant (both)          ``gather_fold``                 ``gather_fold``
                           per chunk (fused)
 ========================  ==============================  ==================================
 
-All fp32 (fp64 for fp64 materialized logits); no loss issues a collective in backward
-except the fused ``reduction="none"`` / log-prob paths, which recompute chunks and reduce
-``d hidden`` there. ``P`` is the most canonical subtrees a rank holds (1 for power-of-two
-aligned shards). The invariant paths never all-reduce: an all-reduce's summation order
-depends on TP, so every rank folds the gathered subtree partials in the canonical tree
-order (``loss_tree``).
+All fp32 (the materialized default path: fp64 for fp64 logits). No loss issues a
+collective in backward except the fused ``reduction="none"`` / log-prob paths, which
+recompute chunks and reduce ``d hidden`` there. ``P`` is the most canonical subtrees a
+rank holds (1 for power-of-two aligned shards). The invariant paths never all-reduce: an
+all-reduce's summation order depends on TP, so every rank folds the gathered subtree
+partials in the canonical tree order (``loss_tree``).
 
 The two default statistics reductions stay distinct on purpose: the materialized path
 shifts by the global max first (MAX then SUM, Megatron's scheme, two small collectives);
 the fused path merges per-rank ``(m, s, tl, sz)`` partials by the online log-sum-exp after
-one all-gather. Both are exact, but they round differently, so unifying them would change
-the bits of one default path.
+one all-gather. The math is the same but the rounding differs, so unifying them would
+change the bits of one default path (the recorded numerics hashes forbid that).
 """
 
 from __future__ import annotations
