@@ -1,14 +1,14 @@
 """Vocab-parallel embedding / LM head / losses, token reductions, CP attention."""
 
 from .cp_attention import context_parallel_attention
-from .cross_entropy import (
+from .embedding import VocabParallelEmbedding
+from .fused import fused_linear_cross_entropy, fused_linear_logprobs
+from .lm_head import VocabParallelLMHead
+from .losses import (
     vocab_parallel_cross_entropy,
     vocab_parallel_entropy,
     vocab_parallel_logprobs,
 )
-from .embedding import VocabParallelEmbedding
-from .fused_loss import fused_linear_cross_entropy, fused_linear_logprobs
-from .lm_head import VocabParallelLMHead
 from .reductions import masked_count, masked_mean, masked_sum
 from .vocab_shards import (
     VocabShard,

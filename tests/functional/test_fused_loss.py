@@ -13,8 +13,12 @@ import torch
 import torch.nn.functional as F
 
 from mp_bridge.comm import copy_to_group
-from mp_bridge.layers import vocab_shard_ranges, vocab_shard_size
-from mp_bridge.layers.fused_loss import fused_linear_cross_entropy, fused_linear_logprobs
+from mp_bridge.layers import (
+    fused_linear_cross_entropy,
+    fused_linear_logprobs,
+    vocab_shard_ranges,
+    vocab_shard_size,
+)
 from mp_bridge.testing import CollectiveCounter, DistributedWorld, current_device
 from tests.oracles import gather_rows, rank_in, tp_group, tp_member, vocab_cut
 

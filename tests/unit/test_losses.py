@@ -109,10 +109,11 @@ def test_double_backward_raises_instead_of_a_wrong_second_derivative():
         "ce": lambda: vocab_parallel_cross_entropy(z, TARGET),
         "logprobs": lambda: vocab_parallel_logprobs(z, TARGET.clamp(min=0)),
         "entropy": lambda: vocab_parallel_entropy(z),
+        "ce_invariant": lambda: vocab_parallel_cross_entropy(z, TARGET, invariant=True),
         **{f"fused_{k}": (lambda f=f: f(h, w, TARGET)) for k, f in FUSED.items()},
     }
     for name, call in calls.items():
-        inputs = (z,) if name in ("ce", "logprobs", "entropy") else (h, w)
+        inputs = (h, w) if name.startswith("fused") else (z,)
         with pytest.raises(RuntimeError, match="cannot differentiate twice"):
             torch.autograd.grad(call().sum(), inputs, create_graph=True)
         assert all(g is not None for g in torch.autograd.grad(call().sum(), inputs)), name

@@ -7,24 +7,21 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from mp_bridge.layers._loss_common import LossSpec
-from mp_bridge.layers.fused_loss import fused_linear_logprobs
-from mp_bridge.layers.invariant_blocks import (
+from mp_bridge.layers import VocabShard, fused_linear_logprobs
+from mp_bridge.layers.loss_blocks import (
     TOKEN_TILE,
     BlockLayout,
-    block_grad_,
-    block_stats_,
-    combine_stats,
+    check_block_aligned,
+    num_real_blocks,
     target_slots,
 )
-from mp_bridge.layers.vocab_blocks import (
-    check_block_aligned,
-    fold_tree,
-    local_pieces,
-    max_pieces,
-    num_real_blocks,
-    stream_fold,
+from mp_bridge.layers.loss_math import (
+    LossSpec,
+    block_stats_,
+    combine_stats,
+    softmax_grad_blocks_,
 )
+from mp_bridge.layers.loss_tree import fold_tree, local_pieces, max_pieces, stream_fold
 
 
 def _expr(a: str, b: str) -> str:
@@ -93,7 +90,7 @@ def test_padding_partials_fold_as_exact_no_ops():
 def _block_layout(blocks_per_rank: int, rank: int) -> BlockLayout:
     # vocab 2500: 10 real blocks, the last one holds 196 true ids; no process group needed.
     tp = -(-10 // blocks_per_rank)
-    return BlockLayout(2500, blocks_per_rank * 256, tp, rank)
+    return BlockLayout(VocabShard.of_rank(tp, blocks_per_rank * 256, rank=rank, vocab_size=2500))
 
 
 def _block_math(z, target, layout, spec, tiles=slice(0, 4)):
@@ -103,7 +100,7 @@ def _block_math(z, target, layout, spec, tiles=slice(0, 4)):
     stats, m = block_stats_(z, layout, slots, with_sum=True)
     lse = torch.linspace(4.0, 6.0, 4 * TOKEN_TILE).view(4, TOKEN_TILE)[tiles]
     w = torch.linspace(0.5, 1.5, 4 * TOKEN_TILE).view(4, TOKEN_TILE)[tiles]
-    return stats, block_grad_(z, m, lse, w, slots, layout, spec)
+    return stats, softmax_grad_blocks_(z, m, lse, w, slots, layout, spec)
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3])

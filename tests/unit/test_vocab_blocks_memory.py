@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mp_bridge.layers.fused_loss import fused_linear_cross_entropy
+from mp_bridge.layers import fused_linear_cross_entropy
 
 N, H, V = 4096, 64, 8192
 LOGITS_BYTES = N * V * 4  # 128 MiB of fp32 logits

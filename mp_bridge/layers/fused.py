@@ -1,12 +1,12 @@
 """Fused LM-head cross-entropy / log-probs: hidden states + vocab shard -> loss, no logits.
 
 ``hidden [N, H]`` is TP-replicated (identical on every rank of ``tp_group``), ``weight
-[V_local, H]`` is this rank's contiguous vocab shard (rank r owns ids ``[r * V_local,
-(r + 1) * V_local)``, ids ``>= vocab_size`` are padding and never enter a softmax: the
-layout of ``VocabParallelLMHead`` or a tied ``VocabParallelEmbedding``), ``target [N]``.
-Tokens are processed in chunks of ``chunk_size`` rows; at most one chunk's fp32 logits
-``[chunk, V_local]`` exist at a time and the weight is never gathered. Statistics and
-gradients accumulate in fp32 whatever the input dtype; outputs are fp32.
+[V_local, H]`` is this rank's ``VocabShard`` of the padded vocab (ids ``>= vocab_size``
+are padding and never enter a softmax: the layout of ``VocabParallelLMHead`` or a tied
+``VocabParallelEmbedding``), ``target [N]``. Tokens are processed in chunks of
+``chunk_size`` rows by a ``ChunkEngine`` (``fused_engines``); at most one chunk's fp32
+logits ``[chunk, V_local]`` exist at a time and the weight is never gathered. Statistics
+and gradients accumulate in fp32 whatever the input dtype; outputs are fp32.
 
 Gradient strategy (memory vs compute):
 
@@ -19,22 +19,15 @@ Gradient strategy (memory vs compute):
   forward, and ``d weight`` is not a per-row rescaling of anything storable, so forward
   keeps only ``lse [N]`` and backward recomputes each chunk's logits (4 matmuls per chunk).
 
-Collectives per call over ``tp_group`` with ``k = ceil(N / chunk)`` chunks (none at TP 1):
-
-- default: forward ``k`` all-gathers of ``[4, chunk]`` fp32 stats; gradients ``k``
-  all-reduce(SUM)s of ``[chunk, H]`` fp32 (in forward for sum/mean, in backward else).
-- ``invariant=True``: ``chunk`` is rounded up to a multiple of ``TOKEN_TILE`` (64); forward
-  ``k`` all-gathers of ``[P, 4, chunk / 64, 64]`` fp32 stats; gradients ``k`` all-gathers
-  of ``[P, chunk / 64, 64, H]`` fp32, ``P`` = the most subtrees a rank holds (1 for
-  power-of-two aligned shards; the tree fold replaces the all-reduce, whose summation
-  order would depend on TP). Token tiles and vocab blocks are zero-padded to their fixed
-  shapes; the last chunk is padded to whole tiles only. Values and gradients are then
-  bitwise identical for every TP size whose shard is a multiple of ``VOCAB_BLOCK`` (256)
-  rows (at TP = 1 any ``[V, H]`` weight: it is zero-padded to whole blocks by one copy of
-  the weight, the same bits as the padded layout), for any ``chunk_size``, and whatever
-  other tokens share the call (see ``mp_bridge.layers.invariant``); ``d weight`` sums
-  tokens tile by tile in token order, so
-  it is also unchanged by extra tokens appended with zero upstream gradient.
+Collectives per chunk over ``tp_group`` (``k = ceil(N / chunk)`` chunks; the shapes are
+in ``loss_reduce``): default, one stats all-gather and one ``d hidden`` all-reduce;
+``invariant=True``, one stats all-gather and one ``d hidden`` all-gather of subtree
+partials. ``invariant=True`` rounds ``chunk`` up to a multiple of ``TOKEN_TILE``; values
+and gradients are then bitwise identical for every TP size whose shard is a multiple of
+``VOCAB_BLOCK`` rows (at TP = 1 any ``[V, H]`` weight: it is zero-padded to whole blocks
+by one copy), for any ``chunk_size``, and whatever other tokens share the call; ``d
+weight`` sums tokens tile by tile in token order, so it is also unchanged by extra tokens
+appended with zero upstream gradient.
 """
 
 from __future__ import annotations
@@ -42,19 +35,18 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from mp_bridge.comm.primitives import group_rank, group_size
-
-from ._fused_engine import DefaultEngine, InvariantEngine
-from ._loss_common import (
-    LossSpec,
+from .fused_engines import ChunkEngine, DefaultEngine, InvariantEngine
+from .loss_blocks import TOKEN_TILE, BlockLayout, pad_single_shard
+from .loss_checks import (
+    check_fused_inputs,
     check_loss_args,
+    check_reduction,
+    check_shard,
     check_target,
     check_temperature,
-    check_vocab_size,
     forbid_double_backward,
 )
-from .invariant_blocks import BlockLayout, pad_single_shard
-from .vocab_blocks import TOKEN_TILE
+from .loss_math import LossSpec
 
 __all__ = ["DEFAULT_CHUNK_ELEMENTS", "fused_linear_cross_entropy", "fused_linear_logprobs"]
 
@@ -62,26 +54,26 @@ __all__ = ["DEFAULT_CHUNK_ELEMENTS", "fused_linear_cross_entropy", "fused_linear
 #: smaller matmul loses BLAS efficiency); with the fp32 d weight it keeps the peak far
 #: below the materialized [N, V_local] logits and their gradient at TP 1-8.
 DEFAULT_CHUNK_ELEMENTS = 1 << 21
-_REDUCTIONS = ("mean", "sum", "none")
 
 
 class _FusedLinearLoss(torch.autograd.Function):
-    """Chunked loss; adjoint: ``d hidden`` rows all-reduced (or tree-folded) over TP,
-    ``d weight`` local to the shard. See the module docstring for when each is computed."""
+    """The chunk driver. Adjoint: ``d hidden`` rows reduced over TP by the engine, ``d
+    weight`` local to the shard. See the module docstring for when each is computed."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, target, engine, spec, chunk, reduction, needs_grad):
+    def forward(
+        ctx, hidden, weight, target, engine: ChunkEngine, spec, chunk, reduction, needs_grad
+    ):
         n, h_dim = hidden.shape
         eager = needs_grad and reduction != "none"
         w = spec.token_weight(target)
         values = torch.zeros(n, dtype=torch.float32, device=hidden.device)
         lse = torch.zeros_like(values)
         gh = hidden.new_zeros((n, h_dim), dtype=torch.float32) if eager else None
-        # No [V_local, H] buffer when the weight is frozen (d hidden is still all-reduced).
+        # No [V_local, H] buffer when the weight is frozen (d hidden is still reduced).
         eager_w = eager and ctx.needs_input_grad[1]
         gw = weight.new_zeros(weight.shape, dtype=torch.float32) if eager_w else None
-        for s in range(0, n, chunk):
-            rows = slice(s, min(s + chunk, n))
+        for rows in _chunks(n, chunk):
             state, values[rows], lse[rows] = engine.forward_chunk(hidden[rows], target[rows])
             if eager:
                 gh[rows] = engine.grad_chunk(
@@ -128,8 +120,7 @@ class _FusedLinearLoss(torch.autograd.Function):
             gw = None
             if ctx.needs_input_grad[1]:
                 gw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
-            for s in range(0, hidden.shape[0], chunk):
-                rows = slice(s, min(s + chunk, hidden.shape[0]))
+            for rows in _chunks(hidden.shape[0], chunk):
                 state = engine.recompute(hidden[rows])
                 gh[rows] = engine.grad_chunk(
                     state, hidden[rows], target[rows], lse[rows], w[rows], gw
@@ -140,46 +131,40 @@ class _FusedLinearLoss(torch.autograd.Function):
         return grad_h, grad_w, None, None, None, None, None, None
 
 
+def _chunks(n: int, chunk: int):
+    for s in range(0, n, chunk):
+        yield slice(s, min(s + chunk, n))
+
+
 def _fused_loss(
-    hidden, weight, target, spec_args, *, tp_group, vocab_size, chunk_size, invariant, reduction
-) -> torch.Tensor:
-    """Validate everything (before any collective), build the engine and run the loss."""
-    for name, x in (("hidden", hidden), ("weight", weight)):
-        if not isinstance(x, torch.Tensor) or not x.is_floating_point():
-            raise TypeError(f"{name} must be a floating torch.Tensor, got {type(x).__name__}")
-    if hidden.dim() != 2 or weight.dim() != 2 or weight.shape[1] != hidden.shape[1]:
-        raise ValueError(
-            f"need hidden [N, H] and weight [V_local, H] with the same H, got hidden "
-            f"{tuple(hidden.shape)} and weight {tuple(weight.shape)} (flatten batch dims first)"
-        )
-    if hidden.dtype != weight.dtype or hidden.device != weight.device:
-        raise TypeError(
-            f"hidden ({hidden.dtype}, {hidden.device}) and weight ({weight.dtype}, "
-            f"{weight.device}) must share dtype and device; cast one, e.g. "
-            "hidden.to(weight.dtype) (the loss accumulates in fp32 either way)"
-        )
-    if chunk_size is not None and (
-        isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1
-    ):
-        raise ValueError(f"chunk_size={chunk_size!r} must be a positive int or None")
-    tp, v_local = group_size(tp_group), weight.shape[0]
-    vocab = check_vocab_size(vocab_size, v_local * tp, v_local, tp)
-    kind, ignore_index, eps, temperature = spec_args
+    hidden, weight, target, spec_of, *, tp_group, vocab_size, chunk_size, invariant, reduction
+):
+    """Validate everything (before any collective), build the engine and run the loss.
+
+    ``spec_of(vocab_size) -> LossSpec`` once the true vocab size is known.
+    """
+    check_fused_inputs(hidden, weight, chunk_size)
+    v_local = weight.shape[0]
+    shard = check_shard(v_local, vocab_size, tp_group)
+    spec = spec_of(shard.vocab_size)
     target = check_target(
-        target, (hidden.shape[0],), vocab, ignore_index, shape_of="[N] of hidden [N, H]: "
+        target,
+        (hidden.shape[0],),
+        spec.vocab_size,
+        spec.ignore_index,
+        shape_of="[N] of hidden [N, H]: ",
     )
-    spec = LossSpec(kind, vocab, ignore_index, eps, temperature)
     if chunk_size is None:
         chunk_size = max(128, DEFAULT_CHUNK_ELEMENTS // v_local)
     chunk = max(1, min(chunk_size, hidden.shape[0]))
     if invariant:
-        layout = BlockLayout.for_shard(v_local, vocab, tp_group)
+        layout = BlockLayout.of_shard(shard)
         chunk = -(-chunk // TOKEN_TILE) * TOKEN_TILE  # tiles must not depend on the chunk
         # TP = 1 with a vocab that is not a whole number of blocks: one zero-padded copy.
         weight = pad_single_shard(weight, 0, layout)
-        engine = InvariantEngine(weight, tp_group, layout, spec)
+        engine: ChunkEngine = InvariantEngine(weight, tp_group, layout, spec)
     else:
-        engine = DefaultEngine(weight, tp_group, tp, group_rank(tp_group) * v_local, spec)
+        engine = DefaultEngine(weight, tp_group, shard, spec)
     needs_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
     return _FusedLinearLoss.apply(
         hidden, weight, target, engine, spec, chunk, reduction, needs_grad
@@ -210,14 +195,13 @@ def fused_linear_cross_entropy(
     ``DEFAULT_CHUNK_ELEMENTS`` logits per chunk. Not twice differentiable; with "mean" /
     "sum" one backward per call (gradients are made in forward).
     """
-    if reduction not in _REDUCTIONS:
-        raise ValueError(f"reduction={reduction!r} must be one of {_REDUCTIONS}")
+    reduction = check_reduction(reduction)
     ignore_index, eps = check_loss_args(ignore_index, label_smoothing)
     return _fused_loss(
         hidden,
         weight,
         target,
-        ("ce", ignore_index, eps, 1.0),
+        lambda vocab: LossSpec.cross_entropy(vocab, ignore_index, eps),
         tp_group=tp_group,
         vocab_size=vocab_size,
         chunk_size=chunk_size,
@@ -246,7 +230,7 @@ def fused_linear_logprobs(
         hidden,
         weight,
         target,
-        ("logprob", None, 0.0, temp),
+        lambda vocab: LossSpec.logprob(vocab, temp),
         tp_group=tp_group,
         vocab_size=vocab_size,
         chunk_size=chunk_size,

@@ -1,15 +1,10 @@
-"""Fixed vocab blocks and the canonical reduction tree of TP-invariant mode (pure).
+"""The canonical reduction tree over vocab blocks (pure Python, no tensors).
 
-The padded vocab is cut into blocks of ``VOCAB_BLOCK`` rows that do not depend on the TP
-size: block ``j`` holds global ids ``[j * VOCAB_BLOCK, (j + 1) * VOCAB_BLOCK)``. Only the
-``K = ceil(vocab_size / VOCAB_BLOCK)`` *real* blocks (those holding at least one true id)
-take part; padding blocks are the identity of every fold, by construction (they are never
-computed, so they cannot perturb a single bit).
-
-Canonical tree: a perfect binary tree over leaves ``0 .. 2**D - 1`` (``D = ceil(log2 K)``);
-node ``(level, idx)`` covers leaves ``[idx * 2**level, (idx + 1) * 2**level)``; a node
-whose range starts at or past ``K`` is the identity, and ``combine(x, identity) = x``.
-The value of the root is therefore one fixed expression of the K block values.
+Leaves are the ``K`` real vocab blocks (``loss_blocks``). Canonical tree: a perfect binary
+tree over leaves ``0 .. 2**D - 1`` (``D = ceil(log2 K)``); node ``(level, idx)`` covers
+leaves ``[idx * 2**level, (idx + 1) * 2**level)``; a node whose range starts at or past
+``K`` is the identity, and ``combine(x, identity) = x``. The value of the root is
+therefore one fixed expression of the K block values.
 
 A rank that owns blocks ``[lo, hi)`` (any block-aligned shard) folds them into the
 *maximal aligned subtrees* inside ``[lo, min(hi, K))`` (``local_pieces``); when its shard
@@ -28,55 +23,15 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import TypeVar
 
-__all__ = [
-    "TOKEN_TILE",
-    "VOCAB_BLOCK",
-    "Piece",
-    "check_block_aligned",
-    "fold_tree",
-    "local_pieces",
-    "max_pieces",
-    "num_real_blocks",
-    "stream_fold",
-    "tree_depth",
-]
-
-#: Vocab rows per block (invariant mode). 256 keeps the padding of usual vocabularies
-#: small (at most 255 ids per TP rank) and the leaves of the tree few enough that the
-#: fold is cheap; block math runs batched over all (tile, block) pairs of a chunk, each
-#: row's bits independent of the batch (see ``invariant``).
-VOCAB_BLOCK = 256
-#: Token rows per matmul (invariant mode): every block matmul is [TOKEN_TILE, H] x [H,
-#: VOCAB_BLOCK] whatever the chunk size, the token count or the TP size. 128 would run
-#: these matmuls about 10 % faster on CPU (measured, H = 1024); 64 keeps the last-chunk
-#: padding small and is part of the numeric identity (changing it changes the bits).
-TOKEN_TILE = 64
+__all__ = ["Piece", "fold_tree", "local_pieces", "max_pieces", "stream_fold", "tree_depth"]
 
 Piece = tuple[int, int]  # (level, idx): tree node covering [idx * 2**level, (idx+1) * 2**level)
 T = TypeVar("T")
 
 
-def num_real_blocks(vocab_size: int, block: int = VOCAB_BLOCK) -> int:
-    """``K``: blocks holding at least one true id."""
-    return -(-vocab_size // block)
-
-
 def tree_depth(num_real: int) -> int:
     """``D``: levels above the leaves (``2**D >= num_real``)."""
     return max(num_real - 1, 0).bit_length()
-
-
-def check_block_aligned(
-    shard_rows: int, vocab_start: int, *, block: int = VOCAB_BLOCK, tp_size: int = 1
-) -> None:
-    """Raise ``ValueError`` unless this rank's shard starts and ends on block boundaries."""
-    if shard_rows % block or vocab_start % block:
-        raise ValueError(
-            f"invariant=True needs the local vocab shard to be a multiple of {block} rows, "
-            f"got {shard_rows} rows starting at id {vocab_start} (tp_size={tp_size}); build "
-            f"the layer with vocab_shard_ranges(vocab_size, tp_size, multiple={block}) "
-            f"(megatron: make_vocab_size_divisible_by={block})"
-        )
 
 
 def local_pieces(lo: int, hi: int, num_real: int) -> list[Piece]:

@@ -1,59 +1,35 @@
-"""Shared loss semantics and input checks for the fused and TP-invariant losses.
+"""Input validation of every loss (materialized and fused), run before any collective.
 
-Both per-token losses are one affine form of the global statistics of ``z`` (fp32
-logits, already divided by the temperature), over the true vocab of ``V`` ids:
-``lse = log sum_c exp(z_c)``, ``tl = z_target``, ``sz = sum_c z_c``::
-
-    value = a * lse + b * tl + c * sz         d value / d z = a * softmax(z) + b * onehot + c
-
-- cross-entropy (``F.cross_entropy(label_smoothing=eps)``): ``a = 1, b = -(1 - eps),
-  c = -eps / V``; ignored tokens get value 0 and gradient 0.
-- log-prob ``log_softmax(z)[target]``: ``a = -1, b = 1, c = 0``.
+Each check raises ``TypeError`` / ``ValueError`` naming the argument, the value and the
+fix; ``forbid_double_backward`` is the one refusal of ``create_graph=True`` the losses'
+autograd Functions share.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
+import torch.distributed as dist
+
+from mp_bridge.comm import group_rank, group_size
+
+from .vocab_shards import VocabShard
 
 __all__ = [
-    "LossSpec",
+    "REDUCTIONS",
+    "check_chunk_size",
     "check_float",
+    "check_fused_inputs",
+    "check_logits",
     "check_loss_args",
+    "check_reduction",
+    "check_shard",
     "check_target",
     "check_temperature",
     "check_vocab_size",
     "forbid_double_backward",
 ]
 
-
-@dataclass(frozen=True)
-class LossSpec:
-    """Which per-token quantity to compute, and its constants."""
-
-    kind: str  # "ce" | "logprob"
-    vocab_size: int
-    ignore_index: int | None = None
-    label_smoothing: float = 0.0
-    temperature: float = 1.0
-
-    @property
-    def coefficients(self) -> tuple[float, float, float]:
-        """``(a, b, c)`` of the affine form in the module docstring."""
-        if self.kind == "ce":
-            eps = self.label_smoothing
-            return 1.0, -(1.0 - eps), -eps / self.vocab_size
-        return -1.0, 1.0, 0.0
-
-    def token_weight(self, target: torch.Tensor) -> torch.Tensor:
-        """fp32 per-token factor of ``d value / d logits``: ``1 / T``, 0 on ignored tokens."""
-        w = torch.full(
-            target.shape, 1.0 / self.temperature, dtype=torch.float32, device=target.device
-        )
-        if self.ignore_index is not None:
-            w = w.masked_fill(target == self.ignore_index, 0.0)
-        return w
+REDUCTIONS = ("mean", "sum", "none")
 
 
 def check_vocab_size(vocab_size: object, padded: int, v_local: int, tp_size: int) -> int:
@@ -69,6 +45,62 @@ def check_vocab_size(vocab_size: object, padded: int, v_local: int, tp_size: int
             "true vocab size, or shard with vocab_shard_ranges(vocab_size, tp_size)"
         )
     return vocab_size
+
+
+def check_shard(v_local: int, vocab_size: object, tp_group: dist.ProcessGroup | None) -> VocabShard:
+    """This rank's :class:`VocabShard` of ``v_local`` rows; ``vocab_size`` validated."""
+    tp = group_size(tp_group)
+    vocab = check_vocab_size(vocab_size, v_local * tp, v_local, tp)
+    return VocabShard.of_rank(tp, v_local, rank=group_rank(tp_group), vocab_size=vocab)
+
+
+def check_logits(
+    logits: object, tp_group: dist.ProcessGroup | None, vocab_size: object
+) -> VocabShard:
+    """Validate vocab-parallel ``logits [..., V_local]`` and ``vocab_size``; return the shard."""
+    if not isinstance(logits, torch.Tensor):
+        raise TypeError(f"logits must be a torch.Tensor, got {type(logits).__name__}")
+    if not logits.is_floating_point():
+        raise TypeError(f"logits must be a floating tensor, got dtype={logits.dtype}")
+    if logits.dim() < 1 or logits.shape[-1] < 1:
+        raise ValueError(
+            f"logits must be [..., V_local] with V_local >= 1, got {tuple(logits.shape)}"
+        )
+    return check_shard(logits.shape[-1], vocab_size, tp_group)
+
+
+def check_fused_inputs(hidden: object, weight: object, chunk_size: object) -> None:
+    """``hidden [N, H]`` and ``weight [V_local, H]`` floating, same H, dtype and device."""
+    for name, x in (("hidden", hidden), ("weight", weight)):
+        if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+            raise TypeError(f"{name} must be a floating torch.Tensor, got {type(x).__name__}")
+    if hidden.dim() != 2 or weight.dim() != 2 or weight.shape[1] != hidden.shape[1]:
+        raise ValueError(
+            f"need hidden [N, H] and weight [V_local, H] with the same H, got hidden "
+            f"{tuple(hidden.shape)} and weight {tuple(weight.shape)} (flatten batch dims first)"
+        )
+    if hidden.dtype != weight.dtype or hidden.device != weight.device:
+        raise TypeError(
+            f"hidden ({hidden.dtype}, {hidden.device}) and weight ({weight.dtype}, "
+            f"{weight.device}) must share dtype and device; cast one, e.g. "
+            "hidden.to(weight.dtype) (the loss accumulates in fp32 either way)"
+        )
+    check_chunk_size(chunk_size)
+
+
+def check_chunk_size(chunk_size: object) -> None:
+    """``None`` or a positive int."""
+    if chunk_size is not None and (
+        isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1
+    ):
+        raise ValueError(f"chunk_size={chunk_size!r} must be a positive int or None")
+
+
+def check_reduction(reduction: object) -> str:
+    """One of ``REDUCTIONS``."""
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction={reduction!r} must be one of {REDUCTIONS}")
+    return reduction
 
 
 def check_target(

@@ -1,76 +1,80 @@
-"""Per-chunk kernels of the fused LM-head loss: default (one matmul per chunk) and invariant.
+"""Per-chunk kernels of the fused LM-head loss: the ``ChunkEngine`` protocol and two engines.
 
 An engine turns one token chunk ``h [C, H]`` of the TP-replicated hidden states and the
 local weight shard ``W [V_local, H]`` into per-token ``(value, lse)`` (``forward_chunk``),
 and a chunk's logits plus per-token factors into the full ``d loss / d h`` rows and this
 rank's ``d loss / d W`` (``grad_chunk``, accumulated in fp32). Only the chunk's logits
 (``C x V_local`` fp32; the invariant engine's real blocks, zero-padded to whole tiles) are
-ever alive, plus, in the invariant engine, O(log blocks) ``[C, H]`` fp32 partials.
-
-Collectives per chunk over ``tp_group`` (none when TP = 1):
-
-- ``DefaultEngine``: forward one all-gather of ``[4, C]`` fp32 stats; gradient one
-  all-reduce(SUM) of ``[C, H]`` fp32 (``d h`` partials of the vocab shards).
-- ``InvariantEngine``: forward one all-gather of ``[P, 4, tiles, TOKEN_TILE]``; gradient
-  one all-gather of ``[P, tiles, TOKEN_TILE, H]`` subtree partials folded in the canonical
-  tree order (an all-reduce's order depends on TP, so it cannot be used), where ``P`` is
-  the most subtrees a rank holds (1 for power-of-two aligned shards).
+ever alive, plus, in the invariant engine, O(log blocks) ``[TOKEN_TILE, H]`` fp32 partials.
+Collectives (``loss_reduce``): the default engine merges stats with one all-gather and
+all-reduces ``d h``; the invariant engine folds both in the canonical tree.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple, Protocol
 
 import torch
 import torch.distributed as dist
 
-from mp_bridge.comm.primitives import all_gather_tensor
-
-from ._loss_common import LossSpec
-from .invariant_blocks import (
-    TOKEN_TILE,
-    BlockLayout,
-    block_col,
-    block_grad_,
+from .loss_blocks import TOKEN_TILE, BlockLayout, fold_blocks, shard_columns, target_slots
+from .loss_math import (
+    LossSpec,
     block_stats_,
     combine_stats,
     exp_shift_,
-    fold_blocks,
-    gather_fold,
+    merge_stats,
+    row_stats_,
+    softmax_grad_blocks_,
+    softmax_grad_rows_,
     stats_values,
-    target_slots,
 )
-from .vocab_blocks import stream_fold
+from .loss_reduce import all_reduce_sum_, gather_fold, gather_merge_stats
+from .loss_tree import stream_fold
+from .vocab_shards import VocabShard
 
-__all__ = ["DefaultEngine", "InvariantEngine"]
-
-
-def _add_(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    return x.add_(y)
+__all__ = ["ChunkEngine", "ChunkResult", "ChunkState", "DefaultEngine", "InvariantEngine"]
 
 
-def _shard_grad_(
-    z: torch.Tensor, valid: int, col: torch.Tensor, lse: torch.Tensor, w: torch.Tensor, spec
-) -> torch.Tensor:
-    """Default path: raw logits ``z [C, V_local]`` (fp32) -> ``d value / d z`` in place."""
-    if valid < z.shape[1]:
-        z[:, max(valid, 0) :] = float("-inf")
-    return _softmax_to_grad_(z.sub_(lse.unsqueeze(1)).exp_(), valid, col, w, spec)
+class ChunkState(NamedTuple):
+    """A chunk's logits kept from ``forward_chunk`` / ``recompute`` for ``grad_chunk``.
+
+    ``logits`` holds ``exp(z - row_max)`` when ``row_max`` is set, else the raw fp32
+    logits ``z``; ``tiles`` is the invariant engine's ``[T, TOKEN_TILE, H]`` copy of ``h``
+    (``None`` in the default engine).
+    """
+
+    logits: torch.Tensor
+    row_max: torch.Tensor | None
+    tiles: torch.Tensor | None = None
 
 
-def _softmax_to_grad_(
-    z: torch.Tensor, valid: int, col: torch.Tensor, w: torch.Tensor, spec: LossSpec
-) -> torch.Tensor:
-    """``z`` holds the softmax (0 on padding) -> ``w * (a * softmax + c) + w * b * onehot``."""
-    a, b, c = spec.coefficients
-    if a != 1.0:
-        z.mul_(a)
-    if c != 0.0 and valid > 0:
-        z[:, :valid].add_(c)
-    z.mul_(w.unsqueeze(1))
-    # Rows whose target is elsewhere add an exact 0 at column 0.
-    z.scatter_add_(1, col.clamp(min=0).unsqueeze(1), torch.where(col >= 0, w * b, 0.0).unsqueeze(1))
-    return z
+class ChunkResult(NamedTuple):
+    state: ChunkState
+    value: torch.Tensor  # [C] fp32 per-token value (ignored tokens not yet zeroed)
+    lse: torch.Tensor  # [C] fp32 log-sum-exp of the logits
+
+
+class ChunkEngine(Protocol):
+    """What the chunk driver (``fused``) needs from an engine."""
+
+    def forward_chunk(self, h: torch.Tensor, t: torch.Tensor) -> ChunkResult:
+        """Values and lse of chunk ``h [C, H]`` with targets ``t [C]`` (collectives)."""
+
+    def recompute(self, h: torch.Tensor) -> ChunkState:
+        """The chunk's logits again (backward of ``reduction="none"``); no collective."""
+
+    def grad_chunk(
+        self,
+        state: ChunkState,
+        h: torch.Tensor,
+        t: torch.Tensor,
+        lse: torch.Tensor,
+        w: torch.Tensor,
+        gw: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """``d loss / d h [C, H]`` fp32 for per-token factors ``w [C]``; ``gw += d W``."""
 
 
 def _accumulate_weight_grad(gw: torch.Tensor, g: torch.Tensor, h: torch.Tensor) -> None:
@@ -87,67 +91,46 @@ class DefaultEngine:
 
     weight: torch.Tensor
     tp_group: dist.ProcessGroup | None
-    tp_size: int
-    start: int  # first global id of this shard
+    shard: VocabShard
     spec: LossSpec
 
-    @property
-    def valid(self) -> int:
-        return max(0, min(self.weight.shape[0], self.spec.vocab_size - self.start))
-
-    def logits(self, h: torch.Tensor) -> torch.Tensor:
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
         z = torch.mm(h, self.weight.t())  # (C, H) @ (H, V_local)
         z = z if z.dtype == torch.float32 else z.float()
         if self.spec.temperature != 1.0:
             z.div_(self.spec.temperature)
         return z
 
-    def forward_chunk(self, h: torch.Tensor, t: torch.Tensor):
-        # The chunk's logits are turned into exp(z - m) in place (no second [C, V_local]
-        # buffer); the gradient rescales them by exp(m - lse) per row.
-        z = self.logits(h)
-        valid = self.valid
-        col = block_col(t, self.start, z.shape[1])
-        if valid < z.shape[1]:
-            z[:, valid:] = float("-inf")
-        tl = torch.where(col >= 0, z.gather(1, col.clamp(min=0).unsqueeze(1)).squeeze(1), 0.0)
-        with_sum = self.spec.coefficients[2] != 0.0
-        sz = z[:, :valid].sum(dim=1) if with_sum and valid else torch.zeros_like(tl)
-        if valid:
-            m = z.amax(dim=1)
-            s = z.sub_(m.unsqueeze(1)).exp_().sum(dim=1)
-        else:  # a shard of padding only: the identity of the log-sum-exp merge
-            m, s = torch.full_like(tl, float("-inf")), torch.zeros_like(tl)
-            z.zero_()
-        stats = torch.stack([m, s, tl, sz])
-        if self.tp_size > 1:
-            g = all_gather_tensor(stats.unsqueeze(0), self.tp_group, 0)  # (tp, 4, C)
-            gm = g[:, 0].amax(dim=0)
-            gs = (g[:, 1] * torch.exp(g[:, 0] - gm)).sum(dim=0)
-            stats = torch.stack([gm, gs, g[:, 2].sum(dim=0), g[:, 3].sum(dim=0)])
-        value, lse = stats_values(stats, self.spec)
-        return (z, m), value, lse
+    def forward_chunk(self, h: torch.Tensor, t: torch.Tensor) -> ChunkResult:
+        z = self._logits(h)
+        col = shard_columns(t, self.shard)
+        stats, m = row_stats_(z, col, self.shard.num_real, self.spec.with_sum)  # z <- exp(z - m)
+        value, lse = stats_values(gather_merge_stats(stats, self.tp_group), self.spec)
+        return ChunkResult(ChunkState(z, m), value, lse)
 
-    def recompute(self, h: torch.Tensor):
-        return self.logits(h), None
+    def recompute(self, h: torch.Tensor) -> ChunkState:
+        return ChunkState(self._logits(h), None)
 
     def grad_chunk(self, state, h, t, lse, w, gw: torch.Tensor | None) -> torch.Tensor:
-        z, m = state
-        col = block_col(t, self.start, z.shape[1])
-        if m is None:  # raw logits (backward recompute)
-            g = _shard_grad_(z, self.valid, col, lse, w, self.spec)
+        z, m = state.logits, state.row_max
+        valid = self.shard.num_real
+        if m is None:  # raw logits (backward recompute): softmax = exp(z - lse)
+            if valid < z.shape[1]:
+                z[:, valid:] = float("-inf")
+            p = z.sub_(lse.unsqueeze(1)).exp_()
         else:  # exp(z - m) from forward: softmax = exp(z - m) * exp(m - lse)
-            g = _softmax_to_grad_(
-                z.mul_(torch.exp(m - lse).unsqueeze(1)), self.valid, col, w, self.spec
-            )
+            p = z.mul_(torch.exp(m - lse).unsqueeze(1))
+        g = softmax_grad_rows_(p, shard_columns(t, self.shard), w, self.spec, valid)
         g = g.to(h.dtype)
         if gw is not None:
             _accumulate_weight_grad(gw, g, h)
         gh = torch.mm(g, self.weight)  # (C, V_local) @ (V_local, H): this shard's part
         gh = gh if gh.dtype == torch.float32 else gh.float()
-        if self.tp_size > 1:
-            dist.all_reduce(gh, op=dist.ReduceOp.SUM, group=self.tp_group)
-        return gh
+        return all_reduce_sum_(gh, self.tp_group)
+
+
+def _add_(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return x.add_(y)
 
 
 @dataclass(frozen=True, eq=False)
@@ -156,10 +139,15 @@ class InvariantEngine:
 
     A chunk of ``C`` tokens is ``T = ceil(C / TOKEN_TILE)`` tiles (the last one zero
     padded); its logits are one fp32 ``[T, K, TOKEN_TILE, VOCAB_BLOCK]`` batch over the
-    ``K`` real local blocks, filled by one ``mm(..., out=)`` per (tile, block). The
-    element-wise math and row reductions run once on the whole batch (per-row results do
-    not depend on ``T`` or ``K``, see ``mp_bridge.layers.invariant``). Chunks must start on
-    a multiple of ``TOKEN_TILE`` so tiles are the same for every chunk size.
+    ``K`` real local blocks, filled by one ``mm(..., out=)`` per (tile, block); the
+    hidden gradient uses ``[TOKEN_TILE, B] x [B, H]`` and the weight gradient ``[B,
+    TOKEN_TILE] x [TOKEN_TILE, H]`` (tiles added in token order). Chunks must start on a
+    multiple of ``TOKEN_TILE`` so tiles are the same for every chunk size.
+
+    Cost: the FLOPs of the default engine, in fixed small matmuls; about 10 batched block
+    kernels per chunk, not per (tile, block). The hidden gradient adds ``K - 1`` adds of
+    ``[TOKEN_TILE, H]`` per tile in tree order, ``P`` ``[chunk, H]`` subtree results and,
+    at TP > 1, an all-gather in place of an all-reduce. Timings: ``bench/RESULTS.md``.
     """
 
     weight: torch.Tensor
@@ -202,33 +190,32 @@ class InvariantEngine:
         padded[: t.shape[0]] = t
         return target_slots(padded, self.layout)
 
-    def recompute(self, h: torch.Tensor):
+    def recompute(self, h: torch.Tensor) -> ChunkState:
         hb = self._tiles(h)
         z = self._logits(hb)
-        return hb, z, exp_shift_(z, self.layout)
+        return ChunkState(z, exp_shift_(z, self.layout), hb)
 
-    def forward_chunk(self, h: torch.Tensor, t: torch.Tensor):
+    def forward_chunk(self, h: torch.Tensor, t: torch.Tensor) -> ChunkResult:
         hb = self._tiles(h)
         z = self._logits(hb)
         tiles, lay = hb.shape[0], self.layout
-        with_sum = self.spec.coefficients[2] != 0.0
-        stats, m = block_stats_(z, lay, self._slots(t, tiles), with_sum)  # z <- exp(z - m)
-        pieces = fold_blocks(stats, 2, lay, combine_stats)
+        stats, m = block_stats_(z, lay, self._slots(t, tiles), self.spec.with_sum)
+        pieces = fold_blocks(stats, 2, lay, merge_stats)  # z <- exp(z - m) above
         root = gather_fold(
             pieces, lay, self.tp_group, combine_stats, (4, tiles, TOKEN_TILE), h.device
         )
         value, lse = stats_values(root, self.spec)
         n = h.shape[0]
-        return (hb, z, m), value.reshape(-1)[:n], lse.reshape(-1)[:n]
+        return ChunkResult(ChunkState(z, m, hb), value.reshape(-1)[:n], lse.reshape(-1)[:n])
 
     def grad_chunk(self, state, h, t, lse, w, gw: torch.Tensor | None) -> torch.Tensor:
-        hb, e, m = state
+        e, m, hb = state
         lay, b = self.layout, self.layout.block
         tiles, n, hd = hb.shape[0], h.shape[0], h.shape[1]
         rows = tiles * TOKEN_TILE
         lse = torch.cat([lse, lse.new_zeros(rows - n)]).view(tiles, TOKEN_TILE)
         w = torch.cat([w, w.new_zeros(rows - n)]).view(tiles, TOKEN_TILE)  # padded rows: 0
-        g = block_grad_(e, m, lse, w, self._slots(t, tiles), lay, self.spec)
+        g = softmax_grad_blocks_(e, m, lse, w, self._slots(t, tiles), lay, self.spec)
         g = g if h.dtype == torch.float32 else g.to(h.dtype)
         pool: list[torch.Tensor] = []  # [TOKEN_TILE, H] partials freed by the fold, reused
 

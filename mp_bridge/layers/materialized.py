@@ -1,0 +1,218 @@
+"""Autograd Functions over materialized vocab-parallel logits ``[..., V_local]``.
+
+- ``DefaultCrossEntropy``: per-token ``(1-eps) * nll + eps * smooth`` of ``scale *
+  logits`` (ignored tokens 0). Forward: the global row max (``all_reduce_max_``), then one
+  batched ``all_reduce_sum_`` of ``[sum_c exp(z_c - m), z_t - m, sum_c (z_c - m)]``
+  (the last only with smoothing). Backward, no collective: the saved ``m + lse`` turns
+  recomputed logits into the softmax, then ``softmax_grad_rows_`` (weight last).
+- ``DefaultEntropy``: ``-sum_c p_c log p_c``; forward MAX, then SUM of ``[sum exp(z - m),
+  sum exp(z - m) (z - m)]``; backward ``-g p_j (log p_j + H)``.
+- ``InvariantLoss``: the affine form of ``LossSpec`` on fixed ``[TOKEN_TILE,
+  VOCAB_BLOCK]`` tiles in batches of tiles, one ``gather_fold`` per call; backward
+  recomputes each block's ``exp(z - m)`` and applies ``softmax_grad_blocks_``.
+
+Logits are never modified; padding columns (ids >= ``vocab_size``) never enter a softmax.
+Statistics are fp32 (fp64 for fp64 logits); input gradients have the logits' dtype.
+Every backward refuses ``create_graph=True`` (``forbid_double_backward``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .loss_blocks import TOKEN_TILE, BlockLayout, fold_blocks, shard_columns, target_slots
+from .loss_checks import forbid_double_backward
+from .loss_math import (
+    LossSpec,
+    block_stats_,
+    combine_stats,
+    exp_shift_,
+    merge_stats,
+    softmax_grad_blocks_,
+    softmax_grad_rows_,
+    stats_values,
+)
+from .loss_reduce import all_reduce_max_, all_reduce_sum_, gather_fold
+from .vocab_shards import VocabShard
+
+__all__ = ["DefaultCrossEntropy", "DefaultEntropy", "InvariantLoss"]
+
+#: Invariant path: tiles per batch, about this many fp32 logits (8 MiB) per batch.
+BATCH_ELEMENTS = 1 << 21
+
+
+def _masked_fp32(logits: torch.Tensor, shard: VocabShard, scale: float) -> torch.Tensor:
+    """fp32 (fp64 for fp64) local logits (times ``scale``) with padding columns at ``-inf``."""
+    acc = torch.promote_types(logits.dtype, torch.float32)
+    x = logits.to(acc) * scale if scale != 1.0 else logits.to(acc)
+    if shard.num_real < shard.size:  # columns [num_real, V_local) are padding
+        if x.data_ptr() == logits.data_ptr():
+            x = x.clone()  # fp32 input: never write into the caller's tensor
+        x[..., shard.num_real :] = float("-inf")
+    return x
+
+
+def _shifted(logits, shard, scale, tp_group) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(x - m, m)``: masked logits shifted by the global row max ``m``."""
+    x = _masked_fp32(logits, shard, scale)
+    m = all_reduce_max_(x.detach().amax(dim=-1), tp_group)
+    return x - m.unsqueeze(-1), m
+
+
+class DefaultCrossEntropy(torch.autograd.Function):
+    """See the module docstring; ``spec`` is a cross-entropy ``LossSpec``."""
+
+    @staticmethod
+    def forward(ctx, logits, target, tp_group, shard: VocabShard, spec: LossSpec, scale):
+        x, m = _shifted(logits, shard, scale, tp_group)
+        col = shard_columns(target, shard)
+        owned = col >= 0
+        picked = torch.where(owned, x.gather(-1, col.clamp(min=0).unsqueeze(-1)).squeeze(-1), 0.0)
+        parts = [x.exp().sum(-1), picked]
+        eps = spec.label_smoothing
+        if eps > 0:
+            # Sum of the shifted logits over this shard's *valid* columns (-inf -> 0).
+            parts.append(torch.where(torch.isinf(x), 0.0, x).sum(-1))
+        stats = all_reduce_sum_(torch.stack(parts, dim=-1), tp_group)
+        lse = stats[..., 0].log()
+        loss = lse - stats[..., 1]
+        if eps > 0:
+            loss = (1.0 - eps) * loss + eps * (lse - stats[..., 2] / spec.vocab_size)
+        ignored = target == spec.ignore_index if spec.ignore_index is not None else None
+        if ignored is not None:
+            loss = torch.where(ignored, 0.0, loss)
+        ctx.save_for_backward(logits, col, m + lse, ignored)
+        ctx.args = (shard, spec, scale)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        forbid_double_backward("vocab_parallel_cross_entropy / vocab_parallel_logprobs")
+        logits, col, shift, ignored = ctx.saved_tensors
+        shard, spec, scale = ctx.args
+        x = _masked_fp32(logits, shard, scale)
+        p = (x - shift.unsqueeze(-1)).exp()  # softmax; padding columns exp(-inf) = 0
+        g = grad_loss.to(p.dtype)
+        if spec.ignore_index is not None:
+            g = torch.where(ignored, 0.0, g)
+        grad = softmax_grad_rows_(p, col, g * scale, spec, shard.num_real, weight_last=True)
+        return grad.to(logits.dtype), None, None, None, None, None
+
+
+class DefaultEntropy(torch.autograd.Function):
+    """Per-token entropy of ``softmax(logits)`` over the true vocab (module docstring)."""
+
+    @staticmethod
+    def forward(ctx, logits, tp_group, shard: VocabShard):
+        x, m = _shifted(logits, shard, 1.0, tp_group)
+        e = x.exp()
+        ex = torch.where(e > 0, e * x, 0.0)  # exp(-inf) * -inf would be nan
+        stats = all_reduce_sum_(torch.stack([e.sum(-1), ex.sum(-1)], dim=-1), tp_group)
+        lse = stats[..., 0].log()
+        entropy = lse - stats[..., 1] / stats[..., 0]
+        ctx.save_for_backward(logits, m + lse, entropy)
+        ctx.shard = shard
+        return entropy
+
+    @staticmethod
+    def backward(ctx, grad_h):
+        forbid_double_backward("vocab_parallel_entropy")
+        logits, shift, entropy = ctx.saved_tensors
+        logp = _masked_fp32(logits, ctx.shard, 1.0) - shift.unsqueeze(-1)
+        p = logp.exp()
+        grad = torch.where(p > 0, p * (logp + entropy.unsqueeze(-1)), 0.0)
+        grad.mul_(-grad_h.to(grad.dtype).unsqueeze(-1))
+        return grad.to(logits.dtype), None, None
+
+
+def _pad(v: torch.Tensor, rows: int, fill: float) -> torch.Tensor:
+    if v.shape[0] == rows:
+        return v
+    out = v.new_full((rows, *v.shape[1:]), fill)
+    out[: v.shape[0]] = v
+    return out
+
+
+def _copy_rows(z: torch.Tensor, rows: torch.Tensor, to_z: bool) -> None:
+    """Copy between ``rows [r, K, B]`` and the first ``r`` tile-major rows of ``z [T, K,
+    TOKEN_TILE, B]`` (``to_z``: into ``z``, else out of it), casting the dtype."""
+    zt = z.permute(0, 2, 1, 3)  # [T, TOKEN_TILE, K, B], a view
+    full, rem = divmod(rows.shape[0], TOKEN_TILE)
+    pairs = []
+    if full:
+        pairs.append((zt[:full], rows[: full * TOKEN_TILE].unflatten(0, (full, TOKEN_TILE))))
+    if rem:
+        pairs.append((zt[full, :rem], rows[full * TOKEN_TILE :]))
+    for zp, rp in pairs:
+        if to_z:
+            zp.copy_(rp)
+        else:
+            rp.copy_(zp)
+
+
+def _batches(x: torch.Tensor, t: torch.Tensor, layout: BlockLayout, temperature: float):
+    """``(i0, i1, z, slots)`` per batch of tiles ``[i0, i1)``: ``z`` the fp32 ``[i1 - i0,
+    K, TOKEN_TILE, B]`` copy of the real blocks (zero padded rows), about
+    ``BATCH_ELEMENTS`` logits each."""
+    n, k, b = x.shape[0], layout.num_local, layout.block
+    tiles = -(-n // TOKEN_TILE)
+    per = max(1, BATCH_ELEMENTS // (TOKEN_TILE * max(k * b, 1)))
+    for i0 in range(0, tiles, per):
+        i1 = min(i0 + per, tiles)
+        r0, r1 = i0 * TOKEN_TILE, min(i1 * TOKEN_TILE, n)
+        z = torch.zeros((i1 - i0, k, TOKEN_TILE, b), dtype=torch.float32, device=x.device)
+        _copy_rows(z, x[r0:r1, : k * b].unflatten(1, (k, b)), to_z=True)
+        if temperature != 1.0:
+            z.div_(temperature)
+        slots = target_slots(_pad(t[r0:r1], (i1 - i0) * TOKEN_TILE, -1), layout)
+        yield i0, i1, z, slots
+
+
+class InvariantLoss(torch.autograd.Function):
+    """Per-token values of ``spec`` over block-aligned logits, bitwise TP-invariant."""
+
+    @staticmethod
+    def forward(ctx, logits, target, tp_group, layout: BlockLayout, spec: LossSpec):
+        x = logits.reshape(-1, layout.v_local)
+        t = target.reshape(-1)
+        n = x.shape[0]
+        shape = (4, -(-n // TOKEN_TILE), TOKEN_TILE)
+        parts = []
+        for _, _, z, slots in _batches(x, t, layout, spec.temperature):
+            stats, _ = block_stats_(z, layout, slots, spec.with_sum)
+            parts.append(fold_blocks(stats, 2, layout, merge_stats))
+        pieces = [  # this rank's pieces over all tiles (none when it holds no real block)
+            (
+                piece,
+                torch.cat([part[p][1] for part in parts], dim=1)
+                if parts
+                else x.new_zeros(shape, dtype=torch.float32),
+            )
+            for p, piece in enumerate(layout.pieces(layout.rank))
+        ]
+        root = gather_fold(pieces, layout, tp_group, combine_stats, shape, x.device)
+        value, lse = (v.reshape(-1)[:n] for v in stats_values(root, spec))
+        if spec.ignore_index is not None:
+            value = value.masked_fill(t == spec.ignore_index, 0.0)
+        ctx.save_for_backward(logits, target, lse)
+        ctx.layout, ctx.spec = layout, spec
+        return value.view(target.shape)
+
+    @staticmethod
+    def backward(ctx, grad_value):
+        forbid_double_backward("vocab_parallel_cross_entropy / logprobs (invariant=True)")
+        logits, target, lse = ctx.saved_tensors
+        layout, spec = ctx.layout, ctx.spec
+        x = logits.reshape(-1, layout.v_local)
+        t = target.reshape(-1)
+        n, kb = x.shape[0], layout.num_local * layout.block
+        w = spec.token_weight(t) * grad_value.reshape(-1).float()
+        grad = torch.zeros_like(x)
+        for i0, i1, z, slots in _batches(x, t, layout, spec.temperature):
+            r0, r1, rows = i0 * TOKEN_TILE, min(i1 * TOKEN_TILE, n), (i1 - i0) * TOKEN_TILE
+            m = exp_shift_(z, layout)
+            lse_b = _pad(lse[r0:r1], rows, 0.0).view(i1 - i0, TOKEN_TILE)
+            w_b = _pad(w[r0:r1], rows, 0.0).view(i1 - i0, TOKEN_TILE)
+            g = softmax_grad_blocks_(z, m, lse_b, w_b, slots, layout, spec)
+            _copy_rows(g, grad[r0:r1, :kb].unflatten(1, (-1, layout.block)), to_z=False)
+        return grad.view(logits.shape), None, None, None, None
