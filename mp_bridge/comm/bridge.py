@@ -1,7 +1,8 @@
 """Colocated bridge: execute a :class:`BridgePlan` with process groups and autograd.
 
 The plan (``bridge_plan.py``) decides who talks to whom; this module only creates the
-groups it names and runs one autograd Function per direction:
+gather groups it names (the dest CP group comes from the grid) and runs one autograd
+Function per direction:
 
 =========  ==========================================  =====================================
 direction  forward                                     backward (adjoint)
@@ -118,15 +119,16 @@ class ColocatedBridgeCommunicator:
     Construction is collective over the whole world: every rank (even one outside the
     grids) must build the communicator with the same arguments, in the same order as its
     other group creations. It validates the layouts (``plan_bridge``) and ``dim_mapping``
-    before creating any group, then creates the gather groups with the world's default
-    backend. Dest CP groups (needed when dest CP > 1) come from ``dest_grid.get_pg('cp')``
-    when the grid already has them; otherwise the communicator creates them itself, owns
-    them and frees them in ``destroy()``. Groups owned by the grid are never destroyed here.
+    and finds the dest CP group before creating any group, then creates the gather groups
+    with the world's default backend; it owns those and frees them in ``destroy()``. The
+    dest CP group (needed when dest CP > 1) is ``dest_grid.get_pg('cp')``, owned by the
+    grid: the communicator never creates one (``ValueError`` naming the fix when the grid
+    lacks it; ``mp_bridge.models.make_mimo_groups`` builds it with the other groups).
 
     Args:
         src_grid, dest_grid: megatron-core ``HyperCommGrid``s on the same ranks (a
-            :class:`~mp_bridge.grid.GridLayout` works too; it holds no groups, so the
-            communicator creates the dest CP groups itself).
+            :class:`~mp_bridge.grid.GridLayout` works too when dest CP = 1; it holds no
+            groups). Kept as ``src_grid`` / ``dest_grid`` (megatron's attribute names).
         dim_mapping: tensor dims of ``'b'``, ``'s'``, ``'h'``; default
             ``{'b': 0, 's': 1, 'h': 2}``. A batch-major flattened ``(b*s, h)`` tensor uses
             ``{'b': 0, 'h': 1}`` (then only ``b*s`` divisible by ``k`` can be checked).
@@ -165,7 +167,9 @@ class ColocatedBridgeCommunicator:
         self._rank = dist.get_rank()
         self._owned: list[dist.ProcessGroup] = []
         self._gather_group: dist.ProcessGroup | None = None
-        self._cp_group: dist.ProcessGroup | None = None
+        self.src_grid, self.dest_grid = src_grid, dest_grid
+        # Local (the grid owns the group): found before any collective.
+        self._cp_group = self._dest_cp_group(dest_grid) if self._plan.cp_size > 1 else None
         self._destroyed = False
 
         try:
@@ -179,8 +183,6 @@ class ColocatedBridgeCommunicator:
                     # torch orders a group's ranks ascending; the plan's concatenation order
                     # (by dp coordinate) is ascending too, so slot == group rank.
                     assert dist.get_process_group_ranks(pg) == list(members), members
-            if self._plan.cp_size > 1:
-                self._cp_group = self._dest_cp_group(dest_grid)
         except BaseException:
             self.destroy()  # do not leak the groups created so far
             raise
@@ -191,14 +193,23 @@ class ColocatedBridgeCommunicator:
         dist.barrier()
 
     def _dest_cp_group(self, dest_grid: Any) -> dist.ProcessGroup | None:
-        # A GridLayout (no get_pg) or a grid without a 'cp' group: the same answer on every
-        # rank, so every rank creates the groups (collective) and owns them.
+        """``dest_grid.get_pg('cp')``, checked against the plan (local, no collective)."""
+        fix = (
+            "build it on the grid (make_grid(..., create=[..., 'cp']) or "
+            "grid.create_pg('cp')), or build every group with mp_bridge.models.make_mimo_groups"
+        )
         if not hasattr(dest_grid, "get_pg"):
-            return self._create_cp_groups()
+            raise ValueError(
+                f"dest CP is {self._plan.cp_size} but dest_grid {self._plan.dest!r} holds no "
+                f"process groups (a GridLayout); pass a HyperCommGrid with a 'cp' group: {fix}"
+            )
         try:
             pg = dest_grid.get_pg("cp")
-        except KeyError:
-            return self._create_cp_groups()
+        except (KeyError, ValueError):  # megatron-core 0.16 raises KeyError, 0.19 ValueError
+            raise ValueError(
+                f"dest CP is {self._plan.cp_size} but dest_grid has no 'cp' process group; "
+                f"the bridge takes it from the grid and never creates one: {fix}"
+            ) from None
         if self._rank in self._plan.src.ranks:
             expected = list(self._plan.cp_group_of(self._rank))
             got = dist.get_process_group_ranks(pg) if pg is not None else None
@@ -209,15 +220,6 @@ class ColocatedBridgeCommunicator:
                     f"{expected}; build the grid's groups with create_pg('cp')"
                 )
         return pg
-
-    def _create_cp_groups(self) -> dist.ProcessGroup | None:
-        mine = None
-        for members in self._plan.cp_groups:
-            pg = dist.new_group(list(members))
-            if self._rank in members:
-                mine = pg
-                self._owned.append(pg)
-        return mine
 
     # ------------------------------------------------------------------ properties
     @property

@@ -65,17 +65,21 @@ def test_bridge_layouts_of_four_ranks():
 
 
 @world.case
-def test_bridge_on_grid_layouts_creates_its_cp_groups():
-    # GridLayouts hold no groups: the communicator creates the dest CP groups (it called
-    # dest_grid.get_pg and crashed with AttributeError before).
-    bad = bridge_mismatches(dict(tp=2, dp=2), dict(tp=1, cp=2, dp=2), batch=2, seq=4, layouts=True)
-    bad += bridge_mismatches(dict(tp=1, dp=4), dict(tp=1, cp=2, dp=2), batch=4, seq=4, layouts=True)
+def test_bridge_on_grid_layouts_needs_no_group_for_dest_cp1_and_refuses_cp2():
+    # GridLayouts hold no groups: enough with dest CP 1; with dest CP 2 the communicator
+    # takes the CP group from the grid and never creates one, so it names the fix.
+    bad = bridge_mismatches(dict(tp=2, dp=2), dict(tp=1, dp=4), batch=4, seq=4, layouts=True)
+    bad += bridge_mismatches(dict(tp=1, dp=4), dict(tp=2, dp=2), batch=4, seq=4, layouts=True)
+    axes = ("tp", "cp", "pp", "dp")
+    src, dest = GridLayout((2, 1, 1, 2), axes), GridLayout((1, 2, 1, 2), axes)
+    with pytest.raises(ValueError, match=r"dest CP is 2 but dest_grid .* holds no process groups"):
+        ColocatedBridgeCommunicator(src, dest)
     assert not bad, bad
 
 
 @world.case
 def test_bridge_api_as_spelled_in_issue_3():
-    src, dest = make_grid(tp=2, dp=2, create=()), make_grid(tp=1, cp=2, dp=2, create=())
+    src, dest = make_grid(tp=2, dp=2, create=()), make_grid(tp=1, cp=2, dp=2, create=("cp",))
     bridge = ColocatedBridgeCommunicator(
         src, dest, dim_mapping=None, src_name="vision", dest_name="lm"
     )

@@ -146,12 +146,12 @@ SRC_DP_FASTEST, DEST_CP_DP_FASTEST = ("dp", "tp", "cp", "pp"), ("cp", "dp", "tp"
 CASES = [
     ("fan_in_cp2_grid_cp_group", dict(tp=2, dp=4), dict(tp=2, cp=2, dp=2), FAN_IN, 2, {}),
     (
-        "fan_in_cp4_flat_own_cp_group",
+        "fan_in_cp4_flat_grid_cp_group",
         dict(tp=1, dp=8),
         dict(tp=2, cp=4, dp=1),
         FAN_IN,
         8,
-        dict(flat=True, dest_groups=()),
+        dict(flat=True),
     ),
     (
         "fan_in_cp1_noncontiguous",
@@ -173,12 +173,12 @@ CASES = [
         dict(src_order=SRC_DP_FASTEST, dest_order=DEST_CP_DP_FASTEST),
     ),
     (
-        "fan_out_cp2_noncontiguous_own_cp_group",
+        "fan_out_cp2_noncontiguous_grid_cp_group",
         dict(tp=4, dp=2),
         dict(tp=1, cp=2, dp=4),
         FAN_OUT,
         2,
-        dict(noncontig=True, dest_groups=()),
+        dict(noncontig=True),
     ),
     ("fan_out_cp4_flat", dict(tp=8, dp=1), dict(tp=1, cp=4, dp=2), FAN_OUT, 2, dict(flat=True)),
     ("fan_out_k4_cp2", dict(tp=8, dp=1), dict(tp=1, cp=2, dp=4), FAN_OUT, 4, {}),
@@ -213,7 +213,7 @@ def test_grids_on_part_of_the_world():
     # Grids on ranks 4-7: every rank builds the communicator (group creation is global),
     # ranks inside bridge exactly, ranks outside are told they are outside.
     src_grid = make_grid(tp=1, dp=4, rank_offset=4, create=())
-    dest_grid = make_grid(tp=1, cp=2, dp=2, rank_offset=4, create=())
+    dest_grid = make_grid(tp=1, cp=2, dp=2, rank_offset=4, create=("cp",))
     with ColocatedBridgeCommunicator(src_grid, dest_grid) as bridge:
         assert bridge.direction is BridgeDirection.FAN_IN and bridge.scale == 2
         if dist.get_rank() >= 4:
@@ -293,10 +293,10 @@ def test_bad_input_rejected_before_any_collective():
 # --------------------------------------------------------------- lifecycle
 @world.case
 def test_destroy_is_idempotent_and_frees_groups():
-    src_grid, dest_grid = _grids(dict(tp=2, dp=4), dict(tp=2, cp=2, dp=2), dest_groups=())
+    src_grid, dest_grid = _grids(dict(tp=2, dp=4), dict(tp=2, cp=2, dp=2))
     before = _live_groups()
     bridge = ColocatedBridgeCommunicator(src_grid, dest_grid)
-    assert _live_groups() == before + 2  # one gather group + one own CP group per rank
+    assert _live_groups() == before + 1  # one gather group per rank (CP: the grid's)
     bridge.destroy()
     bridge.destroy()
     assert _live_groups() == before
@@ -308,7 +308,7 @@ def test_destroy_is_idempotent_and_frees_groups():
 @world.case
 def test_fifty_build_destroy_cycles_do_not_leak():
     device = current_device()
-    src_grid, dest_grid = _grids(dict(tp=2, dp=4), dict(tp=2, cp=2, dp=2), dest_groups=())
+    src_grid, dest_grid = _grids(dict(tp=2, dp=4), dict(tp=2, cp=2, dp=2))
     before = _live_groups()
     for i in range(50):
         with ColocatedBridgeCommunicator(src_grid, dest_grid) as bridge:

@@ -88,7 +88,7 @@ def test_bridge_grids_on_part_of_the_world():
 def test_bridge_without_autograd_and_batch_dim_errors():
     device = current_device()
     src_grid = make_grid(tp=6, dp=1, create=())
-    dest_grid = make_grid(tp=1, cp=2, dp=3, create=())
+    dest_grid = make_grid(tp=1, cp=2, dp=3, create=("cp",))
     x = rand(3, 4, 2, seed=3).transpose(0, 1)  # [s, b, h] view, batch 3 on dim 1
     with ColocatedBridgeCommunicator(src_grid, dest_grid, dim_mapping=SBH) as bridge:
         assert bridge.direction is BridgeDirection.FAN_OUT and bridge.scale == 3

@@ -118,7 +118,7 @@ def bridge_mismatches(
     """
     rank, h = dist.get_rank(), 3
     src_grid = make_grid(**src, rank_offset=offset, dim_names=src_order, create=())
-    dest_grid = make_grid(**dest, rank_offset=offset, dim_names=dest_order, create=())
+    dest_grid = make_grid(**dest, rank_offset=offset, dim_names=dest_order, create=("cp",))
     sl, dl = GridLayout.from_grid(src_grid), GridLayout.from_grid(dest_grid)
     x_all = rand(batch, seq, h, seed=1).to(dtype)
     w_all = rand(batch, seq, h, seed=2).to(dtype)
