@@ -1,7 +1,8 @@
 """Colocated bridge: execute a :class:`BridgePlan` with process groups and autograd.
 
 The plan (``bridge_plan.py``) decides who talks to whom; this module only creates the
-groups it names and runs one autograd Function per direction:
+gather groups it names (the dest CP group comes from the grid) and runs one autograd
+Function per direction:
 
 =========  ==========================================  =====================================
 direction  forward                                     backward (adjoint)
@@ -124,14 +125,16 @@ class ColocatedBridgeCommunicator:
     grids) must build the communicator with the same arguments, in the same order as its
     other group creations. It validates the layouts (``plan_bridge``) and ``dim_mapping``
     before creating any group, then creates the gather groups with the world's default
-    backend. Dest CP groups (needed when dest CP > 1) come from ``dest_grid.get_pg('cp')``
-    when the grid already has them; otherwise the communicator creates them itself, owns
-    them and frees them in ``destroy()``. Groups owned by the grid are never destroyed here.
+    backend; it owns those and frees them in ``destroy()``. The dest CP group (needed when
+    dest CP > 1) belongs to the grid: ``dest_grid.get_pg('cp')``, created on the grid with
+    ``create_pg('cp')`` if it lacks one (``mp_bridge.models.make_mimo_groups`` builds it
+    with every other group up front). Only a pure ``GridLayout``, which holds no groups,
+    makes the communicator create (and free) the CP groups itself.
 
     Args:
-        src_grid, dest_grid: megatron-core ``HyperCommGrid``s on the same ranks (a
-            :class:`~mp_bridge.grid.GridLayout` works too; it holds no groups, so the
-            communicator creates the dest CP groups itself).
+        src_grid, dest_grid: megatron-core ``HyperCommGrid``s on the same ranks (or
+            :class:`~mp_bridge.grid.GridLayout`s, which hold no groups). Kept as
+            ``src_grid`` / ``dest_grid`` (megatron's attribute names).
         dim_mapping: tensor dims of ``'b'``, ``'s'``, ``'h'``; default
             ``{'b': 0, 's': 1, 'h': 2}``. A batch-major flattened ``(b*s, h)`` tensor uses
             ``{'b': 0, 'h': 1}`` (then only ``b*s`` divisible by ``k`` can be checked).
@@ -170,12 +173,15 @@ class ColocatedBridgeCommunicator:
         self._rank = dist.get_rank()
         self._owned: list[dist.ProcessGroup] = []
         self._gather_group: dist.ProcessGroup | None = None
+        self.src_grid, self.dest_grid = src_grid, dest_grid
         self._cp_group: dist.ProcessGroup | None = None
         self._destroyed = False
 
         try:
             # EQUAL's gather groups are single ranks: nothing to create.
             gather_groups = self._plan.gather_groups if self._plan.scale > 1 else ()
+            if self._plan.cp_size > 1:
+                self._cp_group = self._dest_cp_group(dest_grid)
             for members in gather_groups:  # collective: same order on every rank
                 pg = dist.new_group(list(members))
                 if self._rank in members:
@@ -184,8 +190,6 @@ class ColocatedBridgeCommunicator:
                     # torch orders a group's ranks ascending; the plan's concatenation order
                     # (by dp coordinate) is ascending too, so slot == group rank.
                     assert dist.get_process_group_ranks(pg) == list(members), members
-            if self._plan.cp_size > 1:
-                self._cp_group = self._dest_cp_group(dest_grid)
         except BaseException:
             self.destroy()  # do not leak the groups created so far
             raise
@@ -196,14 +200,25 @@ class ColocatedBridgeCommunicator:
         dist.barrier()
 
     def _dest_cp_group(self, dest_grid: Any) -> dist.ProcessGroup | None:
-        # A GridLayout (no get_pg) or a grid without a 'cp' group: the same answer on every
-        # rank, so every rank creates the groups (collective) and owns them.
+        """This rank's dest CP group (collective when it must be created; see the class doc).
+
+        A ``HyperCommGrid`` that holds a ``'cp'`` group lends it; one that lacks it is asked
+        to create it (``create_pg('cp')``: the grid owns it, ``destroy_grid`` frees it); a
+        pure ``GridLayout`` holds no groups, so the communicator creates the CP groups
+        itself and frees them in ``destroy()``.
+        """
         if not hasattr(dest_grid, "get_pg"):
-            return self._create_cp_groups()
+            mine = None
+            for members in self._plan.cp_groups:  # collective: same order on every rank
+                pg = dist.new_group(list(members))
+                if self._rank in members:
+                    mine = pg
+                    self._owned.append(pg)
+            return mine
         try:
             pg = dest_grid.get_pg("cp")
-        except KeyError:
-            return self._create_cp_groups()
+        except (KeyError, ValueError):  # megatron-core 0.16 raises KeyError, 0.19 ValueError
+            pg = dest_grid.create_pg("cp")
         if self._rank in self._plan.src.ranks:
             expected = list(self._plan.cp_group_of(self._rank))
             got = dist.get_process_group_ranks(pg) if pg is not None else None
@@ -214,15 +229,6 @@ class ColocatedBridgeCommunicator:
                     f"{expected}; build the grid's groups with create_pg('cp')"
                 )
         return pg
-
-    def _create_cp_groups(self) -> dist.ProcessGroup | None:
-        mine = None
-        for members in self._plan.cp_groups:
-            pg = dist.new_group(list(members))
-            if self._rank in members:
-                mine = pg
-                self._owned.append(pg)
-        return mine
 
     # ------------------------------------------------------------------ properties
     @property

@@ -9,6 +9,7 @@ from .losses import (
     vocab_parallel_entropy,
     vocab_parallel_logprobs,
 )
+from .param_shards import ShardSpec, gather_shard, load_shard_, mark_sharded, shard_of, shard_spec
 from .reductions import masked_count, masked_mean, masked_sum
 from .vocab_shards import (
     VocabShard,
@@ -24,6 +25,12 @@ __all__ = [
     "padded_vocab_size",
     "vocab_shard_ranges",
     "vocab_shard_size",
+    "ShardSpec",
+    "mark_sharded",
+    "shard_spec",
+    "shard_of",
+    "load_shard_",
+    "gather_shard",
     "VocabParallelEmbedding",
     "VocabParallelLMHead",
     "vocab_parallel_cross_entropy",

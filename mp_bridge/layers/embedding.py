@@ -1,7 +1,9 @@
 """Vocab-parallel token embedding (Megatron layout; any vocab size, explicit TP group).
 
-Each TP rank holds rows ``[vocab_start_index, vocab_end_index)`` of the padded vocab
-(``vocab_shard_ranges``; padding rows past ``num_embeddings`` are zero). A lookup takes
+Each TP rank holds the rows of its :class:`VocabShard` ``[vocab_start_index,
+vocab_end_index)`` of the padded vocab (padding rows past ``num_embeddings`` are zero; the
+weight declares its shard with ``mark_sharded``, so ``from_full`` and the models'
+``load_full_state`` / ``gather_full_state`` read the same declaration). A lookup takes
 the rows this rank owns, writes zeros for the others, and sums over TP:
 
 - default: all-reduce(SUM) over ``tp_group`` (``reduce_from_group``; backward identity),
@@ -21,14 +23,15 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from mp_bridge.comm.primitives import (
+from mp_bridge.comm import (
     group_rank,
     group_size,
     reduce_from_group,
     reduce_scatter_along,
 )
 
-from .vocab_shards import vocab_shard_ranges
+from .param_shards import load_shard_, mark_sharded
+from .vocab_shards import VocabShard, vocab_shards
 
 __all__ = ["VocabParallelEmbedding", "VocabShardModule"]
 
@@ -66,9 +69,10 @@ class VocabShardModule(nn.Module):
     """This TP rank's rows ``[vocab_start_index, vocab_end_index)`` of a ``[V, H]`` weight.
 
     The part ``VocabParallelEmbedding`` and ``VocabParallelLMHead`` share: argument checks,
-    the shard range (``vocab_shard_ranges(vocab, tp, multiple=multiple)[rank]``), a local
-    ``[V_local, H]`` Parameter whose padding rows (ids >= ``vocab``) are zero, and loading
-    from a full weight. ``tp_group=None`` means one process (TP = 1).
+    the shard (``vocab_shard``: ``vocab_shards(vocab, tp, multiple=multiple)[rank]``), a
+    local ``[V_local, H]`` Parameter declared sharded along dim 0 over ``tp_group``
+    (``mark_sharded``) whose padding rows (ids >= ``vocab``) are zero. ``tp_group=None``
+    means one process (TP = 1).
     """
 
     def __init__(
@@ -95,37 +99,45 @@ class VocabShardModule(nn.Module):
         self.sequence_parallel = bool(sequence_parallel)
         self.seq_dim = seq_dim
         self.multiple = multiple
-        ranges = vocab_shard_ranges(rows, self.tp_size, multiple=multiple)
-        self.vocab_start_index, self.vocab_end_index = ranges[group_rank(tp_group)]
-        if weight is not None:  # tied: the owner initialized it
+        self.vocab_shard: VocabShard = vocab_shards(rows, self.tp_size, multiple=multiple)[
+            group_rank(tp_group)
+        ]
+        if weight is not None:  # tied: the owner initialized and declared it
             self.weight = weight
             return
-        local = self.vocab_end_index - self.vocab_start_index
-        self.weight = nn.Parameter(torch.empty(local, width, dtype=dtype, device=device))
+        self.weight = self.new_rows(width, dtype=dtype, device=device)
         with torch.no_grad():
             if init_method is None:
                 nn.init.normal_(self.weight, mean=0.0, std=0.02)
             else:
                 init_method(self.weight)
-            self.weight[self._real_rows(rows) :].zero_()
+            self.weight[self.vocab_shard.num_real :].zero_()
 
-    def _real_rows(self, vocab: int) -> int:
-        """Local rows holding true ids (the rest are padding)."""
-        return max(min(self.vocab_end_index, vocab) - self.vocab_start_index, 0)
+    @property
+    def vocab_start_index(self) -> int:
+        """First vocab id this rank holds (``vocab_shard.start``)."""
+        return self.vocab_shard.start
+
+    @property
+    def vocab_end_index(self) -> int:
+        """One past the last id this rank holds, padding included (``vocab_shard.stop``)."""
+        return self.vocab_shard.stop
+
+    def new_rows(self, *trailing: int, dtype: torch.dtype, device) -> nn.Parameter:
+        """A ``[V_local, *trailing]`` Parameter declared sharded along dim 0 over TP."""
+        shape = (self.vocab_shard.size, *trailing)
+        param = nn.Parameter(torch.zeros(shape, dtype=dtype, device=device))
+        group, full = self.tp_group, self.vocab_shard.vocab_size
+        return mark_sharded(param, dim=0, group=group, full_size=full)
 
     @staticmethod
-    def _check_full(weight: object) -> torch.Tensor:
+    def check_full(weight: object) -> torch.Tensor:
+        """``weight`` if it is a full ``[V, H]`` tensor, else ``ValueError``."""
         if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
             raise ValueError(
                 f"weight must be a [V, H] tensor, got {getattr(weight, 'shape', weight)}"
             )
         return weight
-
-    def _load_rows(self, local: torch.Tensor, full: torch.Tensor) -> None:
-        """Copy this shard's rows of ``full`` (rows ``[V, ...]``) into ``local``."""
-        n = self._real_rows(full.shape[0])
-        with torch.no_grad():
-            local[:n].copy_(full[self.vocab_start_index : self.vocab_start_index + n])
 
 
 class VocabParallelEmbedding(VocabShardModule):
@@ -175,7 +187,7 @@ class VocabParallelEmbedding(VocabShardModule):
         multiple: int = 1,
     ) -> VocabParallelEmbedding:
         """Keep this rank's rows of a full ``[V, H]`` weight (padding rows zero); copies."""
-        weight = cls._check_full(weight)
+        weight = cls.check_full(weight)
         emb = cls(
             weight.shape[0],
             weight.shape[1],
@@ -187,7 +199,7 @@ class VocabParallelEmbedding(VocabShardModule):
             dtype=weight.dtype,
             device=weight.device,
         )
-        emb._load_rows(emb.weight, weight)
+        load_shard_(emb.weight, weight)
         return emb
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:

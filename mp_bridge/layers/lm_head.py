@@ -1,9 +1,10 @@
 """Column-parallel output layer producing vocab-parallel logits (optionally tied).
 
-Weight ``[V_local, H]`` holds this TP rank's rows ``[vocab_start_index, vocab_end_index)``
-of the padded vocab (``vocab_shard_ranges``; the same layout as
-``VocabParallelEmbedding``, so the two can share one Parameter). Padding rows (ids >=
-``vocab_size``) are zero; their logits are ignored by ``vocab_parallel_cross_entropy``.
+Weight ``[V_local, H]`` (and bias ``[V_local]``) holds this TP rank's :class:`VocabShard`
+rows ``[vocab_start_index, vocab_end_index)`` of the padded vocab (the same layout as
+``VocabParallelEmbedding``, so the two can share one Parameter; both declare it with
+``mark_sharded``). Padding rows (ids >= ``vocab_size``) are zero; their logits are ignored
+by ``vocab_parallel_cross_entropy``.
 
 Forward ``h [..., H] -> logits [..., V_local]``:
 
@@ -22,9 +23,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from mp_bridge.comm.primitives import copy_to_group, gather_along
+from mp_bridge.comm import copy_to_group, gather_along
 
 from .embedding import VocabParallelEmbedding, VocabShardModule, token_dim
+from .param_shards import load_shard_
 
 __all__ = ["VocabParallelLMHead"]
 
@@ -69,11 +71,8 @@ class VocabParallelLMHead(VocabShardModule):
         self.hidden_size, self.vocab_size = hidden_size, vocab_size
         if tie_to is not None:
             self._check_tie(tie_to)
-        local = self.vocab_end_index - self.vocab_start_index
         if bias:
-            self.bias = nn.Parameter(
-                torch.zeros(local, dtype=self.weight.dtype, device=self.weight.device)
-            )
+            self.bias = self.new_rows(dtype=self.weight.dtype, device=self.weight.device)
         else:
             self.register_parameter("bias", None)
 
@@ -104,7 +103,7 @@ class VocabParallelLMHead(VocabShardModule):
         seq_dim: int = 1,
     ) -> VocabParallelLMHead:
         """Keep this rank's rows of a full ``[V, H]`` weight (and ``[V]`` bias); copies."""
-        weight = cls._check_full(weight)
+        weight = cls.check_full(weight)
         if bias is not None and (
             not isinstance(bias, torch.Tensor) or bias.shape != weight.shape[:1]
         ):
@@ -124,9 +123,9 @@ class VocabParallelLMHead(VocabShardModule):
             dtype=weight.dtype,
             device=weight.device,
         )
-        head._load_rows(head.weight, weight)
+        load_shard_(head.weight, weight)
         if bias is not None:
-            head._load_rows(head.bias, bias)
+            load_shard_(head.bias, bias, name="bias")
         return head
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:

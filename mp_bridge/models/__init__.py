@@ -4,6 +4,7 @@ from .build import build_colocated_mimo, destroy_colocated_mimo
 from .config import MimoConfig
 from .data import MimoBatch, dp_shard, synthetic_batch
 from .encoder import TPEncoder, TPProjection
+from .groups import MimoGroups, make_mimo_groups
 from .llm import TPLLM
 from .mimo import ColocatedMimoModel
 from .oracle import ParityReport, run_parity
@@ -22,6 +23,8 @@ __all__ = [
     "TPProjection",
     "TPLLM",
     "ColocatedMimoModel",
+    "MimoGroups",
+    "make_mimo_groups",
     "build_colocated_mimo",
     "destroy_colocated_mimo",
     "load_full_state",

@@ -19,6 +19,7 @@ from torch import nn
 from mp_bridge.comm import group_size
 
 from .config import MimoConfig
+from .groups import check_group
 from .sharding import FullStateMixin
 from .tp_blocks import TPMLP, make_blocks, make_norm, parallel_config
 
@@ -29,14 +30,6 @@ def bidirectional_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -
     """Full (non-causal) attention on local heads, ``[b, s, heads, d]``; no collectives."""
     out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
     return out.transpose(1, 2)
-
-
-def _check_group(tp_group: object, name: str) -> None:
-    if tp_group is not None and not isinstance(tp_group, dist.ProcessGroup):
-        raise TypeError(
-            f"{name}={tp_group!r} must be a torch.distributed ProcessGroup or None "
-            "(None = a single process); pass grid.get_pg('tp')"
-        )
 
 
 class TPEncoder(FullStateMixin, nn.Module):
@@ -54,7 +47,7 @@ class TPEncoder(FullStateMixin, nn.Module):
         device: torch.device | None = None,
     ):
         super().__init__()
-        _check_group(tp_group, "tp_group")
+        check_group(tp_group, "tp_group")
         cfg.check_tp(encoder_tp=group_size(tp_group))
         self.cfg, self.tp_group = cfg, tp_group
         config = parallel_config(tp_group)
@@ -88,7 +81,7 @@ class TPProjection(FullStateMixin, TPMLP):
         tp_group: dist.ProcessGroup | None = None,
         device: torch.device | None = None,  # no device-specific layer; kept for from_full
     ):
-        _check_group(tp_group, "tp_group")
+        check_group(tp_group, "tp_group")
         cfg.check_tp(encoder_tp=group_size(tp_group))
         super().__init__(
             cfg.enc_hidden, cfg.proj_hidden, cfg.llm_hidden,

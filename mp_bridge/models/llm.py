@@ -30,8 +30,8 @@ from mp_bridge.layers import (
 )
 
 from .config import MimoConfig
-from .encoder import _check_group
-from .sharding import FullStateMixin, mark_sharded
+from .groups import check_group
+from .sharding import FullStateMixin
 from .tp_blocks import make_blocks, make_norm, parallel_config
 
 __all__ = ["TPLLM"]
@@ -68,15 +68,15 @@ class TPLLM(FullStateMixin, nn.Module):
         device: torch.device | None = None,
     ):
         super().__init__()
-        _check_group(tp_group, "tp_group")
-        _check_group(cp_group, "cp_group")
+        check_group(tp_group, "tp_group")
+        check_group(cp_group, "cp_group")
         cfg.check_tp(llm_tp=group_size(tp_group))
         self.cfg, self.tp_group, self.cp_group = cfg, tp_group, cp_group
         config = parallel_config(tp_group, sequence_parallel=sequence_parallel)
         self.sequence_parallel = config.sequence_parallel  # False when TP = 1
         self.fused_loss = fused_loss
+        # The vocab layers declare their weights' shards themselves (``mark_sharded``).
         self.embed = VocabParallelEmbedding(cfg.vocab_size, cfg.llm_hidden, tp_group=tp_group)
-        mark_sharded(self.embed.weight, dim=0, group=tp_group, full_size=cfg.vocab_size)
         self.blocks = make_blocks(
             cfg.llm_layers, cfg.llm_hidden, cfg.llm_heads, cfg.llm_ffn, eps=cfg.norm_eps,
             tp_group=tp_group, config=config, core=_CausalCPAttention(cp_group), device=device,
@@ -88,7 +88,6 @@ class TPLLM(FullStateMixin, nn.Module):
             cfg.llm_hidden, cfg.vocab_size, tp_group=tp_group,
             sequence_parallel=self.sequence_parallel, seq_dim=1,
         )  # fmt: skip
-        mark_sharded(self.head.weight, dim=0, group=tp_group, full_size=cfg.vocab_size)
 
     # ------------------------------------------------------------------ forward
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:

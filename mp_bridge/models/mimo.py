@@ -26,11 +26,14 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from mp_bridge.comm import group_size
+from mp_bridge.comm import PartitionAdapter, group_size
+from mp_bridge.grid import GridLayout
 from mp_bridge.layers import masked_mean
 
+from .encoder import TPEncoder, TPProjection
+from .groups import MimoGroups, grid_group, make_mimo_groups
+from .llm import TPLLM
 from .placement import check_image_tokens, place_image_embeddings
 
 __all__ = ["ColocatedMimoModel"]
@@ -47,14 +50,17 @@ class ColocatedMimoModel(nn.Module):
         image_token_id: placeholder id whose positions receive image embeddings.
         encoder_dp_group: encoder DP group (grad sync, image-presence check).
         llm_dp_cp_group: LLM DP x CP group (loss denominator, grad sync).
+        groups: the :class:`MimoGroups` these came from (DP groups default to its
+            fields; :func:`destroy_colocated_mimo` frees it).
 
-    With a real bridge, every group is checked against the bridge's layouts before any
-    collective (``ValueError`` naming the group, its ranks and the expected ones). A DP
-    group left out is created here from those layouts, so the plain signature
+    The model creates no process group. A DP group left out (and not in ``groups``) is
+    looked up on the bridge's grids (``bridge.src_grid.get_pg('dp')``,
+    ``bridge.dest_grid.get_pg(['dp', 'cp'])``), so the plain signature
     ``ColocatedMimoModel(encoder, projection, llm, bridge, partition, image_token_id=i)``
-    is correct on any layout; that creation is collective over the world (build the model
-    on every rank, in the same order as other group creations) and needs the grids to
-    cover the whole world. :meth:`destroy` frees the groups created here.
+    is correct on grids that hold those groups (``make_grid(..., create=...)`` or
+    :func:`make_mimo_groups`); otherwise ``ValueError`` naming the fix. With a real
+    bridge, every group is then checked against the bridge's layouts before any
+    collective (``ValueError`` naming the group, its ranks and the expected ones).
     """
 
     def __init__(
@@ -68,6 +74,7 @@ class ColocatedMimoModel(nn.Module):
         image_token_id: int,
         encoder_dp_group: dist.ProcessGroup | None = None,
         llm_dp_cp_group: dist.ProcessGroup | None = None,
+        groups: MimoGroups | None = None,
     ):
         super().__init__()
         if isinstance(image_token_id, bool) or not isinstance(image_token_id, int):
@@ -77,27 +84,54 @@ class ColocatedMimoModel(nn.Module):
                 f"image_token_id={image_token_id} is outside the LLM vocab "
                 f"[0, {llm.cfg.vocab_size}); use the id of the image placeholder token"
             )
+        if groups is not None and not isinstance(groups, MimoGroups):
+            raise TypeError(f"groups must be a MimoGroups (make_mimo_groups), got {groups!r}")
         self.encoder, self.projection, self.llm = encoder, projection, llm
         self.bridge, self.partition = bridge, partition
         self.image_token_id = image_token_id
+        self.groups = groups
+        if groups is not None and encoder_dp_group is None:
+            encoder_dp_group = groups.encoder_dp
+        if groups is not None and llm_dp_cp_group is None:
+            llm_dp_cp_group = groups.llm_dp_cp
         self.encoder_dp_group = encoder_dp_group
         self.llm_dp_cp_group = llm_dp_cp_group
-        self._owned_groups: list[dist.ProcessGroup] = []
         self._destroyed = False
         plan = getattr(bridge, "plan", None)  # None: a single-process stand-in bridge
         if plan is not None:
+            self._find_missing_groups(plan)
             self._check_groups(plan)
-            self._create_missing_groups(plan)
 
     # ------------------------------------------------------------------ groups
-    def _check_groups(self, plan) -> None:
-        """Every given group must hold the ranks the bridge's layouts say (local checks)."""
+    def _find_missing_groups(self, plan) -> None:
+        """Take a DP group left out from the bridge's grid (local lookup, no collective)."""
         rank = dist.get_rank()
         if rank not in plan.src.ranks:
             raise ValueError(
                 f"rank {rank} is outside the bridged grids {plan.src!r}; build "
                 f"ColocatedMimoModel only on ranks {list(plan.src.ranks)}"
             )
+        for name, (grid_name, layout, axes) in {
+            "encoder_dp_group": ("src_grid", plan.src, ("dp",)),
+            "llm_dp_cp_group": ("dest_grid", plan.dest, ("dp", "cp")),
+        }.items():
+            if getattr(self, name) is not None or len(_members_of(layout, axes, rank)) == 1:
+                continue
+            grid = getattr(self.bridge, grid_name, None)
+            if not hasattr(grid, "get_pg"):
+                raise ValueError(
+                    f"{name} was not given and the bridge's {grid_name} holds no process "
+                    f"groups; pass {name}={_WHERE[name]} or build the model with "
+                    "build_colocated_mimo / make_mimo_groups"
+                )
+            try:
+                setattr(self, name, grid_group(grid, axes))
+            except ValueError as exc:
+                raise ValueError(f"{name} was not given and {exc}") from None
+
+    def _check_groups(self, plan) -> None:
+        """Every group must hold the ranks the bridge's layouts say (local checks)."""
+        rank = dist.get_rank()
         checks = [
             ("encoder.tp_group", self.encoder.tp_group, plan.src, ("tp",)),
             ("llm.tp_group", self.llm.tp_group, plan.dest, ("tp",)),
@@ -110,52 +144,19 @@ class ColocatedMimoModel(nn.Module):
             checks.append(("partition.tp_group", self.partition.tp_group, plan.dest, ("tp",)))
         for name, group, layout, axes in checks:
             expected = _members_of(layout, axes, rank)
-            if group is None and name in _CREATABLE:
-                continue  # created by _create_missing_groups when it spans > 1 rank
             got = [rank] if group is None else sorted(dist.get_process_group_ranks(group))
             if got != expected:
                 raise ValueError(
                     f"{name} on rank {rank} holds ranks {got} but the layout {layout!r} "
                     f"puts this rank's {'x'.join(axes)} group at {expected}; pass the "
-                    f"grid's group, e.g. {_CREATABLE.get(name, 'grid.get_pg(...)')}"
+                    f"grid's group, e.g. {_WHERE.get(name, 'grid.get_pg(...)')}"
                 )
 
-    def _create_missing_groups(self, plan) -> None:
-        """Create the DP groups left out (collective over the world; same on every rank)."""
-        rank, world = dist.get_rank(), dist.get_world_size()
-        todo = [
-            (name, layout, axes)
-            for name, layout, axes in (
-                ("encoder_dp_group", plan.src, ("dp",)),
-                ("llm_dp_cp_group", plan.dest, ("dp", "cp")),
-            )
-            if getattr(self, name) is None and len(_members_of(layout, axes, rank)) > 1
-        ]
-        if todo and list(plan.src.ranks) != list(range(world)):
-            name = todo[0][0]
-            raise ValueError(
-                f"{name} was not given and the grids cover ranks {list(plan.src.ranks)} of "
-                f"a {world}-rank world, so it cannot be created here (group creation needs "
-                f"every rank); pass {name}={_CREATABLE[name]}"
-            )
-        for name, layout, axes in todo:  # every rank runs the same loop: same group order
-            present = [a for a in axes if a in layout.dim_names]
-            for members in layout.groups(present):
-                pg = dist.new_group(members)
-                if rank in members:
-                    setattr(self, name, pg)
-                    self._owned_groups.append(pg)
-
     def destroy(self) -> None:
-        """Free the groups this model created (idempotent; collective, every rank).
-
-        The bridge and the grids' groups belong to the caller
-        (see :func:`~mp_bridge.models.destroy_colocated_mimo`).
-        """
+        """Mark the model unusable (``forward`` raises). It owns no process group: the
+        bridge, the grids or its :class:`MimoGroups` do
+        (see :func:`~mp_bridge.models.destroy_colocated_mimo`)."""
         self._destroyed = True
-        owned, self._owned_groups = self._owned_groups, []
-        for pg in owned:
-            dist.destroy_process_group(pg)
 
     # ------------------------------------------------------------------ forward
     def forward(
@@ -229,10 +230,41 @@ class ColocatedMimoModel(nn.Module):
     # ------------------------------------------------------------------ weights
     @classmethod
     def from_full(cls, reference, encoder_grid, llm_grid, **kwargs) -> ColocatedMimoModel:
-        """Shard a single-process ``ReferenceMimo``; see :func:`build_colocated_mimo`."""
-        from .build import build_colocated_mimo  # build imports this module
+        """Shard a single-process ``ReferenceMimo`` over the groups of
+        ``make_mimo_groups(encoder_grid, llm_grid)``; see :meth:`from_groups` (collective)."""
+        _check_tp(reference.cfg, *(GridLayout.from_grid(g) for g in (encoder_grid, llm_grid)))
+        return cls.from_groups(reference, make_mimo_groups(encoder_grid, llm_grid), **kwargs)
 
-        return build_colocated_mimo(reference, encoder_grid, llm_grid, **kwargs)
+    @classmethod
+    def from_groups(
+        cls,
+        reference,
+        groups: MimoGroups,
+        *,
+        sequence_parallel: bool = False,
+        fused_loss: bool = False,
+        device: torch.device | None = None,
+    ) -> ColocatedMimoModel:
+        """This rank's shards of ``reference`` on ``groups`` (no collective; the model
+        keeps ``groups``, which :func:`destroy_colocated_mimo` frees)."""
+        cfg = reference.cfg
+        _check_tp(cfg, groups.bridge.plan.src, groups.bridge.plan.dest)
+        enc_tp, llm_tp, llm_cp = groups.encoder_tp, groups.llm_tp, groups.llm_cp
+        llm = TPLLM.from_full(
+            reference.llm, cfg, tp_group=llm_tp, cp_group=llm_cp,
+            sequence_parallel=sequence_parallel, fused_loss=fused_loss, device=device,
+        )  # fmt: skip
+        return cls(
+            TPEncoder.from_full(reference.encoder, cfg, tp_group=enc_tp, device=device),
+            TPProjection.from_full(reference.projection, cfg, tp_group=enc_tp, device=device),
+            llm,
+            groups.bridge,
+            PartitionAdapter(
+                cp_group=llm_cp, tp_group=llm_tp, sequence_parallel=llm.sequence_parallel
+            ),
+            image_token_id=cfg.image_token_id,
+            groups=groups,
+        )
 
     def to_full(self) -> dict[str, torch.Tensor]:
         """Full tensors keyed like ``ReferenceMimo.state_dict()`` (TP all-gathers; collective)."""
@@ -267,11 +299,16 @@ class ColocatedMimoModel(nn.Module):
             _all_reduce_grads(params, group)
 
 
-#: The groups the model can create itself, and where a caller finds them on its grids.
-_CREATABLE = {
+#: Where a caller finds each group on its grids.
+_WHERE = {
     "encoder_dp_group": "encoder_grid.get_pg('dp')",
     "llm_dp_cp_group": "llm_grid.get_pg(['dp', 'cp'])",
 }
+
+
+def _check_tp(cfg, encoder: GridLayout, llm: GridLayout) -> None:
+    """The config's head counts must split over both TP sizes (local check)."""
+    cfg.check_tp(encoder_tp=encoder.dim("tp"), llm_tp=llm.dim("tp"))
 
 
 def _members_of(layout, axes: tuple[str, ...], rank: int) -> list[int]:
@@ -288,7 +325,8 @@ def _all_reduce_grads(params: Iterable[nn.Parameter], group: dist.ProcessGroup) 
         if p.grad is None:
             p.grad = torch.zeros_like(p)
     grads = [p.grad for p in params]
-    flat = _flatten_dense_tensors(grads)
+    # One flat buffer, one all-reduce (public ops: cat of flattened views, then split).
+    flat = torch.cat([g.reshape(-1) for g in grads])
     dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
-    for g, synced in zip(grads, _unflatten_dense_tensors(flat, grads)):
-        g.copy_(synced)
+    for g, synced in zip(grads, flat.split([g.numel() for g in grads])):
+        g.copy_(synced.view_as(g))

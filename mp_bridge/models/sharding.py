@@ -1,10 +1,9 @@
 """Load a distributed module from full (single-process) weights and gather it back.
 
-Each sharded parameter carries a :class:`ShardSpec` (set with :func:`mark_sharded`): the
-tensor dim it is split along, the group it is split over, and the full size along that
-dim. Rank ``r`` of the group holds rows ``[r * n, (r + 1) * n)`` of the full tensor
-(``n`` = the local size), Megatron's contiguous layout; rows past the full size are
-padding (e.g. a padded vocab) and load as zeros. Unmarked parameters are replicated.
+The per-parameter mechanism lives in :mod:`mp_bridge.layers.param_shards`: every sharded
+parameter declares a ``ShardSpec`` where it is created (``mark_sharded``: the vocab layers
+for their weights, ``tp_blocks`` for megatron's linears); unmarked parameters are
+replicated. This module applies it to whole modules, by parameter name.
 
 Example (TP 2, a column-parallel ``[8, 4]`` weight): rank 0 loads rows 0..3, rank 1 rows
 4..7; :func:`gather_full_state` all-gathers them back into ``[8, 4]`` on every rank.
@@ -13,13 +12,18 @@ Example (TP 2, a column-parallel ``[8, 4]`` weight): rank 0 loads rows 0..3, ran
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from mp_bridge.comm import all_gather_tensor, group_rank
+from mp_bridge.layers import (
+    ShardSpec,
+    gather_shard,
+    load_shard_,
+    mark_sharded,
+    shard_of,
+    shard_spec,
+)
 
 __all__ = [
     "FullStateMixin",
@@ -29,36 +33,6 @@ __all__ = [
     "mark_sharded",
     "shard_of",
 ]
-
-
-@dataclass(frozen=True)
-class ShardSpec:
-    """``dim``: the split tensor dim; ``group``: the split group; ``full_size``: unpadded size."""
-
-    dim: int
-    group: dist.ProcessGroup | None
-    full_size: int
-
-
-def mark_sharded(
-    param: torch.Tensor, *, dim: int, group: dist.ProcessGroup | None, full_size: int
-) -> torch.Tensor:
-    """Attach a :class:`ShardSpec` to ``param`` (returns it, for chaining)."""
-    param.mp_shard = ShardSpec(dim, group, full_size)
-    return param
-
-
-def shard_of(full: torch.Tensor, local_shape: torch.Size, spec: ShardSpec | None) -> torch.Tensor:
-    """This rank's slice of ``full`` for a parameter of ``local_shape`` (zero-padded)."""
-    if spec is None:
-        return full
-    n = local_shape[spec.dim]
-    start = group_rank(spec.group) * n
-    out = full.new_zeros(local_shape)
-    take = max(0, min(n, full.shape[spec.dim] - start))
-    if take:
-        out.narrow(spec.dim, 0, take).copy_(full.narrow(spec.dim, start, take))
-    return out
 
 
 @torch.no_grad()
@@ -77,17 +51,7 @@ def load_full_state(module: nn.Module, full_state: Mapping[str, torch.Tensor]) -
             f"unexpected {extra}; build both models from the same MimoConfig"
         )
     for name, param in params.items():
-        spec = getattr(param, "mp_shard", None)
-        full = full_state[name].to(device=param.device, dtype=param.dtype)
-        expected = list(param.shape)
-        if spec is not None:
-            expected[spec.dim] = spec.full_size
-        if list(full.shape) != expected:
-            raise ValueError(
-                f"{name}: full tensor has shape {tuple(full.shape)}, expected {tuple(expected)} "
-                "for this shard layout; check the MimoConfig sizes"
-            )
-        param.copy_(shard_of(full, param.shape, spec))
+        load_shard_(param, full_state[name], name=name)
 
 
 @torch.no_grad()
@@ -101,15 +65,10 @@ def gather_full_state(module: nn.Module, *, grads: bool = False) -> dict[str, to
     """
     out: dict[str, torch.Tensor] = {}
     for name, param in module.named_parameters():
-        spec = getattr(param, "mp_shard", None)
-        value = param.detach()
+        value = param
         if grads:
-            value = torch.zeros_like(value) if param.grad is None else param.grad.detach()
-        if spec is None:
-            out[name] = value.clone()
-            continue
-        full = all_gather_tensor(value, spec.group, spec.dim)
-        out[name] = full.narrow(spec.dim, 0, spec.full_size).clone()
+            value = torch.zeros_like(param) if param.grad is None else param.grad
+        out[name] = gather_shard(value, shard_spec(param))
     return out
 
 

@@ -31,8 +31,7 @@ from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinea
 from torch import nn
 
 from mp_bridge.comm import gather_along, group_size, reduce_scatter_along
-
-from .sharding import mark_sharded
+from mp_bridge.layers import mark_sharded
 
 __all__ = [
     "AttentionCore",

@@ -87,12 +87,12 @@ SRC_DP_FASTEST, DEST_CP_DP_FASTEST = ("dp", "tp", "cp", "pp"), ("cp", "dp", "tp"
 CASES = [  # one parametrized case per row, its id the name
     ("fan_in_cp2_grid_cp_group", dict(tp=2, dp=4), dict(tp=2, cp=2, dp=2), FAN_IN, 2, {}),
     (
-        "fan_in_cp4_flat_own_cp_group",
+        "fan_in_cp4_flat_grid_cp_group",
         dict(tp=1, dp=8),
         dict(tp=2, cp=4, dp=1),
         FAN_IN,
         8,
-        dict(flat=True, dest_groups=()),
+        dict(flat=True),
     ),
     (
         "fan_in_cp1_noncontiguous",
@@ -114,12 +114,12 @@ CASES = [  # one parametrized case per row, its id the name
         dict(src_order=SRC_DP_FASTEST, dest_order=DEST_CP_DP_FASTEST),
     ),
     (
-        "fan_out_cp2_noncontiguous_own_cp_group",
+        "fan_out_cp2_noncontiguous_grid_cp_group",
         dict(tp=4, dp=2),
         dict(tp=1, cp=2, dp=4),
         FAN_OUT,
         2,
-        dict(noncontig=True, dest_groups=()),
+        dict(noncontig=True),
     ),
     ("fan_out_cp4_flat", dict(tp=8, dp=1), dict(tp=1, cp=4, dp=2), FAN_OUT, 2, dict(flat=True)),
     ("fan_out_k4_cp2", dict(tp=8, dp=1), dict(tp=1, cp=2, dp=4), FAN_OUT, 4, {}),
@@ -149,7 +149,7 @@ def test_grids_on_part_of_the_world():
     # Grids on ranks 4-7: every rank builds the communicator (group creation is global),
     # ranks inside bridge exactly, ranks outside are told they are outside.
     src_grid = make_grid(tp=1, dp=4, rank_offset=4, create=())
-    dest_grid = make_grid(tp=1, cp=2, dp=2, rank_offset=4, create=())
+    dest_grid = make_grid(tp=1, cp=2, dp=2, rank_offset=4, create=("cp",))
     with ColocatedBridgeCommunicator(src_grid, dest_grid) as bridge:
         assert bridge.direction is BridgeDirection.FAN_IN and bridge.scale == 2
         if dist.get_rank() >= 4:

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
 from mp_bridge.comm import BridgeDirection, ColocatedBridgeCommunicator
-from mp_bridge.grid import GridLayout, make_grid
+from mp_bridge.grid import GridLayout, destroy_grid, make_grid
 from mp_bridge.testing import CollectiveCounter, DistributedWorld, current_device
 from tests.oracles import SBH, rand
 
@@ -77,11 +77,27 @@ def test_bad_input_rejected_before_any_collective():
 
 # --------------------------------------------------------------- lifecycle
 @world.case
-def test_destroy_is_idempotent_and_frees_groups():
+def test_grid_without_cp_group_gets_it_created_on_the_grid():
+    # The grid owns the CP group: the bridge asks it to create one, and destroy() leaves it.
     src_grid, dest_grid = _grids(dict(tp=2, dp=4), dict(tp=2, cp=2, dp=2), dest_groups=())
+    bridge = ColocatedBridgeCommunicator(src_grid, dest_grid)
+    # dest tp=2, cp=2, dp=2 in (tp, cp, dp) order: CP pairs differ by 2 in rank id
+    written = {0: [0, 2], 1: [1, 3], 2: [0, 2], 3: [1, 3], 4: [4, 6], 5: [5, 7], 6: [4, 6]}
+    written[7] = [5, 7]
+    got = dist.get_process_group_ranks(dest_grid.get_pg("cp"))
+    assert got == written[dist.get_rank()], got
+    assert bridge.cp_group is dest_grid.get_pg("cp")
+    bridge.destroy()
+    assert dist.get_process_group_ranks(dest_grid.get_pg("cp")) == got  # still the grid's
+    destroy_grid(dest_grid)
+
+
+@world.case
+def test_destroy_is_idempotent_and_frees_groups():
+    src_grid, dest_grid = _grids(dict(tp=2, dp=4), dict(tp=2, cp=2, dp=2))
     before = _live_groups()
     bridge = ColocatedBridgeCommunicator(src_grid, dest_grid)
-    assert _live_groups() == before + 2  # one gather group + one own CP group per rank
+    assert _live_groups() == before + 1  # one gather group per rank; CP is the grid's
     bridge.destroy()
     bridge.destroy()
     assert _live_groups() == before

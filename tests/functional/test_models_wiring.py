@@ -149,12 +149,14 @@ def test_grids_on_part_of_the_world():
         model = build_colocated_mimo(reference, enc, llm, device=current_device())
         batch = synthetic_batch(CFG, 2, seed=4, uneven_mask=True)
         bad = _compare_step(model, reference, batch, enc, llm)
-        # Without the groups the model cannot create them (ranks 0, 1 would not join).
-        with pytest.raises(ValueError, match=r"encoder_dp_group was not given .* ranks \[2, 3\]"):
-            ColocatedMimoModel(
-                model.encoder, model.projection, model.llm, model.bridge, model.partition,
-                image_token_id=CFG.image_token_id,
-            )  # fmt: skip
+        # The plain signature creates nothing: it takes the DP groups from the bridge's grids.
+        plain = ColocatedMimoModel(
+            model.encoder, model.projection, model.llm, model.bridge, model.partition,
+            image_token_id=CFG.image_token_id,
+        )  # fmt: skip
+        for group in (plain.encoder_dp_group, plain.llm_dp_cp_group):
+            if dist.get_process_group_ranks(group) != [2, 3]:
+                bad.append(f"plain model group {dist.get_process_group_ranks(group)}")
         bridge = model.bridge
     else:
         bridge = ColocatedBridgeCommunicator(enc, llm)  # collective: every rank builds it

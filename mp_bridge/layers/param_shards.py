@@ -1,0 +1,136 @@
+"""Sharded-parameter declarations: the one mechanism that loads and gathers shards.
+
+A parameter split over a group declares it once, where it is created, with
+:func:`mark_sharded`: a :class:`ShardSpec` (the split tensor ``dim``, the ``group``, the
+unpadded ``full_size`` along ``dim``) stored on the tensor. Everything that moves weights
+between a full (single-process) tensor and the shards reads that declaration:
+the layers' ``from_full`` and the models' ``load_full_state`` / ``gather_full_state``
+(both call :func:`load_shard_` / :func:`gather_shard`). Unmarked parameters are replicated.
+
+Layout: Megatron's contiguous rows. With local size ``n`` along ``dim``, rank ``r`` of the
+group holds :class:`~mp_bridge.layers.VocabShard` ``[r * n, (r + 1) * n)`` of ``n * tp``
+(padded) rows; rows at or past ``full_size`` are padding and hold zeros.
+
+Example (TP 2, a column-parallel ``[8, 4]`` weight, local ``[4, 4]``): rank 0 loads rows
+0..3, rank 1 rows 4..7; :func:`gather_shard` all-gathers them back into ``[8, 4]``.
+A vocab-1001 embedding on TP 4 (local ``[251, H]``): rank 3 holds rows ``[753, 1004)``,
+loads the 248 real rows ``753..1000`` and keeps 3 zero padding rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from mp_bridge.comm import all_gather_tensor, group_rank, group_size
+
+from .vocab_shards import VocabShard
+
+__all__ = [
+    "ShardSpec",
+    "gather_shard",
+    "load_shard_",
+    "mark_sharded",
+    "shard_of",
+    "shard_spec",
+]
+
+#: The attribute a declaration lives in (read only through :func:`shard_spec`).
+_SPEC_ATTR = "mp_shard"
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    """``dim``: the split tensor dim; ``group``: the split group (``None`` = one process);
+    ``full_size``: the unpadded size along ``dim``."""
+
+    dim: int
+    group: dist.ProcessGroup | None
+    full_size: int
+
+    def rows(self, local_size: int) -> VocabShard:
+        """This rank's rows along ``dim`` when each rank holds ``local_size`` of them."""
+        return VocabShard.of_rank(
+            group_size(self.group),
+            local_size,
+            rank=group_rank(self.group),
+            vocab_size=self.full_size,
+        )
+
+    def full_shape(self, local_shape: torch.Size) -> tuple[int, ...]:
+        """Shape of the full (unpadded) tensor whose shard has ``local_shape``."""
+        shape = list(local_shape)
+        shape[self.dim] = self.full_size
+        return tuple(shape)
+
+
+def mark_sharded(
+    param: torch.Tensor, *, dim: int, group: dist.ProcessGroup | None, full_size: int
+) -> torch.Tensor:
+    """Declare ``param`` split along ``dim`` over ``group`` (returns it, for chaining).
+
+    ``full_size`` must fit the padded layout: ``full_size <= tp * param.shape[dim]``.
+    """
+    if not -param.dim() <= dim < param.dim():
+        raise ValueError(f"dim={dim} is out of range for a parameter of shape {tuple(param.shape)}")
+    dim %= param.dim()
+    padded = group_size(group) * param.shape[dim]
+    if isinstance(full_size, bool) or not isinstance(full_size, int) or not 0 < full_size <= padded:
+        raise ValueError(
+            f"full_size={full_size!r} does not fit {group_size(group)} shards of "
+            f"{param.shape[dim]} along dim {dim}; use 0 < full_size <= {padded}"
+        )
+    setattr(param, _SPEC_ATTR, ShardSpec(dim, group, full_size))
+    return param
+
+
+def shard_spec(param: torch.Tensor) -> ShardSpec | None:
+    """The declaration :func:`mark_sharded` stored on ``param`` (``None``: replicated)."""
+    return getattr(param, _SPEC_ATTR, None)
+
+
+def shard_of(full: torch.Tensor, local_shape: torch.Size, spec: ShardSpec | None) -> torch.Tensor:
+    """This rank's slice of ``full`` for a parameter of ``local_shape`` (zero-padded copy;
+    ``full`` itself when ``spec`` is ``None``). No collective."""
+    if spec is None:
+        return full
+    rows = spec.rows(local_shape[spec.dim])
+    out = full.new_zeros(local_shape)
+    if rows.num_real:
+        out.narrow(spec.dim, 0, rows.num_real).copy_(
+            full.narrow(spec.dim, rows.start, rows.num_real)
+        )
+    return out
+
+
+@torch.no_grad()
+def load_shard_(param: torch.Tensor, full: torch.Tensor, *, name: str = "weight") -> None:
+    """Copy this rank's shard of the full tensor ``full`` into ``param`` (in place).
+
+    ``full`` must have the declared full shape (``param.shape`` if unmarked); it is cast
+    to ``param``'s device and dtype. ``ValueError`` naming ``name`` otherwise. No collective.
+    """
+    spec = shard_spec(param)
+    expected = tuple(param.shape) if spec is None else spec.full_shape(param.shape)
+    if not isinstance(full, torch.Tensor) or tuple(full.shape) != expected:
+        raise ValueError(
+            f"{name}: full tensor has shape {tuple(getattr(full, 'shape', ()))}, expected "
+            f"{expected} for this shard layout; pass the single-process tensor of that shape"
+        )
+    full = full.to(device=param.device, dtype=param.dtype)
+    param.copy_(shard_of(full, param.shape, spec))
+
+
+@torch.no_grad()
+def gather_shard(local: torch.Tensor, spec: ShardSpec | None) -> torch.Tensor:
+    """The full tensor of the shards ``local`` (padding dropped; a detached copy).
+
+    Collective: one all-gather along ``spec.dim`` over ``spec.group`` (every member
+    calls it); none when ``spec`` is ``None`` or the group has one rank.
+    """
+    if spec is None:
+        return local.detach().clone()
+    full = all_gather_tensor(local.detach(), spec.group, spec.dim)
+    return full.narrow(spec.dim, 0, spec.full_size).clone()
