@@ -34,6 +34,7 @@ from .primitives import (
     reduce_scatter_tensor,
     scatter_along,
 )
+from .ragged_plan import RaggedRoute, route_ragged
 
 __all__ = [
     # differentiable collectives (primitives.py)
@@ -55,6 +56,8 @@ __all__ = [
     "BridgePlan",
     "BridgeDirection",
     "ColocatedBridgeCommunicator",
+    "RaggedRoute",
+    "route_ragged",
     "format_rank_table",
     # context parallelism
     "cp_factor",
