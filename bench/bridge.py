@@ -155,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"\nragged bridge, {WORLD} gloo ranks on CPU, fp32 [T, h={args.hidden}], "
             f"global batch {args.batch} samples of 0-4 images x 64-576 tokens; median of "
-            f"{args.iters} rounds (ragged, bare, padded alternated), slowest rank\n"
+            f"{args.iters} rounds (methods alternated), slowest rank\n"
         )
         _print_table(ragged_table([r["ragged"] for r in results]))
     print("\ncommand: " + " ".join(shlex.quote(a) for a in ["python", *sys.argv]))

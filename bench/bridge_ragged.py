@@ -8,11 +8,13 @@ global batch). Each row reports, per rank (max over ranks):
   members' tokens, FAN_IN forward; the sibling slots' gradients, FAN_OUT backward), the
   small int64 header + counts, and the dest-CP gradient all-reduce; next to them what the
   uniform bridge moves when every sample is padded to the largest (today's workaround).
-- time of forward+backward for three methods, alternated round by round in one process
+- time of forward+backward for four methods, alternated round by round in one process
   (so load changes hit all alike): ``ragged`` (communicate_ragged), ``bare`` (one
   ``all_to_all_single`` of exactly the same token bytes in the same group, plus the CP
-  all-reduce), ``padded`` (``communicate`` on ``[b, s_max, h]``). Medians of the slowest
-  rank; spread = the largest per-rank interquartile range / median of the ragged runs.
+  all-reduce), ``bare+hdr`` (FAN_IN only: ``bare`` after the same fixed-size header
+  all-gather, i.e. the ragged bridge's collectives without the bridge), ``padded``
+  (``communicate`` on ``[b, s_max, h]``). Medians of the slowest rank; spread = the
+  largest per-rank interquartile range / median of the ragged runs.
 
 Run through ``bench/bridge.py`` (``--tables ragged`` for this table alone).
 """
@@ -29,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from mp_bridge.comm import ColocatedBridgeCommunicator, route_ragged
+from mp_bridge.comm.primitives import all_gather_tensor
 from mp_bridge.comm.ragged import exchange_rows
 from mp_bridge.grid import make_grid
 from mp_bridge.testing import CollectiveCounter, current_device
@@ -101,6 +104,12 @@ def bench_ragged_layout(src: dict, dest: dict, args: argparse.Namespace) -> dict
             if cp_group is not None:
                 dist.all_reduce(grad_y.clone(), group=cp_group)
 
+        header = torch.zeros(4, dtype=torch.int64, device=device)
+
+        def bare_hdr() -> None:
+            all_gather_tensor(header, gather, 0).tolist()  # the ragged bridge syncs on it
+            bare()
+
         def padded() -> None:
             xp.grad = None
             bridge.communicate(xp).backward(grad_yp)
@@ -110,8 +119,8 @@ def bench_ragged_layout(src: dict, dest: dict, args: argparse.Namespace) -> dict
         with CollectiveCounter() as c_padded:
             padded()
         for _ in range(2):  # warm-up: the first collectives on a new group set up links
-            ragged(), bare(), padded()
-        t_ragged, t_bare, t_padded = _timed([ragged, bare, padded], args.iters)
+            ragged(), bare(), bare_hdr(), padded()
+        t_ragged, t_bare, t_hdr, t_padded = _timed([ragged, bare, bare_hdr, padded], args.iters)
     counts_bytes = (k - 1) * 8 * len(local) if direction == "FAN_IN" else 0
     q1, _, q3 = statistics.quantiles(t_ragged, n=4)
     return dict(
@@ -128,6 +137,7 @@ def bench_ragged_layout(src: dict, dest: dict, args: argparse.Namespace) -> dict
         padded_ar=c_padded.bytes_received("all_reduce"),
         t_ragged=statistics.median(t_ragged),
         t_bare=statistics.median(t_bare),
+        t_hdr=statistics.median(t_hdr),
         t_padded=statistics.median(t_padded),
         spread=(q3 - q1) / statistics.median(t_ragged),
     )
@@ -156,8 +166,10 @@ def ragged_table(per_rank: list[list[dict]]) -> list[tuple[str, ...]]:
         "padded cp AR KiB",
         "ragged ms",
         "bare ms",
+        "bare+hdr ms",
         "padded ms",
         "ragged/bare",
+        "ragged/(bare+hdr)",
         "padded/ragged",
         "spread",
     )
@@ -165,8 +177,10 @@ def ragged_table(per_rank: list[list[dict]]) -> list[tuple[str, ...]]:
     for i, row in enumerate(per_rank[0]):
         ranks = [r[i] for r in per_rank]
         exact = all(r["exchange"] == r["bound"] for r in ranks)
-        t = {m: max(r[f"t_{m}"] for r in ranks) * 1e3 for m in ("ragged", "bare", "padded")}
+        methods = ("ragged", "bare", "hdr", "padded")
+        t = {m: max(r[f"t_{m}"] for r in ranks) * 1e3 for m in methods}
         has_comm = row["k"] > 1 or row["cp"] > 1
+        fan_in = row["direction"] == "FAN_IN"
         table.append(
             (
                 row["layout"],
@@ -181,8 +195,10 @@ def ragged_table(per_rank: list[list[dict]]) -> list[tuple[str, ...]]:
                 _kib(ranks, "padded_ar"),
                 f"{t['ragged']:.2f}",
                 f"{t['bare']:.2f}" if has_comm else "-",
+                f"{t['hdr']:.2f}" if fan_in else "-",
                 f"{t['padded']:.2f}",
                 f"{t['ragged'] / t['bare']:.2f}x" if has_comm and t["bare"] > 0 else "-",
+                f"{t['ragged'] / t['hdr']:.2f}x" if fan_in else "-",
                 f"{t['padded'] / t['ragged']:.2f}x",
                 f"{max(r['spread'] for r in ranks) * 100:.0f}%",
             )

@@ -119,13 +119,17 @@ def exchange_rows(
             y, torch.cat([x] * k), list(slot_rows), [x.shape[0]] * k, group=group
         )
         return y, None
-    # Counts and tokens in one message of bytes: [counts (8n bytes) | tokens].
+    # Counts and tokens in one message of bytes: [counts (8n bytes) | tokens], written
+    # once per member straight into the send buffer (no intermediate message copy).
     row_bytes = math.prod(rest) * x.element_size()
     head = counts.to(device=x.device, dtype=torch.int64).reshape(-1).view(torch.uint8)
-    message = torch.cat([head, _as_bytes(x)])
+    width = head.numel() + x.numel() * x.element_size()
+    send = torch.empty(k, width, dtype=torch.uint8, device=x.device)
+    send[:, : head.numel()] = head
+    send[:, head.numel() :] = _as_bytes(x)
     recv = [head.numel() + r * row_bytes for r in slot_rows]
     buf = torch.empty(sum(recv), dtype=torch.uint8, device=x.device)
-    dist.all_to_all_single(buf, message.repeat(k), recv, [message.numel()] * k, group=group)
+    dist.all_to_all_single(buf, send.reshape(-1), recv, [send.shape[1]] * k, group=group)
     y_bytes = _as_bytes(y)  # a view: writing it fills y
     heads, start, out = [], 0, 0
     for size in recv:
