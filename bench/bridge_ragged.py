@@ -30,9 +30,12 @@ import time
 import torch
 import torch.distributed as dist
 
-from mp_bridge.comm import ColocatedBridgeCommunicator, route_ragged
-from mp_bridge.comm.primitives import all_gather_tensor
-from mp_bridge.comm.ragged import exchange_rows
+from mp_bridge.comm import (
+    ColocatedBridgeCommunicator,
+    all_gather_tensor,
+    exchange_rows,
+    route_ragged,
+)
 from mp_bridge.grid import make_grid
 from mp_bridge.testing import CollectiveCounter, current_device
 

@@ -34,6 +34,7 @@ from .primitives import (
     reduce_scatter_tensor,
     scatter_along,
 )
+from .ragged import exchange_rows
 from .ragged_plan import RaggedRoute, route_ragged
 
 __all__ = [
@@ -58,6 +59,7 @@ __all__ = [
     "ColocatedBridgeCommunicator",
     "RaggedRoute",
     "route_ragged",
+    "exchange_rows",
     "format_rank_table",
     # context parallelism
     "cp_factor",

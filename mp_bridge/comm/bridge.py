@@ -317,7 +317,8 @@ class ColocatedBridgeCommunicator:
         (``ValueError``) runs before any collective; a member passing a different number
         of samples raises on every rank of its gather group after the header. FAN_OUT has
         no forward collective, so its members (one src replica) must pass equal counts.
-        See :mod:`mp_bridge.comm.ragged`.
+        Every backward applies its adjoint Function, so ``backward(create_graph=True)``
+        works in every direction. See :mod:`mp_bridge.comm.ragged`.
         """
         if self._destroyed:
             raise RuntimeError("communicate_ragged() after destroy(); build a new communicator")

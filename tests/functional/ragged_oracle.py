@@ -1,4 +1,4 @@
-"""Shared oracle for the ragged-bridge functional tests (8- and 6-rank files).
+"""Oracle for the ragged-bridge functional tests (``test_bridge_ragged``, 8 and 6 ranks).
 
 Every rank builds the same global ragged batch: per-sample counts ``C`` (a literal list in
 each test file, with text-only samples and all-zero DP blocks), tokens ``X`` ``[sum(C),
@@ -155,12 +155,14 @@ def _cp_owned_mask(batch, s_lay, d_lay, rank, cd, cp, rest) -> torch.Tensor:
 
 
 def check_double_backward(src: dict, dest: dict, counts: list[int]) -> None:
-    """``backward(create_graph=True)`` records the adjoint's collective: with
-    ``g = dL/dx = W_src`` (a function of the dest weights), ``d sum(g * V_src) / dW_dest``
-    must be the global ``V`` on this rank's dest tokens."""
+    """``backward(create_graph=True)`` records every adjoint's collective: with
+    ``g = dL/dx`` (``W_src``, a function of the dest weights through the CP all-reduce and
+    the direction step), ``d sum(g * V_src) / dW_dest`` must be the global ``V`` on this
+    rank's dest tokens that its CP rank consumes (zero on the others)."""
     device, rank = current_device(), dist.get_rank()
     src_grid, dest_grid = grids(src, dest)
     s_lay, d_lay = GridLayout.from_grid(src_grid), GridLayout.from_grid(dest_grid)
+    cp, cd = d_lay.dim("cp"), d_lay.coords(rank).get("cp", 0)
     batch = RaggedBatch(counts, (H,), device)
     V = torch.randn(batch.X.shape, generator=torch.Generator().manual_seed(5)).to(device)
     src_tok, dest_tok = batch.tokens(s_lay, rank), batch.tokens(d_lay, rank)
@@ -169,7 +171,11 @@ def check_double_backward(src: dict, dest: dict, counts: list[int]) -> None:
     w_dest = batch.W[dest_tok].clone().requires_grad_()
     with ColocatedBridgeCommunicator(src_grid, dest_grid) as bridge:
         y, _ = bridge.communicate_ragged(x, local)
-        (g,) = torch.autograd.grad((y * w_dest).sum(), x, create_graph=True)
+        idx = torch.arange(y.shape[0], device=device)[cd::cp]
+        loss = (y.index_select(0, idx) * w_dest.index_select(0, idx)).sum()
+        (g,) = torch.autograd.grad(loss, x, create_graph=True)
         assert torch.equal(g.detach(), batch.W[src_tok])
         (g * V[src_tok]).sum().backward()
-    assert torch.equal(w_dest.grad, V[dest_tok])
+    owned = torch.zeros(y.shape[0], 1, device=device)
+    owned[idx] = 1.0
+    assert torch.equal(w_dest.grad, V[dest_tok] * owned)
