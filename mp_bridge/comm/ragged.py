@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 from .bridge_plan import BridgeDirection, BridgePlan
-from .primitives import all_gather_tensor, copy_to_group
+from .primitives import all_gather_tensor, copy_to_group, group_rank, group_size
 from .ragged_plan import check_member_headers, route_ragged
 
 __all__ = ["bridge_ragged", "check_tokens_per_sample", "exchange_rows"]
@@ -112,6 +112,14 @@ def exchange_rows(
     rank receives exactly the other members' rows (plus ``8·n`` bytes each with counts).
     """
     k = len(slot_rows)
+    if k != group_size(group) or slot_rows[group_rank(group)] != x.shape[0]:
+        raise ValueError(
+            f"slot_rows={list(slot_rows)} must hold one row count per group member "
+            f"({group_size(group)}), with x.shape[0]={x.shape[0]} at this rank's position "
+            f"{group_rank(group)}"
+        )
+    if k == 1:  # a single process (group None or of size 1): nothing to exchange
+        return x.clone(), None if counts is None else counts.reshape(1, -1).clone()
     rest = tuple(x.shape[1:])
     y = x.new_empty((sum(slot_rows), *rest))
     if counts is None:

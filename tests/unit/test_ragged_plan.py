@@ -14,10 +14,11 @@ import itertools
 import math
 
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mp_bridge.comm import BridgeDirection, RaggedRoute, plan_bridge, route_ragged
+from mp_bridge.comm import BridgeDirection, RaggedRoute, exchange_rows, plan_bridge, route_ragged
 from mp_bridge.comm.ragged import check_tokens_per_sample
 from mp_bridge.grid import GridLayout
 
@@ -104,8 +105,6 @@ def test_check_tokens_per_sample_sequences(value, error, match):
 
 
 def test_check_tokens_per_sample_tensors():
-    import torch
-
     assert check_tokens_per_sample(torch.tensor([0, 3], dtype=torch.int32), 3) == (0, 3)
     with pytest.raises(ValueError, match=r"dtype torch.float32; pass an integer tensor"):
         check_tokens_per_sample(torch.tensor([1.0, 2.0]), 3)
@@ -205,3 +204,14 @@ def test_routes_match_the_data_contract(data):
             assert src_tok == dest_tok and route.slot_tokens == (len(src_tok),)
             assert (a, b) == (0, len(src_tok))
         assert route.exchanged_tokens == route.total_tokens - (b - a)
+
+
+def test_exchange_rows_single_process_and_bad_slot_rows():
+    x = torch.arange(6.0).reshape(3, 2)
+    y, got = exchange_rows(x, None, (3,), torch.tensor([1, 2]))
+    assert torch.equal(y, x) and y.data_ptr() != x.data_ptr()
+    assert got.tolist() == [[1, 2]]
+    with pytest.raises(ValueError, match=r"slot_rows=\[2\] .*x.shape\[0\]=3"):
+        exchange_rows(x, None, (2,))
+    with pytest.raises(ValueError, match=r"slot_rows=\[3, 3\] must hold one row count per"):
+        exchange_rows(x, None, (3, 3))
