@@ -18,6 +18,7 @@ from megatron.core.hyper_comm_grid import HyperCommGrid
 
 from mp_bridge.comm import ColocatedBridgeCommunicator, PartitionAdapter
 from mp_bridge.grid.destroy import destroy_grid
+from mp_bridge.grid.megatron_compat import MISSING_PG_ERRORS
 
 from .encoder import TPEncoder, TPProjection
 from .llm import TPLLM
@@ -30,7 +31,7 @@ __all__ = ["build_colocated_mimo", "destroy_colocated_mimo"]
 def _pg(grid: HyperCommGrid, dims: str | list[str]) -> dist.ProcessGroup:
     try:
         return grid.get_pg(dims)
-    except KeyError:
+    except MISSING_PG_ERRORS:  # KeyError or ValueError, by version and axis
         raise ValueError(
             f"grid {list(grid.dim_names)} {list(grid.shape)} has no {dims!r} process group; "
             f"create it with make_grid(..., create=[..., {dims!r}])"
