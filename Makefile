@@ -55,7 +55,7 @@ test: install lint
 # The whole suite against megatron-core $(MCORE_LATEST) (includes the MimoModel integration
 # tests, which skip on 0.16).
 test-megatron-latest: install-megatron-latest
-	$(BIN_LATEST)/python -c "from importlib.metadata import version as v; \
+	$(BIN_LATEST)/python -W ignore -c "from importlib.metadata import version as v; \
 	  assert v('megatron-core') == '$(MCORE_LATEST)', v('megatron-core'); import megatron.core"
 	$(BIN_LATEST)/python -m pytest -q tests
 

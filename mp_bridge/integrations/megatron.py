@@ -73,7 +73,7 @@ def patch_mimo_model() -> MimoModelPatch:
     :class:`mp_bridge.comm.ColocatedBridgeCommunicator` (the same for every colocated
     encoder; ``model.colocated_comms`` then holds ours). Call it on every rank, before
     ``MimoModel(...)``; models built earlier keep megatron's. Process-local, no collective.
-    Calling it again while active is harmless (its ``undo()`` restores the same class).
+    Calling it again while active is harmless; nested handles undo in reverse order.
 
     Raises ``RuntimeError`` (naming the installed version) when the installed megatron-core
     has no such communicator (< 0.18).

@@ -317,3 +317,24 @@ def test_megatron_gpt_model_builds_on_cpu_and_stops_at_its_attention_buffer():
         model.destroy()
         destroy_grid(enc_grid)
         destroy_grid(llm_grid)
+
+
+@world.case
+def test_megatrons_equal_output_aliases_its_input_ours_does_not():
+    # EQUAL (same TP/DP): megatron's forward is `tensor.contiguous()`, the input itself.
+    enc_grid, llm_grid = _grids({"tp": 2, "dp": 2}, {"tp": 2, "dp": 2})
+    try:
+        theirs = mcore_comm.ColocatedBridgeCommunicator(
+            src_grid=enc_grid, dest_grid=llm_grid, dim_mapping={"b": 0, "h": 1}
+        )
+        ours = ColocatedBridgeCommunicator(
+            src_grid=enc_grid, dest_grid=llm_grid, dim_mapping={"b": 0, "h": 1}
+        )
+        x = torch.randn(4, H)
+        assert theirs.communicate(x).data_ptr() == x.data_ptr()
+        assert ours.communicate(x).data_ptr() != x.data_ptr()
+        theirs.destroy()
+        ours.destroy()
+    finally:
+        destroy_grid(enc_grid)
+        destroy_grid(llm_grid)

@@ -7,6 +7,9 @@ Fake grids raise each version's error type / have or lack ``destroy()``; the rea
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 from megatron.core.hyper_comm_grid import HyperCommGrid
 
@@ -125,3 +128,13 @@ def test_communicator_accepts_megatron_keywords_and_rejects_conflicts():
         ColocatedBridgeCommunicator(None, None, src_module_name="b", src_name="a")
     with pytest.raises(TypeError, match=r"dest_name must be a str, got int"):
         ColocatedBridgeCommunicator(None, None, dest_module_name=3)
+
+
+def test_importing_the_integration_does_not_import_megatrons_mimo_stack():
+    code = (
+        "import sys, mp_bridge.integrations.megatron\n"
+        "print(sorted(m for m in sys.modules if m.startswith('megatron.core.models.mimo')))"
+    )
+    out = subprocess.run([sys.executable, "-W", "ignore", "-c", code], capture_output=True,
+                         text=True, check=True, timeout=300)  # fmt: skip
+    assert out.stdout.strip() == "[]", out.stdout
