@@ -1,20 +1,22 @@
 """Every difference between the megatron-core versions we support (0.16.x - 0.19.x).
 
 The rest of mp_bridge never branches on megatron's version: it calls these helpers.
+Read from each release's source (0.16.1, 0.17.0, 0.18.0, 0.19.2); the suite runs on 0.16.1
+and 0.19.2:
 
-==========================================  ======================  =======================
-difference (read from each release's source) 0.16                  0.17 / 0.18 / 0.19
-==========================================  ======================  =======================
-``grid.get_pg("x")``, grid has no axis x     ``KeyError``            ``KeyError`` / same /
-                                                                     ``ValueError``
-``grid.get_pg(["x", ...])``, no axis x       ``ValueError``          ``ValueError``
-``grid.get_pg(axis)``, group never created   ``KeyError``            ``KeyError``
-``HyperCommGrid.destroy()``                  absent                  frees the grid's groups
-``MimoModel`` builds megatron's              absent                  0.17 absent; 0.18, 0.19:
-``ColocatedBridgeCommunicator``                                      ``mimo.model.base``
-Python the wheel declares                    ``>=3.10``              ``>=3.12``
-``import megatron.core`` needs ``triton``    no                      yes (even on CPU)
-==========================================  ======================  =======================
+============================================  ==============  ================================
+difference                                    0.16            0.17 - 0.19
+============================================  ==============  ================================
+``grid.get_pg("x")``, the grid has no axis x  ``KeyError``    ``KeyError`` (0.17, 0.18),
+                                                              ``ValueError`` (0.19)
+``grid.get_pg(["x", ...])``, no axis x        ``ValueError``  ``ValueError``
+``grid.get_pg(axis)``, group never created    ``KeyError``    ``KeyError``
+``HyperCommGrid.destroy()``                   absent          frees the grid's groups
+``MimoModel``'s colocated communicator        absent          absent (0.17);
+                                                              ``mimo.model.base`` (0.18, 0.19)
+Requires-Python of the wheel                  ``>=3.10``      ``>=3.12``
+``import megatron.core`` imports ``triton``   no              yes (0.19, even on CPU)
+============================================  ==============  ================================
 
 :func:`get_pg_or_none` catches both error types on every version (so a missing group is
 never mistaken for another error, whichever version raised it), :func:`grid_destroy`
