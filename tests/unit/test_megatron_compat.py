@@ -21,7 +21,7 @@ from mp_bridge.grid.megatron_compat import (
     megatron_core_version,
     mimo_model_module,
 )
-from mp_bridge.models.build import _pg
+from mp_bridge.models.groups import grid_group
 
 
 class _Grid016:
@@ -71,11 +71,11 @@ def test_get_pg_or_none_lets_other_errors_through():
 
 @pytest.mark.parametrize("grid_cls", [_Grid016, _Grid019])
 def test_build_hint_survives_each_versions_error(grid_cls):
-    # models/build._pg turns a missing group into a ValueError with the make_grid fix.
+    # models.groups.grid_group turns a missing group into a ValueError with the make_grid fix.
     grid = grid_cls()
-    grid.dim_names, grid.shape = ["tp"], [2]
+    grid.dim_names, grid.shape = ["tp", "cp"], [2, 2]
     with pytest.raises(ValueError, match=r"has no 'cp' process group; create it with make_grid"):
-        _pg(grid, "cp")
+        grid_group(grid, ["cp"])
 
 
 def test_grid_destroy_only_when_the_grid_has_one():
