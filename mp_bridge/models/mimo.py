@@ -58,7 +58,10 @@ class ColocatedMimoModel(MimoFlow):
         groups: the :class:`MimoGroups` these came from (DP groups default to its
             fields; :func:`destroy_colocated_mimo` frees it).
 
-    The model creates no process group. A DP group left out (and not in ``groups``) is
+    ``model(input_ids, labels, loss_mask, images=None)`` is :meth:`MimoFlow.forward` on
+    this rank's shards (LLM DP shard of the text, encoder DP shard of the images, uniform
+    or :class:`RaggedImages`); the stages below implement it. The model creates no
+    process group. A DP group left out (and not in ``groups``) is
     looked up on the bridge's grids (``bridge.src_grid.get_pg('dp')``,
     ``bridge.dest_grid.get_pg(['dp', 'cp'])``), so the plain signature
     ``ColocatedMimoModel(encoder, projection, llm, bridge, partition, image_token_id=i)``
