@@ -307,8 +307,9 @@ class PartitionAdapter:
         lengths if the batch was packed: the original ones (padding is dropped) or the
         padded ``ShardedBatch.cu_seqlens`` (nothing dropped). ``seq_len``: the original
         length of a plain batch that ``shard`` padded (default: keep the padded length).
-        E.g. with SP at tp=2, cp=2 and ``[2, 16, h]`` input: ``unshard(batch.embeddings)`` gathers ``[2, 4, h]`` pieces and
-        ``unshard(batch.labels)`` gathers ``[2, 8]`` pieces, both back to length 16.
+        E.g. with SP at tp=2, cp=2 and ``[2, 16, h]`` input: ``unshard(batch.embeddings)``
+        gathers ``[2, 4, h]`` pieces and ``unshard(batch.labels)`` gathers ``[2, 8]`` pieces,
+        both back to length 16.
 
         Forward: all-gather over TP (with SP), then over CP, then a fixed permutation back
         to sequence order — one all-gather per group of size > 1.
