@@ -38,8 +38,10 @@ import torch.distributed as dist
 from mp_bridge.grid import MISSING_PG_ERRORS, GridLayout
 
 from .bridge_plan import BridgeDirection, BridgePlan, plan_bridge
+from .partition import PartitionAdapter
 from .primitives import all_gather_tensor, all_reduce_sum, copy_to_group, forbid_double_backward
 from .ragged import bridge_ragged
+from .route import make_route_group, route_image_rows
 
 __all__ = ["ColocatedBridgeCommunicator"]
 
@@ -146,12 +148,13 @@ class ColocatedBridgeCommunicator:
     Construction is collective over the whole world: every rank (even one outside the
     grids) must build the communicator with the same arguments, in the same order as its
     other group creations. It validates the layouts (``plan_bridge``) and ``dim_mapping``
-    before creating any group, then creates the gather groups with the world's default
-    backend; it owns those and frees them in ``destroy()``. The dest CP group (needed when
-    dest CP > 1) belongs to the grid: ``dest_grid.get_pg('cp')``, created on the grid with
-    ``create_pg('cp')`` if it lacks one (``mp_bridge.models.make_mimo_groups`` builds it
-    with every other group up front). Only a pure ``GridLayout``, which holds no groups,
-    makes the communicator create (and free) the CP groups itself.
+    before creating any group, then creates the gather and ``route`` groups (the latter
+    reuse the CP group when equal) with the default backend; it owns those and frees them
+    in ``destroy()``. The dest CP group (needed when dest CP > 1) belongs to the grid:
+    ``dest_grid.get_pg('cp')``, created on the grid with ``create_pg('cp')`` if it lacks
+    one (``mp_bridge.models.make_mimo_groups`` builds it with every other group up front).
+    Only a pure ``GridLayout``, which holds no groups, makes the communicator create (and
+    free) the CP groups itself.
 
     Args:
         src_grid, dest_grid: megatron-core ``HyperCommGrid``s on the same ranks (or
@@ -205,6 +208,8 @@ class ColocatedBridgeCommunicator:
         self._gather_group: dist.ProcessGroup | None = None
         self.src_grid, self.dest_grid = src_grid, dest_grid
         self._cp_group: dist.ProcessGroup | None = None
+        self._route_group: dist.ProcessGroup | None = None
+        self._route_members: tuple[int, ...] = (self._rank,)
         self._destroyed = False
 
         try:
@@ -220,6 +225,10 @@ class ColocatedBridgeCommunicator:
                     # torch orders a group's ranks ascending; the plan's concatenation order
                     # (by dp coordinate) is ascending too, so slot == group rank.
                     assert dist.get_process_group_ranks(pg) == list(members), members
+            self._route_group, self._route_members, owned = make_route_group(
+                self._plan, self._rank, self._cp_group
+            )
+            self._owned += owned
         except BaseException:
             self.destroy()  # do not leak the groups created so far
             raise
@@ -362,6 +371,39 @@ class ColocatedBridgeCommunicator:
             cp_group=self._cp_group,
         )
 
+    def route(
+        self,
+        x: torch.Tensor,
+        *,
+        tokens_per_sample: torch.Tensor | Sequence[int],
+        image_mask: torch.Tensor,
+        partition: PartitionAdapter,
+        cu_seqlens: Sequence[int] | torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Image tokens of this rank's encoder batch -> the image rows of its LLM shard.
+
+        ``x`` ``[T, *rest]``, ``tokens_per_sample``: as in :meth:`communicate_ragged`.
+        ``image_mask``: bool ``[B, S]`` of this rank's LLM DP batch (packed: ``[T_llm]``
+        with ``cu_seqlens``, one document per sample), the same on every rank of the
+        replica; sample ``i``'s ``j``-th ``True`` takes its ``j``-th image token.
+        ``partition``: the LLM's adapter. Returns ``[n_local, *rest]``, the rows
+        ``partition.shard(full).embeddings`` holds at image positions, in shard order.
+        Collectives, bytes, backward and errors: see :mod:`mp_bridge.comm.route`.
+        """
+        if self._destroyed:
+            raise RuntimeError("route() after destroy(); build a new communicator")
+        return route_image_rows(
+            x,
+            tokens_per_sample,
+            image_mask,
+            partition,
+            cu_seqlens=cu_seqlens,
+            plan=self._plan,
+            rank=self._rank,
+            group=self._route_group,
+            members=self._route_members,
+        )
+
     # ------------------------------------------------------------------ lifecycle
     def destroy(self) -> None:
         """Free every process group this communicator created (idempotent, every rank)."""
@@ -373,6 +415,7 @@ class ColocatedBridgeCommunicator:
             dist.destroy_process_group(pg)
         self._gather_group = None
         self._cp_group = None
+        self._route_group = None
 
     def __enter__(self) -> ColocatedBridgeCommunicator:
         return self
