@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["reference"]
+__all__ = ["Checks", "reference"]
 
 
 def reference(
@@ -36,8 +36,8 @@ def reference(
     if ignore_index is not None:
         keep = target != ignore_index
     picked = logp.gather(-1, torch.where(keep, target, 0).unsqueeze(-1)).squeeze(-1)
-    p = logp.exp()
-    entropy = -torch.where(p > 0, p * logp, 0.0).sum(-1)
+    finite = torch.where(torch.isinf(logp), 0.0, logp)  # 0 log 0 = 0, and no nan gradient
+    entropy = -(logp.exp() * finite).sum(-1)
     lse = torch.logsumexp(z, -1)
     z_loss = z_loss_weight * lse * lse
     if kind == "ce":
@@ -49,3 +49,27 @@ def reference(
         value = picked
     zero = torch.zeros((), dtype=z.dtype, device=z.device)
     return tuple(torch.where(keep, v, zero) for v in (value, entropy, z_loss))
+
+
+class Checks:
+    """Collect failures and raise at the end of a multi-rank case: a rank leaving a case
+    early would leave its peers waiting in the next collective (a hang, not a report)."""
+
+    def __init__(self) -> None:
+        self.failures: list[str] = []
+
+    def close(self, actual, expected, what, **tol) -> None:
+        try:
+            torch.testing.assert_close(actual.double(), expected.double(), **tol)
+        except AssertionError as exc:
+            self.failures.append(f"{what}: {exc}")
+
+    def equal(self, actual, expected, what) -> None:
+        if actual.shape != expected.shape:
+            self.failures.append(f"{what}: shape {actual.shape} != {expected.shape}")
+        elif not torch.equal(actual, expected):
+            diff = (actual.double() - expected.double()).abs().max().item()
+            self.failures.append(f"{what}: not bitwise equal (max diff {diff:.3g})")
+
+    def done(self) -> None:
+        assert not self.failures, "\n".join(self.failures)
