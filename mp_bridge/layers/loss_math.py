@@ -33,8 +33,9 @@ op is element-wise, a reduction over the last dim, or one indexed element per ro
 bits of a row depend on that row alone, never on T or K (which vary with the chunk and the
 TP size): ATen reduces each row whole with the same inner kernel whatever the number of
 rows (its threads split rows, never a row), and element-wise results do not depend on
-where a kernel's vector body ends (checked for exp, the only transcendental, with 1-3
-threads on this build; ``tests/unit/test_vocab_blocks.py``).
+where a kernel's vector body ends (checked for exp with 1-3 threads on this build,
+``tests/unit/test_vocab_blocks.py``; tanh of the soft-cap and log of the entropy by the
+bitwise TP / chunk / batch tests of ``tests/functional/test_rl_head_options.py``).
 """
 
 from __future__ import annotations

@@ -12,6 +12,12 @@ vocab of ``C = vocab_size`` classes, in fp32 whatever the input dtype):
 - log-probs: ``log_softmax(z / T)[t]``.
 - entropy: ``-sum_c p_c log p_c``; gradient ``-p_j (log p_j + H)``.
 
+Options (``loss_math.LossSpec``): ``z = softcap(logits) / temperature`` with ``softcap(x)
+= c tanh(x / c)``; the cross-entropy's ``z_loss_weight * lse**2`` (``return_z_loss``);
+``ignore_index`` on log-probs; ``return_entropy`` on log-probs (the entropy of the same
+distribution from the same pass). ``-inf`` logits (vocabulary masks, whole blocks or
+shards) give finite values and gradients in every mode.
+
 Default mode: two forward collectives (MAX, then one batched SUM), none in backward
 (``materialized``, ``loss_reduce``). ``invariant=True`` (``invariant_cross_entropy`` /
 ``invariant_logprobs``): bitwise identical for every TP size whose shard is a whole

@@ -1,19 +1,22 @@
 """Autograd Functions over materialized vocab-parallel logits ``[..., V_local]``.
 
-- ``DefaultCrossEntropy``: per-token ``(1-eps) * nll + eps * smooth`` of ``scale *
-  logits`` (ignored tokens 0). Forward: the global row max (``all_reduce_max_``), then one
-  batched ``all_reduce_sum_`` of ``[sum_c exp(z_c - m), z_t - m, sum_c (z_c - m)]``
-  (the last only with smoothing). Backward, no collective: the saved ``m + lse`` turns
-  recomputed logits into the softmax, then ``softmax_grad_rows_`` (weight last).
+- ``DefaultCrossEntropy``: per-token ``(1-eps) * nll + eps * smooth (+ zw * lse**2)`` of
+  ``scale * softcap(logits)`` (ignored tokens 0), optionally with the entropy of the same
+  softmax as a second output. Forward: the global row max (``all_reduce_max_``), then one
+  batched ``all_reduce_sum_`` of ``[sum_c exp(z_c - m), z_t - m, sum_c (z_c - m), sum_c
+  exp(z_c - m) (z_c - m)]`` (the third only with smoothing, the last only with entropy).
+  Backward, no collective: the saved ``m + lse`` turns recomputed logits into the
+  softmax, then ``softmax_grad_rows_`` (weight last), times the soft-cap derivative.
 - ``DefaultEntropy``: ``-sum_c p_c log p_c``; forward MAX, then SUM of ``[sum exp(z - m),
   sum exp(z - m) (z - m)]``; backward ``-g p_j (log p_j + H)``.
-- ``InvariantLoss``: the affine form of ``LossSpec`` on fixed ``[TOKEN_TILE,
-  VOCAB_BLOCK]`` tiles in batches of tiles, one ``gather_fold`` per call; backward
-  recomputes each block's ``exp(z - m)`` and applies ``softmax_grad_blocks_``.
+- ``InvariantLoss``: the affine form of ``LossSpec`` (and its entropy) on fixed
+  ``[TOKEN_TILE, VOCAB_BLOCK]`` tiles in batches of tiles, one ``gather_fold`` per call;
+  backward recomputes each block's ``exp(z - m)`` and applies ``softmax_grad_blocks_``.
 
-Logits are never modified; padding columns (ids >= ``vocab_size``) never enter a softmax.
-Statistics are fp32 (fp64 for fp64 logits); input gradients have the logits' dtype.
-Every backward refuses ``create_graph=True`` (``forbid_double_backward``).
+Logits are never modified; padding columns (ids >= ``vocab_size``) never enter a softmax;
+``-inf`` logits are exact zeros of every sum (``loss_math``). Statistics are fp32 (fp64
+for fp64 logits); input gradients have the logits' dtype. Every backward refuses
+``create_graph=True`` (``forbid_double_backward``).
 """
 
 from __future__ import annotations
