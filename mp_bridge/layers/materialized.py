@@ -105,8 +105,10 @@ class DefaultCrossEntropy(torch.autograd.Function):
         parts = [e.sum(-1), picked]
         eps = spec.label_smoothing
         if eps > 0:
-            # Sum of the shifted logits over this shard's *valid* columns (-inf -> 0).
-            parts.append(torch.where(torch.isinf(x), 0.0, x).sum(-1))
+            # Sum of the shifted logits over this shard's true columns (padding -> 0; a
+            # -inf logit of a true id makes it -inf and the loss inf, as in torch).
+            padding = torch.arange(x.shape[-1], device=x.device) >= shard.num_real
+            parts.append(torch.where(padding, 0.0, x).sum(-1))
         if spec.entropy:
             parts.append(_xexp(x, e))
         del e

@@ -219,3 +219,23 @@ def test_bad_options_are_clear_errors():
         fused_linear_logprobs(hidden, weight, bad, ignore_index=-100)
     with pytest.raises(ValueError, match="target shape"):
         fused_linear_logprobs(hidden.view(3, 4, H), weight, t)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_label_smoothing_over_masked_ids_is_inf_like_torch(path):
+    """A -inf logit of a true id is part of the smoothing mean: loss inf, gradient finite
+    (F.cross_entropy's behaviour), in every path. The fused paths get -inf from a weight
+    column of -3e38 times a hidden feature of 4 (fp32 overflow)."""
+    hidden, weight, target = _inputs(20)
+    hidden[:, -1], weight[:, -1] = 4.0, 0.0
+    weight[100:300, -1], weight[100:300, :-1] = -3e38, 0.0
+    target[target >= 0] = target[target >= 0] % 100
+    ours = _call(path, "ce", hidden, weight, target, label_smoothing=0.1)
+    x = (hidden.double() @ weight.double().t()).masked_fill(weight[:, -1] < 0, float("-inf"))
+    x.requires_grad_()
+    ref = torch.nn.functional.cross_entropy(x, target, label_smoothing=0.1, reduction="none")
+    ref.backward(_ups(20, 1)[0].double())
+    torch.testing.assert_close(ours[0][0].double(), ref.detach(), **FP32)
+    assert torch.isinf(ours[0][0][target >= 0]).all() and torch.isfinite(ours[1][0]).all()
+    if path.startswith("materialized"):
+        torch.testing.assert_close(ours[1][0].double(), x.grad, **FP32)
