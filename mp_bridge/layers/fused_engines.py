@@ -105,7 +105,7 @@ class DefaultEngine:
         z = z if z.dtype == torch.float32 else z.float()
         deriv = transform_logits_(z, self.spec)
         if deriv is not None:
-            deriv[:, self.shard.num_real :] = 0.0  # padding rows: whatever the caller had
+            deriv[:, self.shard.num_real :] = 0.0  # padding columns (the weight's padding rows)
         return z, deriv
 
     def forward_chunk(self, h: torch.Tensor, t: torch.Tensor) -> ChunkResult:
