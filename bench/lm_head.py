@@ -222,7 +222,7 @@ def main(argv: list[str] | None = None) -> None:
 
         cells = [
             both("fused", "megatron"),
-            _fmt_ratio(_ratio(rows, "fused", "materialized", 0)),
+            f"{_ratio(rows, 'fused', 'materialized', 0) or 0:.3f}",
             both("fused_inv", "fused"),
             both("fused", "floor"),
             both("fused_inv", "floor"),

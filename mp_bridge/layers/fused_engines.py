@@ -147,16 +147,23 @@ def _add_(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return x.add_(y)
 
 
+#: Blocks per batched ``d hidden`` product: a ``[_GROUP, TOKEN_TILE, H]`` fp32 buffer each.
+_GROUP = 8
+
+
 @dataclass(frozen=True, eq=False)
 class InvariantEngine:
     """Fixed ``[TOKEN_TILE, H] x [H, VOCAB_BLOCK]`` matmuls, batched block math, tree folds.
 
     A chunk of ``C`` tokens is ``T = ceil(C / TOKEN_TILE)`` tiles (the last one zero
     padded); its logits are one fp32 ``[T, K, TOKEN_TILE, VOCAB_BLOCK]`` batch over the
-    ``K`` real local blocks, filled by one ``mm(..., out=)`` per (tile, block); the
+    ``K`` real local blocks, filled by one ``bmm`` per tile over its ``K`` blocks; the
     hidden gradient uses ``[TOKEN_TILE, B] x [B, H]`` and the weight gradient ``[B,
-    TOKEN_TILE] x [TOKEN_TILE, H]`` (tiles added in token order). Chunks must start on a
-    multiple of ``TOKEN_TILE`` so tiles are the same for every chunk size.
+    TOKEN_TILE] x [TOKEN_TILE, H]`` (tiles added in token order), batched the same way.
+    Each batch entry is the fixed-shape product of one (tile, block) (``bmm`` gives the
+    bits of one ``mm`` per block on this build, checked; and the batch splits over
+    threads, where one small ``mm`` per block would split each tiny product). Chunks must
+    start on a multiple of ``TOKEN_TILE`` so tiles are the same for every chunk size.
 
     Cost: the FLOPs of the default engine, in fixed small matmuls; about 10 batched block
     kernels per chunk, not per (tile, block). The hidden gradient adds ``K - 1`` adds of
@@ -180,21 +187,22 @@ class InvariantEngine:
         hb.view(-1, hd)[:n] = h
         return hb
 
-    def _w_block(self, j: int) -> torch.Tensor:
-        b = self.layout.block
-        return self.weight[j * b : (j + 1) * b]
+    def _w_blocks(self) -> torch.Tensor:
+        """``[K, B, H]``: the real local blocks of the weight."""
+        k, b = self.layout.num_local, self.layout.block
+        return self.weight[: k * b].reshape(k, b, self.weight.shape[1])
 
     def _logits(self, hb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         tiles, k, b = hb.shape[0], self.layout.num_local, self.layout.block
         z = torch.empty((tiles, k, TOKEN_TILE, b), dtype=torch.float32, device=hb.device)
-        low = None if hb.dtype == torch.float32 else hb.new_empty((TOKEN_TILE, b))
-        for j in range(k):  # block-major: the weight block stays in cache across tiles
-            wt = self._w_block(j).t()
-            for i in range(tiles):
-                if low is None:
-                    torch.mm(hb[i], wt, out=z[i, j])  # (TOKEN_TILE, H) @ (H, B)
-                else:
-                    z[i, j].copy_(torch.mm(hb[i], wt, out=low))
+        wt = self._w_blocks().transpose(1, 2)  # [K, H, B]
+        low = None if hb.dtype == torch.float32 else hb.new_empty((k, TOKEN_TILE, b))
+        for i in range(tiles if k else 0):
+            hi = hb[i].expand(k, TOKEN_TILE, hb.shape[2])  # one tile against every block
+            if low is None:
+                torch.bmm(hi, wt, out=z[i])  # K x (TOKEN_TILE, H) @ (H, B)
+            else:
+                z[i].copy_(torch.bmm(hi, wt, out=low))
         deriv = transform_logits_(z, self.spec)
         if deriv is not None and k and self.layout.tail < b:
             deriv[:, k - 1, :, self.layout.tail :] = 0.0  # padding columns
@@ -250,28 +258,26 @@ class InvariantEngine:
         if deriv is not None:
             g.mul_(deriv)
         g = g if h.dtype == torch.float32 else g.to(h.dtype)
-        pool: list[torch.Tensor] = []  # [TOKEN_TILE, H] partials freed by the fold, reused
+        k = lay.num_local
+        wb = self._w_blocks()  # [K, B, H]
+        gw_blocks = None if gw is None else gw[: k * b].view(k, b, hd)
 
         def leaves(i: int):
-            # A generator: the fold keeps O(log K) [TOKEN_TILE, H] partials alive.
-            for j in lay.real_local_blocks:
-                gij = g[i, j]
-                if gw is not None:  # tiles in token order: d W sums tokens tile by tile
-                    _accumulate_weight_grad(gw[j * b : (j + 1) * b], gij, hb[i])
-                out = pool.pop() if pool else hb.new_empty((TOKEN_TILE, hd), dtype=torch.float32)
+            # A generator over groups of blocks: the fold keeps O(log K) partials alive.
+            gi, hi = g[i], hb[i].expand(k, TOKEN_TILE, hd)
+            if gw_blocks is not None and k:  # tiles in token order: d W sums tile by tile
                 if h.dtype == torch.float32:
-                    torch.mm(gij, self._w_block(j), out=out)  # (TOKEN_TILE, B) @ (B, H)
+                    gw_blocks.baddbmm_(gi.transpose(1, 2), hi)  # K x (B, TILE) @ (TILE, H)
                 else:
-                    out.copy_(torch.mm(gij, self._w_block(j)))
-                yield lay.first + j, out
-
-        def add_(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-            x.add_(y)
-            pool.append(y)
-            return x
+                    gw_blocks.add_(torch.bmm(gi.transpose(1, 2), hi).float())
+            for j0 in range(0, k, _GROUP):
+                part = torch.bmm(gi[j0 : j0 + _GROUP], wb[j0 : j0 + _GROUP])  # (TILE, B) @ (B, H)
+                part = part if part.dtype == torch.float32 else part.float()
+                for j in range(part.shape[0]):
+                    yield lay.first + j0 + j, part[j]
 
         # Tile by tile (partials stay O(log K) x one tile); pieces stacked over tiles.
-        per_tile = [stream_fold(leaves(i), add_) for i in range(tiles)]
+        per_tile = [stream_fold(leaves(i), _add_) for i in range(tiles)]
         pieces = [
             (piece, torch.stack([tile[p][1] for tile in per_tile]))
             for p, (piece, _) in enumerate(per_tile[0])
