@@ -8,13 +8,21 @@ Methods (each rank holds the ``[V/tp, H]`` shard and the TP-replicated ``[N, H]`
 - (c) ``fused``: ``fused_linear_cross_entropy`` (default chunking)
 - (d) ``fused_inv``: ``fused_linear_cross_entropy(invariant=True)``
 
+- floor: three GEMMs' worth of FLOPs (``3 * 2 N H V/tp``: logits, d hidden, d weight) at
+  the GFLOP/s of one plain ``[N, H] x [H, V/tp]`` ``torch.mm`` measured by every rank at
+  the same time, in the same processes, in turn with the methods (max over ranks of 3 x
+  its best time).
+
 Peak extra memory = max over ranks of (peak RSS during the call - RSS before it), with
 glibc told to mmap every allocation over 64 KiB so freed tensors leave; time = max over
 ranks of the wall time of one fwd+bwd (after a small warm-up), gloo on CPU, fp32; cpu =
 the same for the process CPU time (user + system) of each rank, which other jobs on a
 shared machine disturb much less than wall time. With ``--repeat R`` the methods run R
 times in turn (a, b, c, d, a, b, ...) and each figure is the best of the R (memory: the
-worst). Prints a markdown table and the command. Never asserts on time.
+worst). ``--threads`` takes several values (``0`` = ``cores // TP``, the default runs
+1 and ``cores // TP``). Prints the command, the load average before and after, a markdown
+table, and the issue-16 target ratios per (V, TP, threads): (c)/(b) time, (c)/(a) peak
+memory, (d)/(c), (c)/floor and (d)/floor. Never asserts on time.
 
     .venv/bin/python bench/lm_head.py                       # the issue-7 grid
     .venv/bin/python bench/lm_head.py --vocab 65536 --repeat 2   # steadier on a busy box
@@ -102,8 +110,11 @@ def _rank_bench(
     w0 = w_full[rank * v_local : (rank + 1) * v_local].clone()
     del w_full
     target = torch.randint(0, vocab, (n,), generator=g)
-    out: dict[str, tuple] = {}
+    out: dict[str, tuple] = {"floor": (0, float("inf"), float("inf"))}
     for _ in range(repeat):
+        # The floor is taken in turn with the methods, best of the repeats like them.
+        wall, cpu = _gemm_floor(h0, w0)
+        out["floor"] = (0, min(out["floor"][1], wall), min(out["floor"][2], cpu))
         for method in methods:
             if method in out and out[method][0] is None:
                 continue  # failed once: do not retry
@@ -113,6 +124,21 @@ def _rank_bench(
                 result = (max(old[0], result[0]), min(old[1], result[1]), min(old[2], result[2]))
             out[method] = result
     return out
+
+
+def _gemm_floor(h0: torch.Tensor, w0: torch.Tensor) -> tuple[float, float]:
+    """3 x the best (wall, cpu) time of one plain ``[N, H] x [H, V/tp]`` matmul (all ranks
+    at once)."""
+    wt = w0.t()
+    torch.mm(h0[:64], wt)  # warm-up
+    wall = cpu = float("inf")
+    for _ in range(2):
+        dist.barrier()
+        t0, c0 = time.perf_counter(), time.process_time()
+        torch.mm(h0, wt)
+        wall = min(wall, time.perf_counter() - t0)
+        cpu = min(cpu, time.process_time() - c0)
+    return 3 * wall, 3 * cpu
 
 
 def _one_run(method, tp, hidden, v_local, w0, h0, target, group):
@@ -139,6 +165,10 @@ def _one_run(method, tp, hidden, v_local, w0, h0, target, group):
         return (None, f"{type(exc).__name__}: {exc}"[:120], None)
 
 
+def _fmt_ratio(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.2f}"
+
+
 def main(argv: list[str] | None = None) -> None:
     warnings.filterwarnings("ignore")  # megatron's apex / CUDA_DEVICE_MAX_CONNECTIONS notes
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -151,56 +181,102 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument(
         "--threads",
         type=int,
-        default=None,
-        help="intra-op threads per rank (default: cores // TP, at least 1, so TP=1 uses "
-        "every core instead of leaving all but one idle)",
+        nargs="+",
+        default=[1, 0],
+        help="intra-op threads per rank; 0 = cores // TP (at least 1); default: 1 and 0",
     )
     args = p.parse_args(argv)
     cores = os.cpu_count() or 1
     print(f"command: {' '.join([os.path.basename(sys.executable), *sys.argv])}")
     print(
-        f"N={args.n} H={args.hidden} fp32 CPU, torch {torch.__version__}, "
-        f"{cores} CPU cores, gloo, "
-        f"{args.threads or 'cores // TP'} thread(s) per rank, best of {args.repeat}\n"
+        f"N={args.n} H={args.hidden} fp32 CPU, torch {torch.__version__}, {cores} CPU cores, "
+        f"gloo, best of {args.repeat}; load average at start: "
+        + " ".join(f"{x:.1f}" for x in os.getloadavg())
+        + "\n"
     )
-    header = "| V | TP | method | peak extra MiB | x (a) | fwd+bwd s | x (a) | cpu s | x (a) |"
-    print(header + "\n|---|---|---|---|---|---|---|---|---|")
+    header = (
+        "| V | TP | threads | method | peak extra MiB | x (a) | fwd+bwd s | x (a) | cpu s | x (a) |"
+    )
+    print(header + "\n|---|---|---|---|---|---|---|---|---|---|")
     start = time.perf_counter()
+    verdicts = []
     for vocab in args.vocab:
         for tp in args.tp:
-            per_rank = run_distributed(
-                _rank_bench,
-                tp,
-                args.n,
-                args.hidden,
-                vocab,
-                tuple(args.methods),
-                args.repeat,
-                args.threads or max(1, cores // tp),
-                timeout_s=1200,
-            )
-            base = None
-            for method in args.methods:
-                results = [r[method] for r in per_rank]
-                if any(r[0] is None for r in results):
-                    print(f"| {vocab} | {tp} | {method} | n/a | | {results[0][1]} | | | |")
-                    continue
-                mem = max(r[0] for r in results)
-                sec = max(r[1] for r in results)
-                cpu = max(r[2] for r in results)
-                if method == "materialized":
-                    base = (mem, sec, cpu)
-                rm, rt, rc = (
-                    (f"{mem / base[0]:.3f}", f"{sec / base[1]:.2f}", f"{cpu / base[2]:.2f}")
-                    if base
-                    else ("", "", "")
-                )
-                print(
-                    f"| {vocab} | {tp} | {method} | {mem / 2**20:.0f} | {rm} | {sec:.2f} | {rt} "
-                    f"| {cpu:.2f} | {rc} |",
-                    flush=True,
-                )
-    print(f"\ntotal wall {time.perf_counter() - start:.0f} s")
+            threads = sorted({t or max(1, cores // tp) for t in args.threads})
+            for nthreads in threads:
+                rows = _bench_one(args, vocab, tp, nthreads)
+                verdicts.append((vocab, tp, nthreads, rows))
+    print(
+        f"\ntotal wall {time.perf_counter() - start:.0f} s; load average at end: "
+        + " ".join(f"{x:.1f}" for x in os.getloadavg())
+    )
+    print("\nTargets (issue 16): (c)/(b) time <= 1, (c)/(a) memory <= 0.125, (d)/(c) <= 1.15\n")
+    print("Each time ratio: wall / cpu (cpu: process CPU time, less disturbed by other jobs)\n")
+    print("| V | TP | threads | (c)/(b) time | (c)/(a) mem | (d)/(c) | (c)/floor | (d)/floor |")
+    print("|---|---|---|---|---|---|---|---|")
+    for vocab, tp, nthreads, rows in verdicts:
+
+        def both(a: str, b: str, rows=rows) -> str:
+            wall, cpu = _ratio(rows, a, b, 1), _ratio(rows, a, b, 2)
+            return f"{_fmt_ratio(wall)} / {_fmt_ratio(cpu)}"
+
+        cells = [
+            both("fused", "megatron"),
+            f"{_ratio(rows, 'fused', 'materialized', 0) or 0:.3f}",
+            both("fused_inv", "fused"),
+            both("fused", "floor"),
+            both("fused_inv", "floor"),
+        ]
+        print(f"| {vocab} | {tp} | {nthreads} | " + " | ".join(cells) + " |")
+
+
+def _ratio(rows: dict[str, tuple], a: str, b: str, i: int) -> float | None:
+    return rows[a][i] / rows[b][i] if a in rows and b in rows and rows[b][i] else None
+
+
+def _bench_one(args, vocab: int, tp: int, nthreads: int) -> dict[str, tuple]:
+    """Run every method at one (V, TP, threads), print its rows; ``{method: (mem, s, cpu)}``."""
+    per_rank = run_distributed(
+        _rank_bench,
+        tp,
+        args.n,
+        args.hidden,
+        vocab,
+        tuple(args.methods),
+        args.repeat,
+        nthreads,
+        timeout_s=1800,
+    )
+    base, rows = None, {}
+    rows["floor"] = (0, max(r["floor"][1] for r in per_rank), max(r["floor"][2] for r in per_rank))
+    for method in args.methods:
+        results = [r[method] for r in per_rank]
+        if any(r[0] is None for r in results):
+            print(f"| {vocab} | {tp} | {nthreads} | {method} | n/a | | {results[0][1]} | | | |")
+            continue
+        mem = max(r[0] for r in results)
+        sec = max(r[1] for r in results)
+        cpu = max(r[2] for r in results)
+        rows[method] = (mem, sec, cpu)
+        if method == "materialized":
+            base = (mem, sec, cpu)
+        rm, rt, rc = (
+            (f"{mem / base[0]:.3f}", f"{sec / base[1]:.2f}", f"{cpu / base[2]:.2f}")
+            if base
+            else ("", "", "")
+        )
+        print(
+            f"| {vocab} | {tp} | {nthreads} | {method} | {mem / 2**20:.0f} | {rm} | {sec:.2f} "
+            f"| {rt} | {cpu:.2f} | {rc} |",
+            flush=True,
+        )
+    _, floor_s, floor_c = rows["floor"]
+    rt, rc = (f"{floor_s / base[1]:.2f}", f"{floor_c / base[2]:.2f}") if base else ("", "")
+    print(
+        f"| {vocab} | {tp} | {nthreads} | floor (3 GEMMs) | | | {floor_s:.2f} | {rt} "
+        f"| {floor_c:.2f} | {rc} |"
+    )
+    return rows
 
 
 if __name__ == "__main__":

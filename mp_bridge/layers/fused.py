@@ -6,7 +6,11 @@ are padding and never enter a softmax: the layout of ``VocabParallelLMHead`` or 
 ``VocabParallelEmbedding``), ``target [N]``. Tokens are processed in chunks of
 ``chunk_size`` rows by a ``ChunkEngine`` (``fused_engines``); at most one chunk's fp32
 logits ``[chunk, V_local]`` exist at a time and the weight is never gathered. Statistics
-and gradients accumulate in fp32 whatever the input dtype; outputs are fp32.
+and gradients accumulate in fp32 whatever the input dtype; outputs are fp32. bf16 / fp16
+inputs are upcast once per call (one fp32 copy of ``hidden`` and of the shard), so logits
+and every gradient matmul are exact fp32-accumulated products (``logits_precision="input"``
+keeps the faster rounding mode). Options (``LossSpec``): temperature, soft-cap, z-loss,
+ignored ids on log-probs, and the entropy of the same distribution as a second output.
 
 Gradient strategy (memory vs compute):
 
@@ -40,6 +44,7 @@ from .loss_blocks import TOKEN_TILE, BlockLayout, pad_single_shard
 from .loss_checks import (
     check_fused_inputs,
     check_loss_args,
+    check_options,
     check_reduction,
     check_shard,
     check_target,
@@ -58,7 +63,9 @@ DEFAULT_CHUNK_ELEMENTS = 1 << 21
 
 class _FusedLinearLoss(torch.autograd.Function):
     """The chunk driver. Adjoint: ``d hidden`` rows reduced over TP by the engine, ``d
-    weight`` local to the shard. See the module docstring for when each is computed."""
+    weight`` local to the shard. See the module docstring for when each is computed.
+    Returns ``(values, extra)``: ``extra`` the per-token entropy with ``spec.entropy``,
+    else the z-loss reduced like the values (no gradient), else empty."""
 
     @staticmethod
     def forward(
@@ -69,36 +76,48 @@ class _FusedLinearLoss(torch.autograd.Function):
         w = spec.token_weight(target)
         values = torch.zeros(n, dtype=torch.float32, device=hidden.device)
         lse = torch.zeros_like(values)
+        entropy = torch.zeros_like(values) if spec.entropy else None
         gh = hidden.new_zeros((n, h_dim), dtype=torch.float32) if eager else None
         # No [V_local, H] buffer when the weight is frozen (d hidden is still reduced).
         eager_w = eager and ctx.needs_input_grad[1]
         gw = weight.new_zeros(weight.shape, dtype=torch.float32) if eager_w else None
         for rows in _chunks(n, chunk):
-            state, values[rows], lse[rows] = engine.forward_chunk(hidden[rows], target[rows])
+            res = engine.forward_chunk(hidden[rows], target[rows])
+            values[rows], lse[rows] = res.value, res.lse
+            if entropy is not None:
+                entropy[rows] = res.entropy
             if eager:
                 gh[rows] = engine.grad_chunk(
-                    state, hidden[rows], target[rows], lse[rows], w[rows], gw
+                    res.state, hidden[rows], target[rows], lse[rows], w[rows], gw
                 )
-            del state  # free this chunk's logits before the next chunk's exist
+            del res  # free this chunk's logits before the next chunk's exist
+        z_loss = lse * lse * spec.z_loss_weight if spec.z_loss_weight != 0.0 else None
         if spec.ignore_index is not None:
-            values.masked_fill_(target == spec.ignore_index, 0.0)
+            ignored = target == spec.ignore_index
+            values.masked_fill_(ignored, 0.0)
+            for v in (entropy, z_loss):
+                if v is not None:
+                    v.masked_fill_(ignored, 0.0)
         ctx.setup = (engine, spec, chunk, reduction, eager)
         ctx.grads = (gh, gw)
-        ctx.save_for_backward(hidden, weight, target, lse)
+        ctx.save_for_backward(hidden, weight, target, lse, entropy)
         if reduction == "none":
-            return values
+            return values, _extra(ctx, values, entropy, z_loss)
         total = values.sum()
+        z_total = None if z_loss is None else z_loss.sum()
         if reduction == "mean":
             count = (w != 0).sum().to(torch.float32)
             # Every gradient is 0 when no token counts: divide it by 1, not 0 (no nan).
             ctx.count = count.clamp(min=1.0)
-            return total / count  # nan when every token is ignored, like F.cross_entropy
-        return total
+            # nan when every token is ignored, like F.cross_entropy
+            z_total = None if z_total is None else z_total / count
+            return total / count, _extra(ctx, total, None, z_total)
+        return total, _extra(ctx, total, None, z_total)
 
     @staticmethod
-    def backward(ctx, grad_out):
+    def backward(ctx, grad_out, grad_extra):
         forbid_double_backward("fused_linear_cross_entropy / fused_linear_logprobs")
-        hidden, weight, target, lse = ctx.saved_tensors
+        hidden, weight, target, lse, entropy = ctx.saved_tensors
         engine, spec, chunk, reduction, eager = ctx.setup
         if eager:
             gh, gw = ctx.grads
@@ -115,15 +134,20 @@ class _FusedLinearLoss(torch.autograd.Function):
             if gw is not None:
                 gw.mul_(scale)
         else:
-            w = spec.token_weight(target) * grad_out.float()
+            token = spec.token_weight(target)
+            w = token * grad_out.float()
+            w_ent = token * grad_extra.float() if spec.entropy else None
             gh = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
             gw = None
             if ctx.needs_input_grad[1]:
                 gw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
             for rows in _chunks(hidden.shape[0], chunk):
                 state = engine.recompute(hidden[rows])
+                extra = {}
+                if spec.entropy:
+                    extra = {"entropy": entropy[rows], "w_ent": w_ent[rows]}
                 gh[rows] = engine.grad_chunk(
-                    state, hidden[rows], target[rows], lse[rows], w[rows], gw
+                    state, hidden[rows], target[rows], lse[rows], w[rows], gw, **extra
                 )
                 del state
         grad_h = gh.to(hidden.dtype) if ctx.needs_input_grad[0] else None
@@ -131,29 +155,62 @@ class _FusedLinearLoss(torch.autograd.Function):
         return grad_h, grad_w, None, None, None, None, None, None
 
 
+def _extra(ctx, like, entropy, z_loss) -> torch.Tensor:
+    if entropy is not None:
+        return entropy
+    out = z_loss if z_loss is not None else like.new_zeros(0)
+    ctx.mark_non_differentiable(out)
+    return out
+
+
 def _chunks(n: int, chunk: int):
     for s in range(0, n, chunk):
         yield slice(s, min(s + chunk, n))
 
 
+PRECISIONS = ("fp32", "input")
+
+
 def _fused_loss(
-    hidden, weight, target, spec_of, *, tp_group, vocab_size, chunk_size, invariant, reduction
+    hidden,
+    weight,
+    target,
+    spec_of,
+    *,
+    tp_group,
+    vocab_size,
+    chunk_size,
+    invariant,
+    reduction,
+    logits_precision,
 ):
     """Validate everything (before any collective), build the engine and run the loss.
 
-    ``spec_of(vocab_size) -> LossSpec`` once the true vocab size is known.
+    ``spec_of(vocab_size) -> LossSpec`` once the true vocab size is known. Returns
+    ``(values, extra)`` shaped like ``target`` (``reduction="none"``) or scalars.
     """
     check_fused_inputs(hidden, weight, chunk_size)
+    if logits_precision not in PRECISIONS:
+        raise ValueError(
+            f"logits_precision={logits_precision!r} must be one of {PRECISIONS} ('fp32': "
+            "exact fp32-accumulated logits; 'input': logits rounded to the input dtype)"
+        )
+    lead = tuple(hidden.shape[:-1])
     v_local = weight.shape[0]
     shard = check_shard(v_local, vocab_size, tp_group)
     spec = spec_of(shard.vocab_size)
     target = check_target(
         target,
-        (hidden.shape[0],),
+        lead,
         spec.vocab_size,
         spec.ignore_index,
-        shape_of="[N] of hidden [N, H]: ",
-    )
+        shape_of=f"the leading dims of hidden {tuple(hidden.shape)}: ",
+    ).reshape(-1)
+    hidden = hidden.reshape(-1, hidden.shape[-1])
+    if logits_precision == "fp32" and hidden.dtype in (torch.bfloat16, torch.float16):
+        # Products of bf16 / fp16 values are exact in fp32: the logits (and every gradient
+        # matmul) are fp32-accumulated and never rounded to the input dtype.
+        hidden, weight = hidden.float(), weight.float()
     if chunk_size is None:
         chunk_size = max(128, DEFAULT_CHUNK_ELEMENTS // v_local)
     chunk = max(1, min(chunk_size, hidden.shape[0]))
@@ -166,9 +223,13 @@ def _fused_loss(
     else:
         engine = DefaultEngine(weight, tp_group, shard, spec)
     needs_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
-    return _FusedLinearLoss.apply(
+    values, extra = _FusedLinearLoss.apply(
         hidden, weight, target, engine, spec, chunk, reduction, needs_grad
     )
+    if reduction == "none":
+        values = values.view(lead)
+        extra = extra.view(lead) if extra.numel() == values.numel() else extra
+    return values, extra
 
 
 def fused_linear_cross_entropy(
@@ -183,31 +244,55 @@ def fused_linear_cross_entropy(
     reduction: str = "mean",
     chunk_size: int | None = None,
     invariant: bool = False,
-) -> torch.Tensor:
+    temperature: float = 1.0,
+    softcap: float | None = None,
+    z_loss_weight: float = 0.0,
+    return_z_loss: bool = False,
+    logits_precision: str = "fp32",
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Cross-entropy of ``hidden @ full_weight[:vocab_size].T`` without materializing it.
 
-    Equals ``F.cross_entropy(F.linear(hidden, full_weight)[:, :vocab_size].float(), target,
-    ignore_index=, label_smoothing=, reduction=)`` where ``full_weight`` concatenates the
-    TP shards in rank order; "mean" divides by the number of non-ignored tokens of this
-    call (combine across DP/CP with ``masked_mean``); over only ignored tokens it is nan
-    with zero gradients, like torch. Returns fp32 (scalar, or ``[N]`` for "none").
-    ``target [N]``: any integer dtype. ``chunk_size=None``: about
-    ``DEFAULT_CHUNK_ELEMENTS`` logits per chunk. Not twice differentiable; with "mean" /
-    "sum" one backward per call (gradients are made in forward).
+    Equals ``F.cross_entropy(z, target, ignore_index=, label_smoothing=, reduction=)``
+    with ``z = softcap(F.linear(hidden, full_weight)[..., :vocab_size].float()) /
+    temperature`` (``softcap(x) = c tanh(x / c)``, none by default), where ``full_weight``
+    concatenates the TP shards in rank order, plus ``z_loss_weight * logsumexp(z)**2``
+    per counted token (exactly nothing when 0); ``return_z_loss=True`` returns ``(loss,
+    z_loss)``, the z-loss part reduced the same way (no gradient; for logging).
+    ``hidden [..., H]``, ``target [...]`` (any integer dtype, any leading shape; "none"
+    returns ``target``'s shape). "mean" divides by the number of non-ignored tokens of
+    this call (combine across DP/CP with ``masked_mean``); over only ignored tokens it is
+    nan with zero gradients, like torch. Returns fp32. ``chunk_size=None``: about
+    ``DEFAULT_CHUNK_ELEMENTS`` logits per chunk. ``logits_precision="fp32"`` (default):
+    bf16 / fp16 inputs are upcast once, so logits and gradients are fp32-accumulated
+    (exact products, never rounded to the input dtype); ``"input"``: matmuls in the input
+    dtype (logits rounded to it: log-prob errors 3e-2 to 5e-2 in bf16, 4e-3 to 8e-3 in fp16
+    at logits ~ N(0, 16), against ~5e-6 exact; bench/lm_head_accuracy.py). Not
+    twice differentiable; with "mean" / "sum" one backward per call (gradients are made
+    in forward).
     """
     reduction = check_reduction(reduction)
     ignore_index, eps = check_loss_args(ignore_index, label_smoothing)
-    return _fused_loss(
+    temp = check_temperature(temperature)
+    softcap, zw, _ = check_options(
+        softcap=softcap, z_loss_weight=z_loss_weight, flags={"return_z_loss": return_z_loss}
+    )
+    loss, z_loss = _fused_loss(
         hidden,
         weight,
         target,
-        lambda vocab: LossSpec.cross_entropy(vocab, ignore_index, eps),
+        lambda vocab: LossSpec.cross_entropy(
+            vocab, ignore_index, eps, temperature=temp, softcap=softcap, z_loss_weight=zw
+        ),
         tp_group=tp_group,
         vocab_size=vocab_size,
         chunk_size=chunk_size,
         invariant=invariant,
         reduction=reduction,
+        logits_precision=logits_precision,
     )
+    if not return_z_loss:
+        return loss
+    return loss, z_loss if zw != 0.0 else torch.zeros_like(loss.detach())
 
 
 def fused_linear_logprobs(
@@ -220,20 +305,36 @@ def fused_linear_logprobs(
     temperature: float = 1.0,
     chunk_size: int | None = None,
     invariant: bool = False,
-) -> torch.Tensor:
-    """``log_softmax(hidden @ full_weight[:vocab_size].T / temperature)[target]`` ``[N]`` fp32.
+    ignore_index: int | None = None,
+    softcap: float | None = None,
+    return_entropy: bool = False,
+    logits_precision: str = "fp32",
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """``log_softmax(z)[target]`` ``[...]`` fp32, ``z = softcap(hidden @
+    full_weight[:vocab_size].T) / temperature``; ``hidden [..., H]``, ``target [...]``.
 
-    Every target must be in ``[0, vocab_size)``. Gradients recompute logits in backward.
+    Every target must be in ``[0, vocab_size)``, except where it equals ``ignore_index``
+    (any int; ``None``: none), which gives 0 and gradient 0. ``return_entropy=True``
+    returns ``(logprobs, entropy)``, the entropy of the same ``softmax(z)`` (0 at
+    ``ignore_index``) from the same pass, with gradients through both. Gradients
+    recompute logits in backward. ``logits_precision``: as ``fused_linear_cross_entropy``.
     """
     temp = check_temperature(temperature)
-    return _fused_loss(
+    softcap, _, ignore_index = check_options(
+        softcap=softcap, ignore_index=ignore_index, flags={"return_entropy": return_entropy}
+    )
+    lp, entropy = _fused_loss(
         hidden,
         weight,
         target,
-        lambda vocab: LossSpec.logprob(vocab, temp),
+        lambda vocab: LossSpec.logprob(
+            vocab, temp, ignore_index=ignore_index, softcap=softcap, entropy=return_entropy
+        ),
         tp_group=tp_group,
         vocab_size=vocab_size,
         chunk_size=chunk_size,
         invariant=invariant,
         reduction="none",
+        logits_precision=logits_precision,
     )
+    return (lp, entropy) if return_entropy else lp

@@ -22,6 +22,7 @@ __all__ = [
     "check_logits",
     "check_loss_args",
     "check_reduction",
+    "check_options",
     "check_shard",
     "check_target",
     "check_temperature",
@@ -70,14 +71,14 @@ def check_logits(
 
 
 def check_fused_inputs(hidden: object, weight: object, chunk_size: object) -> None:
-    """``hidden [N, H]`` and ``weight [V_local, H]`` floating, same H, dtype and device."""
+    """``hidden [..., H]`` and ``weight [V_local, H]`` floating, same H, dtype and device."""
     for name, x in (("hidden", hidden), ("weight", weight)):
         if not isinstance(x, torch.Tensor) or not x.is_floating_point():
             raise TypeError(f"{name} must be a floating torch.Tensor, got {type(x).__name__}")
-    if hidden.dim() != 2 or weight.dim() != 2 or weight.shape[1] != hidden.shape[1]:
+    if hidden.dim() < 1 or weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
         raise ValueError(
-            f"need hidden [N, H] and weight [V_local, H] with the same H, got hidden "
-            f"{tuple(hidden.shape)} and weight {tuple(weight.shape)} (flatten batch dims first)"
+            f"need hidden [..., H] and weight [V_local, H] with the same H, got hidden "
+            f"{tuple(hidden.shape)} and weight {tuple(weight.shape)}"
         )
     if hidden.dtype != weight.dtype or hidden.device != weight.device:
         raise TypeError(
@@ -165,6 +166,35 @@ def check_temperature(temperature: object) -> float:
     if not 0.0 < temperature < float("inf"):  # also rejects nan
         raise ValueError(f"temperature={temperature!r} must be a finite float > 0 (1.0 = none)")
     return float(temperature)
+
+
+def check_options(
+    *,
+    softcap: object = None,
+    z_loss_weight: object = 0.0,
+    ignore_index: object = None,
+    flags: dict[str, object] | None = None,
+) -> tuple[float | None, float, int | None]:
+    """The RL-head options: ``softcap`` None or a finite float > 0, ``z_loss_weight`` a
+    finite float >= 0, ``ignore_index`` None or an int, every ``flags`` value a bool."""
+    if softcap is not None:
+        if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
+            raise TypeError(f"softcap must be a float or None, got {softcap!r}")
+        if not 0.0 < softcap < float("inf"):
+            raise ValueError(f"softcap={softcap!r} must be a finite float > 0 (None = no cap)")
+        softcap = float(softcap)
+    if isinstance(z_loss_weight, bool) or not isinstance(z_loss_weight, (int, float)):
+        raise TypeError(f"z_loss_weight must be a float, got {z_loss_weight!r}")
+    if not 0.0 <= z_loss_weight < float("inf"):
+        raise ValueError(f"z_loss_weight={z_loss_weight!r} must be a finite float >= 0 (0 = none)")
+    if ignore_index is not None and (
+        isinstance(ignore_index, bool) or not isinstance(ignore_index, int)
+    ):
+        raise TypeError(f"ignore_index must be an int or None, got {ignore_index!r}")
+    for name, flag in (flags or {}).items():
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be a bool, got {flag!r}")
+    return softcap, float(z_loss_weight), ignore_index
 
 
 def forbid_double_backward(name: str) -> None:

@@ -7,16 +7,18 @@ path                      statistics (forward)            ``d hidden`` (fused pa
 ========================  ==============================  ==================================
 materialized default      ``all_reduce_max_`` ``[...]``,  --
                           then ``all_reduce_sum_``
-                          ``[..., 2 or 3]`` per call
+                          ``[..., 2 to 4]`` per call
 fused default             ``gather_merge_stats``          ``all_reduce_sum_`` ``[C, H]``
-                          ``[tp, 4, C]`` per chunk        per chunk
+                          ``[tp, S, C]`` per chunk        per chunk
 invariant (both)          ``gather_fold``                 ``gather_fold``
-                          ``[P, 4, tiles, TOKEN_TILE]``   ``[P, tiles, TOKEN_TILE, H]``
+                          ``[P, S, tiles, TOKEN_TILE]``   ``[P, tiles, TOKEN_TILE, H]``
                           per call (materialized) or      per chunk
                           per chunk (fused)
 ========================  ==============================  ==================================
 
-All fp32 (the materialized default path: fp64 for fp64 logits). No loss issues a
+All fp32 (the materialized default path: fp64 for fp64 logits). ``S`` = 4 statistics per
+row, 5 with ``return_entropy`` (``loss_math.STATS``): the entropy widens the one stats
+exchange and adds no collective; z-loss, soft-cap and temperature add nothing. No loss issues a
 collective in backward except the fused ``reduction="none"`` / log-prob paths, which
 recompute chunks and reduce ``d hidden`` there. ``P`` is the most canonical subtrees a
 rank holds (1 for power-of-two aligned shards). The invariant paths never all-reduce: an
@@ -61,7 +63,7 @@ def all_reduce_sum_(x: torch.Tensor, tp_group: dist.ProcessGroup | None) -> torc
 
 
 def gather_merge_stats(stats: torch.Tensor, tp_group: dist.ProcessGroup | None) -> torch.Tensor:
-    """Global ``[4, C]`` statistics from every rank's ``[4, C]`` (one all-gather, rank order)."""
+    """Global ``[S, C]`` statistics from every rank's ``[S, C]`` (one all-gather, rank order)."""
     if group_size(tp_group) == 1:
         return stats
     gathered = all_gather_tensor(stats.unsqueeze(0), tp_group, 0)  # (tp, 4, C)

@@ -15,12 +15,8 @@ from mp_bridge.layers.loss_blocks import (
     num_real_blocks,
     target_slots,
 )
-from mp_bridge.layers.loss_math import (
-    LossSpec,
-    block_stats_,
-    combine_stats,
-    softmax_grad_blocks_,
-)
+from mp_bridge.layers.loss_grad import softmax_grad_blocks_
+from mp_bridge.layers.loss_math import LossSpec, block_stats_, combine_stats
 from mp_bridge.layers.loss_tree import fold_tree, local_pieces, max_pieces, stream_fold
 
 

@@ -1,0 +1,75 @@
+"""fp64 reference of every loss / log-prob / entropy option, written with plain torch ops.
+
+Import as ``from tests.loss_refs import reference``. Independent of ``mp_bridge``: the
+soft-cap is ``c * tanh(x / c)``, then division by the temperature, then torch's
+``log_softmax``; cross-entropy is ``-(1 - eps) log p_t - eps mean_c log p_c`` plus
+``zw * logsumexp**2``; entropy ``-sum p log p`` (``0 log 0 = 0`` at ``-inf`` logits);
+positions whose target equals ``ignore_index`` give 0 everywhere.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["Checks", "reference"]
+
+
+def reference(
+    z: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    kind: str,
+    temperature: float = 1.0,
+    softcap: float | None = None,
+    label_smoothing: float = 0.0,
+    z_loss_weight: float = 0.0,
+    ignore_index: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(value, entropy, z_loss)`` per token of logits ``z [..., V]`` (any dtype; fp64
+    math); ``kind`` "ce" (loss incl. z-loss) or "logprob"."""
+    z = z.double()
+    if softcap is not None:
+        z = softcap * torch.tanh(z / softcap)
+    z = z / temperature
+    logp = torch.log_softmax(z, -1)
+    keep = torch.ones_like(target, dtype=torch.bool)
+    if ignore_index is not None:
+        keep = target != ignore_index
+    picked = logp.gather(-1, torch.where(keep, target, 0).unsqueeze(-1)).squeeze(-1)
+    finite = torch.where(torch.isinf(logp), 0.0, logp)  # 0 log 0 = 0, and no nan gradient
+    entropy = -(logp.exp() * finite).sum(-1)
+    lse = torch.logsumexp(z, -1)
+    z_loss = z_loss_weight * lse * lse
+    if kind == "ce":
+        eps = label_smoothing
+        value = -(1 - eps) * picked + z_loss
+        if eps:
+            value = value - eps * logp.mean(-1)
+    else:
+        value = picked
+    zero = torch.zeros((), dtype=z.dtype, device=z.device)
+    return tuple(torch.where(keep, v, zero) for v in (value, entropy, z_loss))
+
+
+class Checks:
+    """Collect failures and raise at the end of a multi-rank case: a rank leaving a case
+    early would leave its peers waiting in the next collective (a hang, not a report)."""
+
+    def __init__(self) -> None:
+        self.failures: list[str] = []
+
+    def close(self, actual, expected, what, **tol) -> None:
+        try:
+            torch.testing.assert_close(actual.double(), expected.double(), **tol)
+        except AssertionError as exc:
+            self.failures.append(f"{what}: {exc}")
+
+    def equal(self, actual, expected, what) -> None:
+        if actual.shape != expected.shape:
+            self.failures.append(f"{what}: shape {actual.shape} != {expected.shape}")
+        elif not torch.equal(actual, expected):
+            diff = (actual.double() - expected.double()).abs().max().item()
+            self.failures.append(f"{what}: not bitwise equal (max diff {diff:.3g})")
+
+    def done(self) -> None:
+        assert not self.failures, "\n".join(self.failures)
