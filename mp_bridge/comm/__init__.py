@@ -6,6 +6,14 @@ helpers (``primitives``), the CP cut (``cp_indices``), the packed-sequence mask
 (``cp_mask``), the CP K/V gather (``kv_gather``), the bridge and the partition adapter.
 """
 
+from .agreement import (
+    AgreementError,
+    check_agreement,
+    check_group_arg,
+    checks_enabled,
+    fingerprint,
+    run_checked,
+)
 from .bridge import ColocatedBridgeCommunicator
 from .bridge_plan import BridgeDirection, BridgePlan, format_rank_table, plan_bridge
 from .cp_indices import (
@@ -70,4 +78,11 @@ __all__ = [
     "PartitionAdapter",
     "ShardedBatch",
     "deterministic_all_reduce",
+    # agreement checks (agreement.py)
+    "AgreementError",
+    "check_agreement",
+    "check_group_arg",
+    "checks_enabled",
+    "fingerprint",
+    "run_checked",
 ]

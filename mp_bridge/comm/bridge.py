@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from mp_bridge.grid import GridLayout
 
+from .agreement import check_agreement
 from .bridge_plan import BridgeDirection, BridgePlan, plan_bridge
 from .primitives import all_gather_tensor, all_reduce_sum, copy_to_group, forbid_double_backward
 
@@ -285,6 +286,12 @@ class ColocatedBridgeCommunicator:
                 f"divisible by {k}"
             )
         slot = self._plan.slot_of(self._rank)
+        check_agreement(  # the group of this call's collective (MP_BRIDGE_CHECK)
+            "ColocatedBridgeCommunicator.communicate",
+            self._gather_group if k > 1 else self._cp_group,
+            {"x.shape": tuple(x.shape), "x.dtype": x.dtype, "x.device": x.device.type},
+            device=x.device,
+        )
         if direction is BridgeDirection.FAN_IN:
             return _FanIn.apply(x, self._gather_group, self._cp_group, dim, slot, k)
         if direction is BridgeDirection.FAN_OUT:

@@ -30,6 +30,7 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
+from .agreement import check_agreement, check_group_arg
 from .cp_indices import (
     cp_gather_order,
     cp_shard_indices,
@@ -96,6 +97,8 @@ class PartitionAdapter:
             raise TypeError(f"sequence_parallel must be a bool, got {sequence_parallel!r}")
         if isinstance(seq_dim, bool) or not isinstance(seq_dim, int):
             raise TypeError(f"seq_dim must be an int, got {seq_dim!r}")
+        check_group_arg("cp_group", cp_group)
+        check_group_arg("tp_group", tp_group)
         self.cp_group = cp_group
         self.tp_group = tp_group
         self.sequence_parallel = sequence_parallel
@@ -171,6 +174,24 @@ class PartitionAdapter:
             if t is not None:
                 self._check_token_tensor(name, t, seq_len, batch)
 
+        check_agreement(  # the full batch is identical on every CP (and SP) rank
+            "PartitionAdapter.shard",
+            [self.cp_group, self.tp_group if self.sequence_parallel else None],
+            {
+                "embeddings.shape": tuple(embeddings.shape),
+                "embeddings.dtype": embeddings.dtype,
+                "cu_seqlens": bounds,
+                "given (labels, loss_mask, position_ids)": tuple(
+                    t is not None for t in (labels, loss_mask, position_ids)
+                ),
+            },
+            identical={
+                n: t
+                for n, t in (("labels", labels), ("position_ids", position_ids))
+                if t is not None
+            },
+            device=embeddings.device,
+        )
         device = embeddings.device
         if position_ids is None:
             position_ids = torch.arange(seq_len, device=device)
@@ -243,6 +264,13 @@ class PartitionAdapter:
         sp = sequence_parallel
         full_len = x.shape[dim] * self.cp_size * (self.tp_size if sp else 1)
         self._check_len(full_len, sp, f"full sequence length (local {x.shape[dim]} x ranks)")
+        check_agreement(
+            "PartitionAdapter.unshard",
+            [self.tp_group if sp else None, self.cp_group],
+            {"x.shape": tuple(x.shape), "x.dtype": x.dtype, "seq_dim": dim, "sequence_parallel": sp,
+             "grad": grad, "cu_seqlens": None if cu_seqlens is None else str(cu_seqlens)},
+            device=x.device,
+        )  # fmt: skip
         order = cp_gather_order(full_len, self.cp_size, cu_seqlens=cu_seqlens, device=x.device)
 
         gather = gather_keep_grad if grad == "slice" else gather_along

@@ -31,11 +31,13 @@ import torch.distributed as dist
 
 from .loss_blocks import BlockLayout, pad_single_shard
 from .loss_checks import (
+    check_bool,
     check_logits,
     check_loss_args,
     check_shard,
     check_target,
     check_temperature,
+    check_tp_agreement,
 )
 from .loss_math import LossSpec
 from .materialized import DefaultCrossEntropy, DefaultEntropy, InvariantLoss
@@ -47,6 +49,11 @@ __all__ = [
     "vocab_parallel_entropy",
     "vocab_parallel_logprobs",
 ]
+
+
+def _agree(where: str, logits, target, tp_group, spec) -> None:
+    """One agreement check over TP (``MP_BRIDGE_CHECK``): shapes, dtype, spec, target bits."""
+    check_tp_agreement(where, tp_group, {"logits": logits}, {"spec": spec}, {"target": target})
 
 
 def _check_target(target: object, logits: torch.Tensor, vocab: int, ignore_index) -> torch.Tensor:
@@ -83,7 +90,7 @@ def vocab_parallel_cross_entropy(
     shard = check_logits(logits, tp_group, vocab_size)
     ignore_index, eps = check_loss_args(ignore_index, label_smoothing)
     target = _check_target(target, logits, shard.vocab_size, ignore_index)
-    if invariant:
+    if check_bool("invariant", invariant):
         return invariant_cross_entropy(
             logits,
             target,
@@ -93,6 +100,7 @@ def vocab_parallel_cross_entropy(
             label_smoothing=eps,
         )
     spec = LossSpec.cross_entropy(shard.vocab_size, ignore_index, eps)
+    _agree("vocab_parallel_cross_entropy", logits, target, tp_group, spec)
     return DefaultCrossEntropy.apply(logits, target, tp_group, shard, spec, 1.0)
 
 
@@ -116,12 +124,13 @@ def vocab_parallel_logprobs(
     shard = check_logits(logits, tp_group, vocab_size)
     temperature = check_temperature(temperature)
     target = _check_target(target, logits, shard.vocab_size, None)
-    if invariant:
+    if check_bool("invariant", invariant):
         return invariant_logprobs(
             logits, target, tp_group=tp_group, vocab_size=vocab_size, temperature=temperature
         )
     # log-prob = -nll of logits / T (the cross-entropy without smoothing, scaled by 1 / T).
     spec = LossSpec.cross_entropy(shard.vocab_size, None, 0.0)
+    _agree("vocab_parallel_logprobs", logits, target, tp_group, (spec, temperature))
     return -DefaultCrossEntropy.apply(logits, target, tp_group, shard, spec, 1.0 / temperature)
 
 
@@ -136,13 +145,16 @@ def vocab_parallel_entropy(
     Two forward collectives over ``tp_group`` (MAX, then a batched SUM), none backward.
     """
     shard = check_logits(logits, tp_group, vocab_size)
+    _agree("vocab_parallel_entropy", logits, None, tp_group, shard.vocab_size)
     return DefaultEntropy.apply(logits, tp_group, shard)
 
 
 def _invariant(logits, target, tp_group, vocab_size, spec_of) -> torch.Tensor:
     layout = BlockLayout.of_shard(check_shard(logits.shape[-1], vocab_size, tp_group))
+    spec = spec_of(layout.vocab_size)
+    _agree("invariant loss", logits, target, tp_group, spec)
     logits = pad_single_shard(logits, -1, layout)
-    return InvariantLoss.apply(logits, target, tp_group, layout, spec_of(layout.vocab_size))
+    return InvariantLoss.apply(logits, target, tp_group, layout, spec)
 
 
 def invariant_cross_entropy(

@@ -2,9 +2,9 @@
 
 Per step, on every rank of the shared grid:
 
-1. agree on whether images are present (one 2-element MAX all-reduce over the encoder TP
-   group, then over the encoder DP group: ranks that disagreed would otherwise wait in
-   different collectives forever);
+1. check every rank's batch and agree on it and on whether images are present (one small
+   all-gather over the encoder TP group, then over the encoder DP group, ``step_checks``):
+   a bad batch on any rank is the same error on every rank, never a stranded peer;
 2. encoder + projection on this rank's encoder DP shard ``images [b_e, p, patch_dim]``
    -> ``[b_e, p, h]`` (TP-replicated);
 3. ``bridge.communicate`` -> this rank's LLM DP shard ``[b_l, p, h]``;
@@ -34,7 +34,8 @@ from mp_bridge.layers import masked_mean
 from .encoder import TPEncoder, TPProjection
 from .groups import MimoGroups, grid_group, make_mimo_groups
 from .llm import TPLLM
-from .placement import check_image_tokens, place_image_embeddings
+from .placement import place_image_embeddings
+from .step_checks import check_step
 
 __all__ = ["ColocatedMimoModel"]
 
@@ -174,8 +175,7 @@ class ColocatedMimoModel(nn.Module):
         """
         if self._destroyed:
             raise RuntimeError("forward() after destroy(); build a new ColocatedMimoModel")
-        self._check_inputs(input_ids, labels, loss_mask, images)
-        has_images = self._agree_on_images(images is not None)
+        has_images = self._check_step(input_ids, labels, loss_mask, images)
         image = None
         if has_images:
             image = self.projection(self.encoder(images))  # [b_e, p, h] TP-replicated
@@ -187,45 +187,23 @@ class ColocatedMimoModel(nn.Module):
         per_token = self.llm.token_loss(shard.embeddings, shard.position_ids, shard.labels)
         return masked_mean(per_token, shard.loss_mask, group=self.llm_dp_cp_group)
 
-    def _check_inputs(self, input_ids, labels, loss_mask, images) -> None:
-        # Local checks only, before any collective (a bad shape inside one hangs peers).
-        if input_ids.dim() != 2:
-            raise ValueError(
-                f"input_ids must be [batch, seq]; got {tuple(input_ids.shape)}; pass this "
-                "rank's LLM DP shard of full sequences"
-            )
-        for name, t in (("labels", labels), ("loss_mask", loss_mask)):
-            if t.shape != input_ids.shape:
-                raise ValueError(
-                    f"{name} has shape {tuple(t.shape)} but input_ids has "
-                    f"{tuple(input_ids.shape)}; give one value per token"
-                )
-        if images is not None:
-            cfg = self.llm.cfg
-            check_image_tokens(input_ids, self.image_token_id, cfg.num_patches)
-            if images.dim() != 3 or images.shape[1] != cfg.num_patches:
-                raise ValueError(
-                    f"images has shape {tuple(images.shape)}; expected [batch, "
-                    f"num_patches={cfg.num_patches}, patch_dim={cfg.patch_dim}]"
-                )
-
-    def _agree_on_images(self, present: bool) -> bool:
-        """True when every rank has images; ``ValueError`` on every rank if they differ."""
-        groups = [g for g in (self.encoder.tp_group, self.encoder_dp_group) if group_size(g) > 1]
-        if not groups:
-            return present
-        device = next(self.llm.parameters()).device
-        # [max(flag), max(-flag)] = [any, -all]: one MAX all-reduce per group covers the grid.
-        flags = torch.tensor([float(present), -float(present)], device=device)
-        for group in groups:
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
-        any_present, all_present = bool(flags[0] > 0), bool(-flags[1] > 0)
-        if any_present != all_present:
-            raise ValueError(
-                "ranks disagree on whether images are present (some passed images=None); "
-                "pass images on every rank of the grid, or on none for a text-only step"
-            )
-        return all_present
+    def _check_step(self, input_ids, labels, loss_mask, images) -> bool:
+        """Every rank's per-rank checks, agreed in one exchange (``step_checks``): a bad
+        batch on any rank is the same error on every rank, never a hang. Returns whether
+        images are present (on every rank)."""
+        cfg = self.llm.cfg
+        return check_step(
+            (self.encoder.tp_group, self.encoder_dp_group),  # together: the whole grid
+            next(self.llm.parameters()).device,
+            input_ids,
+            labels,
+            loss_mask,
+            images,
+            vocab_size=cfg.vocab_size,
+            image_token_id=self.image_token_id,
+            num_patches=cfg.num_patches,
+            patch_dim=cfg.patch_dim,
+        )
 
     # ------------------------------------------------------------------ weights
     @classmethod
