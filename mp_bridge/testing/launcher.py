@@ -12,7 +12,8 @@ parent keeps watching for ``FAILURE_GRACE_S`` and names, in this order, a rank t
 other than by SIGABRT (exit code or signal), a rank whose error is not a lost
 connection, a rank that aborted, then any other; the others are listed after it. A rank
 still running at a timeout or an abort has its Python stacks in the message
-(``faulthandler``, dumped on ``SIGUSR1``). The ranks run with ``MP_BRIDGE_CHECK=1``
+(``faulthandler``, dumped on ``SIGUSR1``). ``pytest.skip`` on every failing rank skips
+the caller's test. The ranks run with ``MP_BRIDGE_CHECK=1``
 (agreement checks, ``mp_bridge.comm.check_agreement``) unless the caller's environment
 sets it.
 """
@@ -26,6 +27,7 @@ import os
 import pickle
 import shutil
 import signal
+import sys
 import tempfile
 import time
 import traceback
@@ -107,8 +109,9 @@ def _child(
         )
         result = fn(*args)
         payload = ("ok", pickle.dumps(result))
-    except BaseException:  # noqa: BLE001 - everything goes back to the parent
-        payload = ("error", traceback.format_exc())
+    except BaseException as exc:  # noqa: BLE001 - everything goes back to the parent
+        skipped = "pytest" in sys.modules and isinstance(exc, sys.modules["pytest"].skip.Exception)
+        payload = ("skip", str(exc)) if skipped else ("error", traceback.format_exc())
     try:
         conn.send(payload)
     except Exception:  # noqa: BLE001 - an unpicklable result is an error too
@@ -166,6 +169,8 @@ def _exit_text(code: int | None) -> str:
 
 def _severity(kind: str, detail: Any) -> int:
     """Lower = more likely the first cause (see the module docstring)."""
+    if kind == "skip":
+        return 4
     if kind == "died":
         return 2 if detail == -signal.SIGABRT else 0
     return 3 if any(m in str(detail) for m in _LOST_PEER) else 1
@@ -174,12 +179,14 @@ def _severity(kind: str, detail: Any) -> int:
 def _failure(rank: int, kind: str, detail: Any) -> str:
     if kind == "died":
         return f"rank {rank} died ({_exit_text(detail)}) before returning"
-    return f"rank {rank} raised:\n{detail}"
+    return f"rank {rank} raised:\n{detail}"  # (a skip is never the first of a failure)
 
 
 def _summary(rank: int, kind: str, detail: Any) -> str:
     if kind == "died":
         return f"rank {rank} died ({_exit_text(detail)})"
+    if kind == "skip":
+        return f"rank {rank} skipped ({detail})"
     last = [line for line in str(detail).strip().splitlines() if line.strip()]
     return f"rank {rank} raised {last[-1].strip()[:200] if last else ''}"
 
@@ -299,6 +306,10 @@ def _raise_first_cause(failures: dict[int, tuple[str, Any, float]]) -> None:
     order = sorted(failures, key=lambda r: (_severity(*failures[r][:2]), failures[r][2], r))
     first = order[0]
     kind, detail, _ = failures[first]
+    if kind == "skip":  # every failing rank skipped: skip the caller's test
+        import pytest
+
+        pytest.skip(f"rank {first} skipped: {detail}")
     message = _failure(first, kind, detail)
     if len(order) > 1:
         others = "; ".join(_summary(r, *failures[r][:2]) for r in order[1:])

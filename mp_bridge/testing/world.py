@@ -44,6 +44,7 @@ import datetime
 import functools
 import multiprocessing as mp
 import os
+import pickle
 import time
 import traceback
 from collections.abc import Callable, Iterable, Sequence
@@ -62,7 +63,8 @@ from .launcher import (
 
 __all__ = ["DistributedWorld", "world_backend"]
 
-Outcome = tuple[str, Any]  # ("ok", value), ("error", traceback) or ("not_run", reason)
+# ("ok", value), ("error", traceback), ("died", message), ("skip", reason), ("not_run", reason)
+Outcome = tuple[str, Any]
 
 
 def world_backend() -> str:
@@ -106,11 +108,13 @@ class _CaseProgress:
 
     def drain(self) -> None:
         while not self.queue.empty():
-            rank, name, status, text = self.queue.get()
+            rank, name, status, value = self.queue.get()
             if status == "start":
                 self.started[rank] = name
                 continue
-            self.done.setdefault(name, {})[rank] = (status, text)
+            if status == "ok":
+                value = pickle.loads(value)
+            self.done.setdefault(name, {})[rank] = (status, value)
             self.first_end.setdefault(name, time.monotonic())
             if status == "error" and self.first_error is None:
                 self.first_error = (name, rank, time.monotonic())
@@ -227,21 +231,21 @@ class DistributedWorld:
         if name not in self._size_of:
             raise KeyError(f"no case {name!r} is registered; known: {sorted(self._size_of)}")
         outcomes = self._run(self._size_of[name])[name]
-        errors = [r for r, (status, _) in enumerate(outcomes) if status == "error"]
+        errors = [r for r, (status, _) in enumerate(outcomes) if status in ("error", "died")]
         if errors:  # name the first cause, not a rank that lost its connection to it
-            rank = min(errors, key=lambda r: (_severity("error", outcomes[r][1]), r))
+            rank = min(errors, key=lambda r: (_severity(*outcomes[r]), r))
             raise DistributedError(
                 f"case {name!r} failed on rank {rank}:\n{outcomes[rank][1]}", rank
             )
         for rank, (status, value) in enumerate(outcomes):
-            if status == "not_run":
-                message = f"case {name!r} did not finish on rank {rank}: {value}"
-                raise DistributedError(message, rank)
-        for rank, (status, value) in enumerate(outcomes):
-            if status == "skip":
+            if status == "skip":  # the others may have been left in a collective: fine
                 import pytest
 
                 pytest.skip(f"case {name!r} skipped on rank {rank}: {value}")
+        for rank, (status, value) in enumerate(outcomes):
+            if status == "not_run":
+                message = f"case {name!r} did not finish on rank {rank}: {value}"
+                raise DistributedError(message, rank)
         return [value for _, value in outcomes]
 
     def _register(self, name: str, fn: Callable[[], Any], world_size: int | None) -> None:
@@ -336,7 +340,7 @@ class DistributedWorld:
                 if r in reports:
                     outcomes.append(reports[r])
                 elif r == dead:
-                    outcomes.append(("error", f"rank {r} during case {name!r}: {exc}"))
+                    outcomes.append(("died", f"rank {r} during case {name!r}: {exc}"))
                 else:
                     outcomes.append(("not_run", str(exc)))
             out[name] = outcomes
@@ -358,15 +362,23 @@ class DistributedWorld:
                 results[name] = ("skip", str(skip.msg))
             except Exception:  # noqa: BLE001 - reported per case
                 results[name] = ("error", traceback.format_exc())
-            status, value = results[name]
-            self._report(rank, name, status, value if status != "ok" else "")
-            if self._meet is not None and self._meet_after(i, size, status == "error"):
+            self._report(rank, name, *results[name])
+            failed = results[name][0] == "error"
+            if self._meet is not None and self._meet_after(i, size, failed):
                 break  # a rank failed this case: the remaining cases run in a new world
         return results
 
-    def _report(self, rank: int, name: str, status: str, text: str) -> None:
-        if self._queue is not None:
-            self._queue.put((rank, name, status, text))
+    def _report(self, rank: int, name: str, status: str, value: Any) -> None:
+        """Stream a case's outcome to the parent (a result only when it pickles on CPU)."""
+        if self._queue is None:
+            return
+        try:
+            blob = pickle.dumps(value) if status == "ok" else value
+            if status == "ok" and isinstance(value, torch.Tensor) and value.device.type != "cpu":
+                blob = pickle.dumps(None)
+        except Exception:  # noqa: BLE001 - the result comes back with the world's, if it ends
+            blob = pickle.dumps(None)
+        self._queue.put((rank, name, status, blob))
 
     def _meet_after(self, i: int, size: int, failed: bool) -> bool:
         """Wait until every rank ended case ``i``; True when one of them failed it."""
