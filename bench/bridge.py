@@ -9,12 +9,19 @@ without the bridge around them, alternating with the bridge run by run. Times ar
 medians over iterations of the slowest rank.
 Prints a table and the command; never asserts on time.
 
+A second table (``bench/bridge_ragged.py``) runs ``communicate_ragged`` on the same
+layouts with skewed per-sample token counts: exact bytes versus the bound, time versus a
+bare exchange of the same bytes and versus the uniform bridge padded to the largest
+sample. The machine's load average is printed before and after.
+
     python bench/bridge.py [--iters 50] [--batch 16] [--seq 128] [--hidden 256]
+                           [--tables uniform,ragged]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 import statistics
 import sys
@@ -22,6 +29,7 @@ import time
 
 import torch
 import torch.distributed as dist
+from bridge_ragged import bench_ragged_layout, ragged_table
 
 from mp_bridge.comm import ColocatedBridgeCommunicator, all_gather_tensor
 from mp_bridge.grid import make_grid
@@ -106,8 +114,25 @@ def _bench_layout(src: dict, dest: dict, args: argparse.Namespace) -> dict:
     )
 
 
-def _worker(args: argparse.Namespace) -> list[dict]:
-    return [_bench_layout(src, dest, args) for src, dest in LAYOUTS]
+def _worker(args: argparse.Namespace) -> dict[str, list[dict]]:
+    out = {}
+    if "uniform" in args.tables:
+        out["uniform"] = [_bench_layout(src, dest, args) for src, dest in LAYOUTS]
+    if "ragged" in args.tables:
+        out["ragged"] = [bench_ragged_layout(src, dest, args) for src, dest in LAYOUTS]
+    return out
+
+
+def _print_table(table: list[tuple[str, ...]]) -> None:
+    widths = [max(len(r[j]) for r in table) for j in range(len(table[0]))]
+    for j, r in enumerate(table):
+        print("| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |")
+        if j == 0:
+            print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
+
+
+def _load() -> str:
+    return "load average " + ", ".join(f"{v:.2f}" for v in os.getloadavg())
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -116,9 +141,28 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=16, help="global batch (divisible by 8)")
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--tables", default="uniform,ragged", help="comma list of: uniform, ragged")
     args = parser.parse_args(argv)
-    per_rank = run_distributed(_worker, WORLD, args, backend="gloo", timeout_s=600)
+    args.tables = set(args.tables.split(","))
+    if not args.tables <= {"uniform", "ragged"}:
+        parser.error(f"--tables {sorted(args.tables)}: choose from uniform, ragged")
+    load_before = _load()
+    results = run_distributed(_worker, WORLD, args, backend="gloo", timeout_s=1800)
+    print(f"{load_before} (before), {_load()} (after)\n")
+    if "uniform" in args.tables:
+        _print_uniform([r["uniform"] for r in results], args)
+    if "ragged" in args.tables:
+        print(
+            f"\nragged bridge, {WORLD} gloo ranks on CPU, fp32 [T, h={args.hidden}], "
+            f"global batch {args.batch} samples of 0-4 images x 64-576 tokens; median of "
+            f"{args.iters} rounds (methods alternated), slowest rank\n"
+        )
+        _print_table(ragged_table([r["ragged"] for r in results]))
+    print("\ncommand: " + " ".join(shlex.quote(a) for a in ["python", *sys.argv]))
+    return 0
 
+
+def _print_uniform(per_rank: list[list[dict]], args: argparse.Namespace) -> None:
     head = (
         "layout (encoder -> llm)",
         "dir",
@@ -155,15 +199,9 @@ def main(argv: list[str] | None = None) -> int:
                 f"{t_bridge / t_bare:.2f}x" if has_comm and t_bare > 0 else "-",
             )
         )
-    widths = [max(len(r[j]) for r in table) for j in range(len(head))]
     print(f"colocated bridge, {WORLD} gloo ranks on CPU, fp32 [b, s={args.seq}, h={args.hidden}]")
     print(f"global batch {args.batch}, median of {args.iters} iterations, slowest rank\n")
-    for j, r in enumerate(table):
-        print("| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |")
-        if j == 0:
-            print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
-    print("\ncommand: " + " ".join(shlex.quote(a) for a in ["python", *sys.argv]))
-    return 0
+    _print_table(table)
 
 
 if __name__ == "__main__":

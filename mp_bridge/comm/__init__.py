@@ -42,6 +42,8 @@ from .primitives import (
     reduce_scatter_tensor,
     scatter_along,
 )
+from .ragged import exchange_rows
+from .ragged_plan import RaggedRoute, route_ragged
 
 __all__ = [
     # differentiable collectives (primitives.py)
@@ -63,6 +65,9 @@ __all__ = [
     "BridgePlan",
     "BridgeDirection",
     "ColocatedBridgeCommunicator",
+    "RaggedRoute",
+    "route_ragged",
+    "exchange_rows",
     "format_rank_table",
     # context parallelism
     "cp_factor",

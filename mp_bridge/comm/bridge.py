@@ -23,7 +23,7 @@ backward collectives run outside autograd); EQUAL is ``copy_to_group``, which su
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -34,6 +34,7 @@ from mp_bridge.grid import GridLayout
 from .agreement import check_agreement
 from .bridge_plan import BridgeDirection, BridgePlan, plan_bridge
 from .primitives import all_gather_tensor, all_reduce_sum, copy_to_group, forbid_double_backward
+from .ragged import bridge_ragged
 
 __all__ = ["ColocatedBridgeCommunicator"]
 
@@ -300,6 +301,42 @@ class ColocatedBridgeCommunicator:
         return copy_to_group(x, self._cp_group)
 
     __call__ = communicate
+
+    def communicate_ragged(
+        self, x: torch.Tensor, tokens_per_sample: torch.Tensor | Sequence[int]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Ragged tokens of this rank's encoder batch -> those of its LLM batch.
+
+        ``x`` ``[T, *rest]``: the sample-major tokens of this rank's src DP batch
+        (TP-replicated in its replica); ``tokens_per_sample``: 1-D integer tensor or int
+        sequence, one count >= 0 per sample, summing to ``T``. Every member of a gather
+        group passes the same number of samples; token counts differ freely.
+
+        Returns ``(y, dest_tokens_per_sample)``: ``y`` ``[T_dest, *rest]``, the tokens of
+        this rank's dest DP batch in sample order (FAN_IN: the members' tokens in slot
+        order; FAN_OUT: this rank's slot of ``n / k`` samples; EQUAL: a copy of ``x``),
+        never aliasing ``x``; ``dest_tokens_per_sample`` a CPU int64 tensor of its counts.
+
+        Collectives: FAN_IN forward one fixed-size int64 header all-gather plus one
+        ``all_to_all_single`` carrying the counts and exactly the other members' tokens;
+        FAN_OUT backward one ``all_to_all_single`` of exactly the other slots' gradients;
+        plus one all-reduce over dest CP in backward when dest CP > 1. Local validation
+        (``ValueError``) runs before any collective; a member passing a different number
+        of samples raises on every rank of its gather group after the header. FAN_OUT has
+        no forward collective, so its members (one src replica) must pass equal counts.
+        Every backward applies its adjoint Function, so ``backward(create_graph=True)``
+        works in every direction. See :mod:`mp_bridge.comm.ragged`.
+        """
+        if self._destroyed:
+            raise RuntimeError("communicate_ragged() after destroy(); build a new communicator")
+        return bridge_ragged(
+            x,
+            tokens_per_sample,
+            plan=self._plan,
+            rank=self._rank,
+            gather_group=self._gather_group,
+            cp_group=self._cp_group,
+        )
 
     # ------------------------------------------------------------------ lifecycle
     def destroy(self) -> None:

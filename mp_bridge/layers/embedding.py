@@ -82,7 +82,6 @@ class VocabShardModule(nn.Module):
         self,
         vocab: tuple[str, int],
         dim: tuple[str, int],
-        *,
         tp_group: dist.ProcessGroup | None,
         sequence_parallel: bool,
         seq_dim: int,
@@ -168,16 +167,9 @@ class VocabParallelEmbedding(VocabShardModule):
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
     ):
+        vocab, width = ("num_embeddings", num_embeddings), ("embedding_dim", embedding_dim)
         super().__init__(
-            ("num_embeddings", num_embeddings),
-            ("embedding_dim", embedding_dim),
-            tp_group=tp_group,
-            sequence_parallel=sequence_parallel,
-            seq_dim=seq_dim,
-            multiple=multiple,
-            init_method=init_method,
-            dtype=dtype,
-            device=device,
+            vocab, width, tp_group, sequence_parallel, seq_dim, multiple, init_method, dtype, device
         )
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
 

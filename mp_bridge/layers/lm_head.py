@@ -58,17 +58,10 @@ class VocabParallelLMHead(VocabShardModule):
         check_bool("bias", bias)
         if tie_to is not None and not isinstance(tie_to, VocabParallelEmbedding):
             raise TypeError(f"tie_to must be a VocabParallelEmbedding, got {type(tie_to).__name__}")
+        vocab, width = ("vocab_size", vocab_size), ("hidden_size", hidden_size)
+        sp, tied = sequence_parallel, None if tie_to is None else tie_to.weight
         super().__init__(
-            ("vocab_size", vocab_size),
-            ("hidden_size", hidden_size),
-            tp_group=tp_group,
-            sequence_parallel=sequence_parallel,
-            seq_dim=seq_dim,
-            multiple=multiple,
-            init_method=init_method,
-            dtype=dtype,
-            device=device,
-            weight=None if tie_to is None else tie_to.weight,
+            vocab, width, tp_group, sp, seq_dim, multiple, init_method, dtype, device, tied
         )
         self.hidden_size, self.vocab_size = hidden_size, vocab_size
         if tie_to is not None:

@@ -62,8 +62,16 @@ class _Block(nn.Module):
         return x + self.mlp(self.ln2(x))
 
 
-def _blocks(n: int, hidden: int, heads: int, ffn: int, *, causal: bool, eps: float):
-    return nn.ModuleList(_Block(hidden, heads, ffn, causal=causal, eps=eps) for _ in range(n))
+def _trunk(n: int, hidden: int, heads: int, ffn: int, *, causal: bool, eps: float):
+    """``n`` transformer blocks and the final norm (``blocks``, ``norm``) of a stack."""
+    blocks = nn.ModuleList(_Block(hidden, heads, ffn, causal=causal, eps=eps) for _ in range(n))
+    return blocks, nn.LayerNorm(hidden, eps=eps)
+
+
+def _run_blocks(blocks: nn.ModuleList, x: torch.Tensor) -> torch.Tensor:
+    for block in blocks:
+        x = block(x)
+    return x
 
 
 class ReferenceEncoder(nn.Module):
@@ -72,15 +80,11 @@ class ReferenceEncoder(nn.Module):
     def __init__(self, cfg: MimoConfig):
         super().__init__()
         self.patch_embed = nn.Linear(cfg.patch_dim, cfg.enc_hidden)
-        self.blocks = _blocks(cfg.enc_layers, cfg.enc_hidden, cfg.enc_heads, cfg.enc_ffn,
-                              causal=False, eps=cfg.norm_eps)  # fmt: skip
-        self.norm = nn.LayerNorm(cfg.enc_hidden, eps=cfg.norm_eps)
+        self.blocks, self.norm = _trunk(cfg.enc_layers, cfg.enc_hidden, cfg.enc_heads,
+                                        cfg.enc_ffn, causal=False, eps=cfg.norm_eps)  # fmt: skip
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
-        x = self.patch_embed(images)
-        for block in self.blocks:
-            x = block(x)
-        return self.norm(x)
+        return self.norm(_run_blocks(self.blocks, self.patch_embed(images)))
 
 
 class ReferenceProjection(_MLP):
@@ -96,16 +100,12 @@ class ReferenceLLM(nn.Module):
     def __init__(self, cfg: MimoConfig):
         super().__init__()
         self.embed = nn.Embedding(cfg.vocab_size, cfg.llm_hidden)
-        self.blocks = _blocks(cfg.llm_layers, cfg.llm_hidden, cfg.llm_heads, cfg.llm_ffn,
-                              causal=True, eps=cfg.norm_eps)  # fmt: skip
-        self.norm = nn.LayerNorm(cfg.llm_hidden, eps=cfg.norm_eps)
+        self.blocks, self.norm = _trunk(cfg.llm_layers, cfg.llm_hidden, cfg.llm_heads,
+                                        cfg.llm_ffn, causal=True, eps=cfg.norm_eps)  # fmt: skip
         self.head = nn.Linear(cfg.llm_hidden, cfg.vocab_size, bias=False)
 
     def forward(self, embeddings: torch.Tensor) -> torch.Tensor:
-        x = embeddings
-        for block in self.blocks:
-            x = block(x)
-        return self.head(self.norm(x))
+        return self.head(self.norm(_run_blocks(self.blocks, embeddings)))
 
 
 def reference_masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -47,7 +47,8 @@ _WRAPPED = {
 
 @dataclass(frozen=True)
 class CollectiveCall:
-    """One observed collective: canonical name, group size and bytes this rank received."""
+    """One observed collective: canonical name, group size and bytes this rank received
+    from other ranks (``all_to_all``: its output minus the piece it sent itself)."""
 
     name: str
     group_size: int
@@ -62,9 +63,13 @@ def _tensor_bytes(obj: Any) -> int:
     return 0
 
 
-def _received_bytes(name: str, args: tuple, kwargs: dict, group_size: int) -> int:
+def _received_bytes(
+    name: str, args: tuple, kwargs: dict, group_size: int, group_rank: int = 0
+) -> int:
     """Bytes arriving from other ranks (the payload a bandwidth bound talks about)."""
     first = args[0] if args else next(iter(kwargs.values()), None)
+    if name == "all_to_all":
+        return _all_to_all_received(args, kwargs, group_size, group_rank)
     if name == "all_gather":
         # output holds group_size pieces; one of them is our own.
         return _tensor_bytes(first) * (group_size - 1) // max(group_size, 1)
@@ -73,6 +78,21 @@ def _received_bytes(name: str, args: tuple, kwargs: dict, group_size: int) -> in
     if name == "reduce_scatter":
         return _tensor_bytes(first) * (group_size - 1)
     return _tensor_bytes(first)
+
+
+def _all_to_all_received(args: tuple, kwargs: dict, group_size: int, group_rank: int) -> int:
+    """``all_to_all_single`` (output, input, output_split_sizes, ...) or ``all_to_all``
+    (output list, input list): the output minus the piece this rank sends itself."""
+    output = args[0] if args else kwargs.get("output", kwargs.get("output_tensor_list"))
+    if isinstance(output, (list, tuple)):
+        return sum(_tensor_bytes(t) for i, t in enumerate(output) if i != group_rank)
+    total = _tensor_bytes(output)
+    splits = args[2] if len(args) > 2 else kwargs.get("output_split_sizes")
+    if not splits:  # equal split along dim 0
+        return total * (group_size - 1) // max(group_size, 1)
+    rows = output.shape[0] if output.dim() else 0
+    row_bytes = total // rows if rows else 0
+    return total - splits[group_rank] * row_bytes
 
 
 class CollectiveCounter:
@@ -104,7 +124,8 @@ class CollectiveCounter:
             if group is None:
                 group = next((a for a in args if isinstance(a, dist.ProcessGroup)), None)
             size = dist.get_world_size(group)
-            nbytes = _received_bytes(canonical, args, kwargs, size)
+            rank = dist.get_rank(group)
+            nbytes = _received_bytes(canonical, args, kwargs, size, rank)
             # Inner spellings (all_gather_single -> all_gather_into_tensor) record once.
             if not getattr(counter, "_inside", False):
                 counter.calls.append(CollectiveCall(canonical, size, nbytes))

@@ -116,7 +116,7 @@ GATHER_GROUP_OF = {
 @world.case
 def test_fifty_build_destroy_cycles_do_not_leak_and_gather_the_written_group():
     device = current_device()
-    src_grid, dest_grid = _grids(dict(tp=2, dp=4), dict(tp=2, cp=2, dp=2), dest_groups=())
+    src_grid, dest_grid = _grids(dict(tp=2, dp=4), dict(tp=2, cp=2, dp=2))
     before = _live_groups()
     for i in range(50):
         with ColocatedBridgeCommunicator(src_grid, dest_grid) as bridge:
