@@ -329,6 +329,15 @@ class ColocatedBridgeCommunicator:
         """
         if self._destroyed:
             raise RuntimeError("communicate_ragged() after destroy(); build a new communicator")
+        # FAN_IN's own header exchange (always on) already compares samples and row
+        # sizes; FAN_OUT and EQUAL have no forward collective to do it.
+        if isinstance(x, torch.Tensor) and self._plan.direction is not BridgeDirection.FAN_IN:
+            check_agreement(
+                "ColocatedBridgeCommunicator.communicate_ragged",
+                self._gather_group if self._plan.scale > 1 else self._cp_group,
+                {"x.shape[1:]": tuple(x.shape[1:]), "x.dtype": x.dtype, "x.dim()": x.dim()},
+                device=x.device,
+            )
         return bridge_ragged(
             x,
             tokens_per_sample,
