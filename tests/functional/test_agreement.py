@@ -191,6 +191,11 @@ def _mean_with_group_on_rank_0_only():
     return "returned", "", time.monotonic() - start
 
 
+@pytest.mark.skipif(
+    os.environ.get("TORCH_DISTRIBUTED_DEBUG", "").upper() == "DETAIL",
+    reason="DETAIL's ProcessGroupWrapper blocks inside the collective call (its own shape "
+    "check, 30 min monitored barrier) before the check's timed wait can start",
+)
 def test_masked_mean_given_the_group_on_one_rank_only():
     # Rank 1 makes no collective (group=None is one process), so it cannot know; rank 0
     # waits in the agreement exchange for MP_BRIDGE_CHECK_TIMEOUT (3 s) and then names the
