@@ -252,3 +252,41 @@ def test_model_too_many_image_tokens_on_one_rank():
         assert torch.isfinite(model(ids, labels, mask, images))  # a good batch still runs
     finally:
         destroy_colocated_mimo(model, *grids)
+
+
+# ------------------------------------------------------------------------ the exchange
+def _count_gathers(calls: list):
+    import mp_bridge.comm.agreement as agreement
+
+    raw = agreement._raw_all_gather
+
+    def counting(out, inp, group=None, async_op=False):
+        calls.append(tuple(out.shape))
+        return raw(out, inp, group=group, async_op=async_op)
+
+    agreement._raw_all_gather = counting
+    return lambda: setattr(agreement, "_raw_all_gather", raw)
+
+
+def _one_exchange_per_call() -> str:
+    calls: list = []
+    restore = _count_gathers(calls)
+    try:
+        with _fan_in_bridge() as bridge:
+            calls.clear()  # make_grid's own checks
+            bridge.communicate(torch.randn(2, 4, 8))
+            assert calls == [(2, 20)]  # one [n, 4 + 16] int64 all-gather, nothing else
+            with pytest.raises(AgreementError) as info:
+                bridge.communicate(torch.randn((3 if _odd() else 2), 4, 8))
+    finally:
+        restore()
+    return str(info.value)
+
+
+same_message_case = world.case(_one_exchange_per_call)
+
+
+def test_one_small_exchange_and_the_same_message_on_every_rank():
+    messages = world.check("_one_exchange_per_call")
+    assert messages[0] == messages[1]
+    assert "x.shape: ranks [0] have (2, 4, 8); ranks [1] have (3, 4, 8)" in messages[0]
