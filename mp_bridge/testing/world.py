@@ -53,6 +53,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .case_progress import CaseProgress, Outcome
 from .launcher import (
     DEFAULT_TIMEOUT_S,
     DistributedError,
@@ -62,9 +63,6 @@ from .launcher import (
 )
 
 __all__ = ["DistributedWorld", "world_backend"]
-
-# ("ok", value), ("error", traceback), ("died", message), ("skip", reason), ("not_run", reason)
-Outcome = tuple[str, Any]
 
 
 def world_backend() -> str:
@@ -88,53 +86,6 @@ def _label(values: tuple, names: list[str], index: int) -> str:
         simple = value is None or isinstance(value, (bool, int, float, str))
         parts.append(str(value) if simple else f"{name}{index}")
     return "-".join(parts)
-
-
-class _CaseProgress:
-    """Parent-side view of the per-case reports the ranks stream while a world runs.
-
-    Ranks report ``"start"`` and then ``"ok"``/``"error"``/``"skip"`` for each case. The
-    world is stopped (``abort_reason``) when a case has ended on some ranks but not on
-    the others for ``grace_s`` seconds: after an error, the others are stuck in a
-    collective the failing rank never reached; without one, a rank hangs.
-    """
-
-    def __init__(self, queue: Any, world_size: int, grace_s: float):
-        self.queue, self.world_size, self.grace_s = queue, world_size, grace_s
-        self.done: dict[str, dict[int, Outcome]] = {}
-        self.started: dict[int, str] = {}  # rank -> the case it started last
-        self.first_end: dict[str, float] = {}  # case -> when its first rank ended it
-        self.first_error: tuple[str, int, float] | None = None  # (case, rank, when)
-
-    def drain(self) -> None:
-        while not self.queue.empty():
-            rank, name, status, value = self.queue.get()
-            if status == "start":
-                self.started[rank] = name
-                continue
-            if status == "ok":
-                value = pickle.loads(value)
-            self.done.setdefault(name, {})[rank] = (status, value)
-            self.first_end.setdefault(name, time.monotonic())
-            if status == "error" and self.first_error is None:
-                self.first_error = (name, rank, time.monotonic())
-
-    def abort_reason(self) -> str | None:
-        """A message once a case has ended on some ranks and not others for ``grace_s``."""
-        self.drain()
-        for name, when in self.first_end.items():
-            finished = self.done[name]
-            if len(finished) == self.world_size or time.monotonic() - when < self.grace_s:
-                continue
-            stuck = sorted(set(range(self.world_size)) - set(finished))
-            failed = sorted(r for r, (st, _) in finished.items() if st == "error")
-            cause = f"failed on ranks {failed} and " if failed else "ended on other ranks but "
-            return (
-                f"case {name!r} {cause}ranks {stuck} did not finish it within "
-                f"{self.grace_s:.0f} s (stuck in a collective or hanging); the world was "
-                "stopped and the cases after it run in a new world"
-            )
-        return None
 
 
 class DistributedWorld:
@@ -286,7 +237,10 @@ class DistributedWorld:
         out: dict[str, list[Outcome]] = {}
         while len(out) < len(names):
             todo = [n for n in names if n not in out]
-            out.update(self._run_world(size, todo))
+            ended = self._run_world(size, todo)
+            if not ended:  # cannot happen (a world ends its first case), but never loop
+                raise DistributedError(f"a {size}-rank world ended none of {todo}")
+            out.update(ended)
         return out
 
     def _run_world(self, size: int, todo: list[str]) -> dict[str, list[Outcome]]:
@@ -296,7 +250,7 @@ class DistributedWorld:
         # rank exits right after reporting.
         self._queue = ctx.SimpleQueue()
         self._meet = ctx.Array("i", 2 * len(todo))  # per case: ranks ended, ranks failed
-        progress = _CaseProgress(self._queue, size, self.abort_grace_s)
+        progress = CaseProgress(self._queue, size, self.abort_grace_s)
         try:
             per_rank = run_distributed(
                 self._run_cases,
@@ -319,7 +273,7 @@ class DistributedWorld:
         return out
 
     def _partial_outcomes(
-        self, size: int, todo: list[str], progress: _CaseProgress, exc: DistributedError
+        self, size: int, todo: list[str], progress: CaseProgress, exc: DistributedError
     ) -> dict[str, list[Outcome]]:
         """After a world was stopped: the cases that ended as reported, then the case it
         stopped in (the dead or failing rank named, the stuck ranks with ``exc``)."""
