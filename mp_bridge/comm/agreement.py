@@ -17,9 +17,10 @@ ranks it starts unless the caller set it). Off by default: each check is a host 
 measured cost. ``always=True`` (the model step) checks whatever the variable says.
 
 What it cannot see: a rank that never calls the check (e.g. ``masked_mean`` given the
-group on one rank only). The ranks that did call it wait at most
-``MP_BRIDGE_CHECK_TIMEOUT`` seconds (default 60) on gloo, then raise ``TimeoutError``
-naming the call and the group; the rank that skipped the collective cannot know.
+group on one rank only). Under ``MP_BRIDGE_CHECK=1`` the ranks that did call it wait at
+most ``MP_BRIDGE_CHECK_TIMEOUT`` seconds (default 60) on gloo, then raise
+``TimeoutError`` naming the call and the group; the rank that skipped the collective
+cannot know. (Otherwise they wait like any collective: up to the group's timeout.)
 """
 
 from __future__ import annotations
@@ -118,7 +119,9 @@ def _gather_rows(row: torch.Tensor, groups: list[dist.ProcessGroup], where: str)
         n = dist.get_world_size(g)
         out = row.new_empty((n * row.shape[0], row.shape[1]))
         work = _raw_all_gather(out, row.contiguous(), group=g, async_op=True)
-        if dist.get_backend(g) == "gloo":
+        # Bounded only in the debug mode: an always-on check (the model step) must wait
+        # for a legitimately slow rank (data loading) as long as the collective would.
+        if dist.get_backend(g) == "gloo" and checks_enabled():
             timeout = _timeout_s()
             try:
                 work.wait(datetime.timedelta(seconds=timeout))
