@@ -6,7 +6,18 @@ VENV := .venv
 BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: install test demo plan lint bench clean
+# The other end of the supported megatron-core range (setup.py admits 0.16.x - 0.19.x; .venv
+# gets the newest pip picks for this Python, 0.16.1 on 3.10/3.11): megatron-core 0.19.2 in a
+# second venv. 0.17+ declares Requires-Python >= 3.12; on an older Python it is installed
+# with --ignore-requires-python --no-deps plus its runtime deps (numpy, packaging) by hand.
+# `import megatron.core` imports triton (megatron/core/transformer/moe/ops/paged_stash.py)
+# even on CPU. A constraints file keeps pip from swapping megatron-core when it installs us.
+MCORE_LATEST ?= 0.19.2
+TRITON_SPEC ?= triton==3.9.0
+VENV_LATEST := .venv-mcore019
+BIN_LATEST := $(VENV_LATEST)/bin
+
+.PHONY: install install-megatron-latest test test-megatron-latest demo plan lint bench clean
 
 $(BIN)/.installed: setup.py
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -17,12 +28,36 @@ $(BIN)/.installed: setup.py
 
 install: $(BIN)/.installed
 
+$(BIN_LATEST)/.installed: setup.py
+	test -x $(BIN_LATEST)/python || $(PYTHON) -m venv $(VENV_LATEST)
+	$(BIN_LATEST)/pip install -q --upgrade pip
+	$(BIN_LATEST)/pip install -q "$(TORCH_SPEC)"
+	if $(BIN_LATEST)/python -c 'import sys; sys.exit(sys.version_info < (3, 12))'; then \
+	  $(BIN_LATEST)/pip install -q "megatron-core==$(MCORE_LATEST)"; \
+	else \
+	  $(BIN_LATEST)/pip install -q --ignore-requires-python --no-deps "megatron-core==$(MCORE_LATEST)" && \
+	  $(BIN_LATEST)/pip install -q numpy "packaging>=24.2"; \
+	fi
+	$(BIN_LATEST)/pip install -q "$(TRITON_SPEC)"
+	echo "megatron-core==$(MCORE_LATEST)" > $(VENV_LATEST)/constraints.txt
+	$(BIN_LATEST)/pip install -q -c $(VENV_LATEST)/constraints.txt -e ".[test,viz]"
+	touch $@
+
+install-megatron-latest: $(BIN_LATEST)/.installed
+
 lint: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
 test: install lint
 	$(BIN)/python -m pytest -q tests
+
+# The whole suite against megatron-core $(MCORE_LATEST) (includes the MimoModel integration
+# tests, which skip on 0.16).
+test-megatron-latest: install-megatron-latest
+	$(BIN_LATEST)/python -W ignore -c "from importlib.metadata import version as v; \
+	  assert v('megatron-core') == '$(MCORE_LATEST)', v('megatron-core'); import megatron.core"
+	$(BIN_LATEST)/python -m pytest -q tests
 
 demo: install
 	$(BIN)/mp-bridge demo
@@ -35,4 +70,4 @@ bench: install
 	$(BIN)/python bench/lm_head.py
 
 clean:
-	rm -rf $(VENV) *.egg-info .pytest_cache
+	rm -rf $(VENV) $(VENV_LATEST) *.egg-info .pytest_cache

@@ -16,7 +16,7 @@ setup(
     packages=find_packages(include=["mp_bridge", "mp_bridge.*"]),
     install_requires=[
         "torch>=2.6",
-        "megatron-core>=0.16,<0.17",
+        "megatron-core>=0.16,<0.20",
         "einops",
         "numpy",
     ],

@@ -9,8 +9,14 @@ direction  forward                                     backward (adjoint)
 =========  ==========================================  =====================================
 FAN_IN     all-gather along batch in the gather group  [CP all-reduce] then keep own slot
 FAN_OUT    keep slot ``dest_dp mod k`` (local narrow)  [CP all-reduce] then all-gather batch
-EQUAL      identity                                    [CP all-reduce]
+EQUAL      copy                                        [CP all-reduce]
 =========  ==========================================  =====================================
+
+Every output is a fresh tensor the caller owns (in-place ops on it are allowed and never
+reach the encoder's activation): FAN_IN returns the gather buffer itself (no copy beyond
+the collective's; a layout copy only when the batch dim is not dim 0), FAN_OUT copies its
+slot (``b_src / k`` rows), EQUAL copies the input (the one copy an identity needs to stop
+aliasing).
 
 Why the CP all-reduce: with dest CP > 1 the LLM takes its sequence chunks with
 ``index_select``, whose adjoint zero-pads, so each CP rank's incoming gradient holds only
@@ -29,7 +35,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from mp_bridge.grid import GridLayout
+from mp_bridge.grid import MISSING_PG_ERRORS, GridLayout
 
 from .agreement import check_agreement
 from .bridge_plan import BridgeDirection, BridgePlan, plan_bridge
@@ -113,6 +119,21 @@ class _FanOut(torch.autograd.Function):
         return all_gather_tensor(grad, ctx.gather_group, ctx.dim), None, None, None, None, None
 
 
+def _pick_name(ours: str | None, megatrons: str | None, arg: str, default: str) -> str:
+    """One module name from our keyword and megatron's spelling of it (they must agree)."""
+    if ours is not None and megatrons is not None and ours != megatrons:
+        raise ValueError(
+            f"{arg}={ours!r} and its megatron spelling {arg.replace('_name', '_module_name')}="
+            f"{megatrons!r} disagree; pass one of them"
+        )
+    name = ours if ours is not None else megatrons
+    if name is None:
+        return default
+    if not isinstance(name, str):
+        raise TypeError(f"{arg} must be a str, got {type(name).__name__}")
+    return name
+
+
 class ColocatedBridgeCommunicator:
     """Move an activation from ``src_grid``'s layout (TP×DP) to ``dest_grid``'s (TP×CP×DP).
 
@@ -137,10 +158,14 @@ class ColocatedBridgeCommunicator:
         src_grid, dest_grid: megatron-core ``HyperCommGrid``s on the same ranks (or
             :class:`~mp_bridge.grid.GridLayout`s, which hold no groups). Kept as
             ``src_grid`` / ``dest_grid`` (megatron's attribute names).
+        src_module_name, dest_module_name: megatron-core's spellings of ``src_name`` /
+            ``dest_name`` (same positions as in megatron's constructor, so a call written
+            for ``megatron.core.models.mimo.comm.colocated_communicator`` works unchanged).
         dim_mapping: tensor dims of ``'b'``, ``'s'``, ``'h'``; default
             ``{'b': 0, 's': 1, 'h': 2}``. A batch-major flattened ``(b*s, h)`` tensor uses
             ``{'b': 0, 'h': 1}`` (then only ``b*s`` divisible by ``k`` can be checked).
-        src_name, dest_name: names used in messages and ``plan.describe()``.
+        src_name, dest_name: names used in messages and ``plan.describe()`` (default
+            ``'encoder'`` / ``'llm'``).
 
     Use as a context manager (or call ``destroy()``, idempotent) to free the groups; like
     group creation, ``destroy()`` must run on every rank. Construction ends with one world
@@ -151,12 +176,16 @@ class ColocatedBridgeCommunicator:
         self,
         src_grid: Any,
         dest_grid: Any,
-        *,
+        src_module_name: str | None = None,
+        dest_module_name: str | None = None,
         dim_mapping: Mapping[str, int] | None = None,
-        src_name: str = "encoder",
-        dest_name: str = "llm",
+        *,
+        src_name: str | None = None,
+        dest_name: str | None = None,
     ) -> None:
         # Everything below up to the first new_group is local validation (no collective).
+        src_name = _pick_name(src_name, src_module_name, "src_name", "encoder")
+        dest_name = _pick_name(dest_name, dest_module_name, "dest_name", "llm")
         src = GridLayout.from_grid(src_grid)
         dest = GridLayout.from_grid(dest_grid)
         self._dim_mapping = _check_dim_mapping(dim_mapping)
@@ -219,7 +248,7 @@ class ColocatedBridgeCommunicator:
             return mine
         try:
             pg = dest_grid.get_pg("cp")
-        except (KeyError, ValueError):  # megatron-core 0.16 raises KeyError, 0.19 ValueError
+        except MISSING_PG_ERRORS:  # the error type differs by megatron-core version
             pg = dest_grid.create_pg("cp")
         if self._rank in self._plan.src.ranks:
             expected = list(self._plan.cp_group_of(self._rank))
@@ -297,8 +326,10 @@ class ColocatedBridgeCommunicator:
             return _FanIn.apply(x, self._gather_group, self._cp_group, dim, slot, k)
         if direction is BridgeDirection.FAN_OUT:
             return _FanOut.apply(x, self._gather_group, self._cp_group, dim, slot, k)
-        # EQUAL: identity forward, CP all-reduce of the gradient backward (Megatron's f).
-        return copy_to_group(x, self._cp_group)
+        # EQUAL: copy forward, CP all-reduce of the gradient backward (Megatron's f).
+        # copy_to_group: identity forward, CP all-reduce backward (double-backward safe);
+        # the clone is the one copy that stops the output aliasing the input.
+        return copy_to_group(x, self._cp_group).clone(memory_format=torch.contiguous_format)
 
     __call__ = communicate
 

@@ -62,7 +62,8 @@ def all_gather_tensor(x: torch.Tensor, group: dist.ProcessGroup | None, dim: int
         (n * moved.shape[0],) + tuple(moved.shape[1:]), dtype=x.dtype, device=x.device
     )
     _all_gather_single(out, moved, group)
-    return out.movedim(0, dim).contiguous()
+    # dim 0: the buffer itself (movedim(0, 0) would return a view of it).
+    return out if dim == 0 else out.movedim(0, dim).contiguous()
 
 
 def reduce_scatter_tensor(x: torch.Tensor, group: dist.ProcessGroup | None, dim: int = 0):

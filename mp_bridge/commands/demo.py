@@ -3,7 +3,10 @@
 Launches ``--world`` ranks itself on CPU (gloo, forked processes), or, when started by
 ``torchrun`` (``RANK``/``WORLD_SIZE`` set), runs in the launched processes (NCCL on GPUs).
 Prints one progress line per step (step, loss, tokens/s), then trains the single-process
-reference on the same data and prints a parity table; exits 1 when parity fails.
+reference on the same data and prints a parity table; exits 1 when parity fails. Batches
+are ragged by default (each sample 0..3 images of 1..num_patches tokens, some text-only;
+``communicate_ragged`` moves them); ``--uniform`` trains on one image of ``num_patches``
+tokens per sample instead.
 
     mp-bridge demo --world 8 --encoder tp=2,dp=4 --llm tp=2,cp=2,dp=2 --steps 20
 """
@@ -28,6 +31,7 @@ __all__ = ["add_arguments", "format_parity_table", "run"]
 
 GRAD_RTOL = 1e-5
 LOSS_RTOL = 1e-5
+IMAGES_PER_SAMPLE = (0, 3)  # ragged batches: images drawn per sample (synthetic_batch)
 POOL = 4  # distinct synthetic batches, cycled over the steps
 WEIGHT_RTOL = 1e-4
 # Weights may instead agree within 1% of one Adam step (0.01 * lr) in absolute terms: see
@@ -59,6 +63,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--fused-loss", action="store_true", help="fused LM-head cross-entropy (no logits)"
+    )
+    parser.add_argument(
+        "--uniform",
+        action="store_true",
+        help="one image of num_patches tokens per sample (default: ragged, 0..3 images of "
+        "1..num_patches tokens per sample)",
     )
     parser.add_argument("--plot", metavar="PATH", help="write a PNG of both loss curves")
     parser.set_defaults(run=run)
@@ -170,7 +180,11 @@ def _worker(enc: GridLayout, llm: GridLayout, opts: dict):
     cfg = opts["config"]
     rank0 = dist.get_rank() == 0
     # A few different batches, cycled: the loss falls as the model memorizes them.
-    batches = [synthetic_batch(cfg, opts["batch_size"], seed=100 + i) for i in range(POOL)]
+    ragged = None if opts["uniform"] else IMAGES_PER_SAMPLE
+    batches = [
+        synthetic_batch(cfg, opts["batch_size"], seed=100 + i, images_per_sample=ragged)
+        for i in range(POOL)
+    ]
     tokens = opts["batch_size"] * cfg.seq_len
 
     def progress(step: int, loss: float, seconds: float) -> None:
@@ -246,6 +260,13 @@ def _passed(report, weight_atol: float) -> bool:
     )
 
 
+def _batches(args: argparse.Namespace) -> str:
+    if args.uniform:
+        return f"uniform ({args.config.num_patches} image tokens per sample)"
+    lo, hi = IMAGES_PER_SAMPLE
+    return f"ragged ({lo}..{hi} images of 1..{args.config.num_patches} tokens per sample)"
+
+
 def _check_plot_target(path: str) -> None:
     """``--plot`` needs matplotlib and a writable folder: check before training, not after."""
     try:
@@ -287,6 +308,7 @@ def run(args: argparse.Namespace) -> int:
         "sequence_parallel": args.sequence_parallel,
         "fused_loss": args.fused_loss,
         "config": args.config,
+        "uniform": args.uniform,
     }
     start = time.perf_counter()
     if under_torchrun():
@@ -295,7 +317,8 @@ def run(args: argparse.Namespace) -> int:
         from mp_bridge.testing import run_distributed
 
         print(
-            f"launching {args.world} ranks (gloo, CPU): encoder {args.encoder} -> llm {args.llm}",
+            f"launching {args.world} ranks (gloo, CPU): encoder {args.encoder} -> llm "
+            f"{args.llm}, {_batches(args)} batches",
             flush=True,
         )
         report, printer = run_distributed(_worker, args.world, enc, llm, opts)[0], True
@@ -309,7 +332,10 @@ def run(args: argparse.Namespace) -> int:
         f"{report.tokens_per_step / mean_s:.0f} tokens/s mean; mean loss over the {n} "
         f"batches: first pass {sum(first) / n:.4f}, last pass {sum(last) / n:.4f}"
     )
-    print(f"parity vs single-process oracle ({report.encoder} -> {report.llm}):\n")
+    print(
+        f"parity vs single-process oracle ({report.encoder} -> {report.llm}, "
+        f"{_batches(args)} batches):\n"
+    )
     print(format_parity_table(report, weight_atol=WEIGHT_STEP_FRACTION * args.lr))
     if args.plot:
         _plot(report, args.plot)

@@ -3,6 +3,15 @@
 from .destroy import destroy_grid
 from .layout import GridLayout
 from .make import make_grid
+from .megatron_compat import MISSING_PG_ERRORS, get_pg_or_none
 from .spec import AXIS_NAMES, parse_layout_spec
 
-__all__ = ["AXIS_NAMES", "GridLayout", "destroy_grid", "make_grid", "parse_layout_spec"]
+__all__ = [
+    "AXIS_NAMES",
+    "MISSING_PG_ERRORS",
+    "GridLayout",
+    "destroy_grid",
+    "get_pg_or_none",
+    "make_grid",
+    "parse_layout_spec",
+]

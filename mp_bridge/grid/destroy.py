@@ -1,8 +1,10 @@
-"""Free every process group a megatron ``HyperCommGrid`` created (it has no such method).
+"""Free every process group a megatron ``HyperCommGrid`` created.
 
-``HyperCommGrid.create_pg`` keeps the groups in the private dict ``grid._pgs`` (key ->
-this rank's group, or ``None`` on ranks outside the grid); this is the one place in
-mp_bridge that reads it. Typical use, after the models built on a grid are released::
+megatron-core >= 0.17 has ``HyperCommGrid.destroy()``, which is used when present
+(``megatron_compat.grid_destroy``). On 0.16 (no such method) the groups are read from the
+private dict ``grid._pgs`` (key -> this rank's group, or ``None`` on ranks outside the
+grid); this is the one place in mp_bridge that reads it. Typical use, after the models
+built on a grid are released::
 
     grid = make_grid(tp=2, dp=4, create=("tp", "dp"))
     ...
@@ -14,6 +16,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch.distributed as dist
+
+from .megatron_compat import grid_destroy
 
 __all__ = ["destroy_grid"]
 
@@ -35,6 +39,11 @@ def destroy_grid(grid: Any) -> None:
         # Every rank must have finished connecting its groups before any rank frees them
         # (gloo handshakes complete asynchronously; see ColocatedBridgeCommunicator).
         dist.barrier()
+    own_destroy = grid_destroy(grid)
+    if own_destroy is not None:  # megatron-core >= 0.17
+        own_destroy()
+        pgs.clear()  # a no-op for megatron's own destroy(); keeps the contract for any grid
+        return
     for pg in list(pgs.values()):
         if pg is not None and pg != dist.GroupMember.NON_GROUP_MEMBER:
             dist.destroy_process_group(pg)

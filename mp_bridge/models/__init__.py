@@ -5,10 +5,11 @@ from .config import MimoConfig
 from .data import MimoBatch, dp_shard, synthetic_batch
 from .encoder import TPEncoder, TPProjection
 from .groups import MimoGroups, make_mimo_groups
+from .images import RaggedImages
 from .llm import TPLLM
 from .mimo import ColocatedMimoModel
 from .oracle import ParityReport, run_parity
-from .placement import place_image_embeddings
+from .placement import place_image_embeddings, place_image_tokens
 from .reference import ReferenceEncoder, ReferenceLLM, ReferenceMimo, ReferenceProjection
 from .sharding import gather_full_state, load_full_state
 
@@ -19,6 +20,7 @@ __all__ = [
     "ReferenceLLM",
     "ReferenceMimo",
     "place_image_embeddings",
+    "place_image_tokens",
     "TPEncoder",
     "TPProjection",
     "TPLLM",
@@ -30,6 +32,7 @@ __all__ = [
     "load_full_state",
     "gather_full_state",
     "MimoBatch",
+    "RaggedImages",
     "synthetic_batch",
     "dp_shard",
     "ParityReport",

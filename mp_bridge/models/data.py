@@ -1,7 +1,10 @@
 """Seeded synthetic image + text batches and their DP shards (identical on every rank).
 
-Sample ``i`` holds one image of ``num_patches`` patches and ``seq_len`` tokens; an image
-sample has ``num_patches`` consecutive ``image_token_id`` placeholders at a random offset.
+Uniform (default): sample ``i`` holds one image of ``num_patches`` patches and ``seq_len``
+tokens; an image sample has ``num_patches`` consecutive ``image_token_id`` placeholders at
+a random offset. Ragged (``images_per_sample=(lo, hi)``): sample ``i`` draws ``lo..hi``
+images of ``1..num_patches`` tokens each (:class:`RaggedImages`, flat tokens in sample
+order), each image a run of placeholders, the runs in order at random text gaps.
 ``loss_mask`` is 1 on text tokens and 0 on placeholders; ``uneven_mask`` additionally
 drops a different random fraction of tokens per sample, so ranks hold different counts.
 """
@@ -14,15 +17,17 @@ from dataclasses import dataclass
 import torch
 
 from .config import MimoConfig
+from .images import RaggedImages
 
 __all__ = ["MimoBatch", "dp_shard", "synthetic_batch"]
 
 
 @dataclass(frozen=True)
 class MimoBatch:
-    """Global batch: ``images [B, p, patch_dim]``; ids, labels and ``loss_mask`` ``[B, S]``."""
+    """Global batch: ids, labels and ``loss_mask`` ``[B, S]``; ``images`` either uniform
+    ``[B, p, patch_dim]`` or :class:`RaggedImages` (flat ``[T, patch_dim]`` in sample order)."""
 
-    images: torch.Tensor
+    images: torch.Tensor | RaggedImages
     input_ids: torch.Tensor
     labels: torch.Tensor
     loss_mask: torch.Tensor
@@ -30,6 +35,28 @@ class MimoBatch:
     @property
     def batch_size(self) -> int:
         return self.input_ids.shape[0]
+
+    @property
+    def ragged(self) -> bool:
+        return isinstance(self.images, RaggedImages)
+
+    @property
+    def image_tokens(self) -> torch.Tensor:
+        """Flat ``[T, patch_dim]`` image tokens in sample order (uniform: ``B * p`` rows)."""
+        return self.images.tokens if self.ragged else self.images.flatten(0, 1)
+
+    @property
+    def tokens_per_sample(self) -> torch.Tensor:
+        """``[B]`` int64 image tokens per sample (uniform: ``p`` each, text-only or not)."""
+        if self.ragged:
+            return self.images.tokens_per_sample
+        return torch.full((self.batch_size,), self.images.shape[1], dtype=torch.int64)
+
+    def encoder_shard(self, dp_rank: int, dp_size: int) -> torch.Tensor | RaggedImages:
+        """``images`` of encoder DP block ``dp_rank`` of ``dp_size`` (contiguous samples)."""
+        if self.ragged:
+            return self.images.shard(dp_rank, dp_size)
+        return dp_shard(self.images, dp_rank, dp_size)
 
     def to(self, device: torch.device) -> MimoBatch:
         return MimoBatch(*(t.to(device) for t in self.__dict__.values()))
@@ -42,20 +69,26 @@ def synthetic_batch(
     seed: int = 0,
     text_only: Sequence[int] = (),
     uneven_mask: bool = False,
+    images_per_sample: tuple[int, int] | None = None,
 ) -> MimoBatch:
-    """A deterministic global batch; samples listed in ``text_only`` get no image tokens."""
+    """A deterministic global batch; samples listed in ``text_only`` get no image tokens.
+
+    ``images_per_sample=(lo, hi)`` makes it ragged: each sample draws ``lo..hi`` images
+    (``text_only`` ones 0) of ``1..num_patches`` tokens; ``hi * num_patches`` must fit in
+    ``seq_len``. ``None`` (default) keeps the uniform ``[B, num_patches, patch_dim]`` batch.
+    """
     if batch_size < 1:
         raise ValueError(f"batch_size={batch_size} must be >= 1")
     bad = [i for i in text_only if not 0 <= i < batch_size]
     if bad:
         raise ValueError(f"text_only={list(text_only)} has ids {bad} outside [0, {batch_size})")
     gen = torch.Generator().manual_seed(seed)
+    if images_per_sample is not None:
+        return _ragged_batch(cfg, batch_size, gen, set(text_only), uneven_mask, images_per_sample)
     b, s, p = batch_size, cfg.seq_len, cfg.num_patches
     images = torch.randn(b, p, cfg.patch_dim, generator=gen)
     # Text ids avoid the placeholder so only placed positions count as image tokens.
-    ids = torch.randint(0, cfg.vocab_size - 1, (b, s), generator=gen)
-    ids = torch.where(ids >= cfg.image_token_id, ids + 1, ids)
-    labels = torch.randint(0, cfg.vocab_size, (b, s), generator=gen)
+    ids, labels = _text(cfg, (b, s), gen)
     loss_mask = torch.ones(b, s)
     offsets = torch.randint(0, s - p + 1, (b,), generator=gen)
     for i in range(b):
@@ -64,10 +97,68 @@ def synthetic_batch(
         start = int(offsets[i])
         ids[i, start : start + p] = cfg.image_token_id
         loss_mask[i, start : start + p] = 0.0
-    if uneven_mask:
-        keep = torch.rand(b, 1, generator=gen) * 0.8 + 0.1  # per-sample keep rate 10%..90%
-        loss_mask = loss_mask * (torch.rand(b, s, generator=gen) < keep).float()
-    return MimoBatch(images, ids, labels, loss_mask)
+    return MimoBatch(images, ids, labels, _thin(loss_mask, uneven_mask, gen))
+
+
+def _thin(loss_mask: torch.Tensor, uneven: bool, gen: torch.Generator) -> torch.Tensor:
+    """With ``uneven``, keep a random 10%..90% of each sample's masked tokens."""
+    if not uneven:
+        return loss_mask
+    keep = torch.rand(loss_mask.shape[0], 1, generator=gen) * 0.8 + 0.1
+    return loss_mask * (torch.rand(loss_mask.shape, generator=gen) < keep).float()
+
+
+def _text(cfg: MimoConfig, shape: tuple[int, ...], gen: torch.Generator):
+    """Random text ids (never the placeholder) and labels of ``shape``."""
+    ids = torch.randint(0, cfg.vocab_size - 1, shape, generator=gen)
+    ids = torch.where(ids >= cfg.image_token_id, ids + 1, ids)
+    return ids, torch.randint(0, cfg.vocab_size, shape, generator=gen)
+
+
+def _ragged_batch(cfg, batch_size, gen, text_only, uneven_mask, images_per_sample) -> MimoBatch:
+    lo, hi = _check_range(images_per_sample, cfg)
+    b, s, p = batch_size, cfg.seq_len, cfg.num_patches
+    ids, labels = _text(cfg, (b, s), gen)
+    loss_mask = torch.ones(b, s)
+    n_images = torch.randint(lo, hi + 1, (b,), generator=gen)
+    n_images[sorted(text_only)] = 0
+    sizes = torch.randint(1, p + 1, (int(n_images.sum()),), generator=gen)
+    image = 0
+    for i in range(b):
+        mine = sizes[image : image + int(n_images[i])].tolist()
+        image += len(mine)
+        # Text gaps before each image: sorted cut points split the sample's text tokens.
+        cuts = torch.randint(0, s - sum(mine) + 1, (len(mine),), generator=gen).sort().values
+        start, previous = 0, 0
+        for size, cut in zip(mine, cuts.tolist()):
+            start += cut - previous
+            previous = cut
+            ids[i, start : start + size] = cfg.image_token_id
+            loss_mask[i, start : start + size] = 0.0
+            start += size
+    tokens = torch.randn(int(sizes.sum()), cfg.patch_dim, generator=gen)
+    images = RaggedImages(tokens, sizes, n_images)
+    return MimoBatch(images, ids, labels, _thin(loss_mask, uneven_mask, gen))
+
+
+def _check_range(images_per_sample, cfg: MimoConfig) -> tuple[int, int]:
+    ok = (
+        isinstance(images_per_sample, tuple | list)
+        and len(images_per_sample) == 2
+        and all(isinstance(v, int) and not isinstance(v, bool) for v in images_per_sample)
+    )
+    if not ok or not 0 <= images_per_sample[0] <= images_per_sample[1]:
+        raise ValueError(
+            f"images_per_sample={images_per_sample!r} must be a (lo, hi) pair of ints with "
+            "0 <= lo <= hi, e.g. (0, 3)"
+        )
+    lo, hi = images_per_sample
+    if hi * cfg.num_patches > cfg.seq_len:
+        raise ValueError(
+            f"images_per_sample hi={hi} images of up to num_patches={cfg.num_patches} tokens "
+            f"do not fit in seq_len={cfg.seq_len}; use hi <= {cfg.seq_len // cfg.num_patches}"
+        )
+    return lo, hi
 
 
 def dp_shard(t: torch.Tensor, dp_rank: int, dp_size: int) -> torch.Tensor:

@@ -1,9 +1,11 @@
 """TP vision encoder and projection (megatron-core parallel linears, explicit ``tp_group``).
 
 Both run on the encoder's DP shard with batch-first ``[b, p, h]`` tensors at the module
-boundary; outputs are TP-replicated (each MLP/attention ends in a row-parallel linear,
-whose forward all-reduces over TP). Collectives per forward: 2 TP all-reduces per block
-plus 1 for the projection; the same count in backward (megatron's *f* before each column
+boundary, or on ragged images (:class:`RaggedImages`: flat ``[T, h]`` tokens, attention
+inside each image through a block-diagonal mask, so the math is the reference's);
+outputs are TP-replicated (each MLP/attention ends in a row-parallel linear, whose
+forward all-reduces over TP). Collectives per forward: 2 TP all-reduces per block plus 1
+for the projection; the same count in backward (megatron's *f* before each column
 linear). Gradients of replicated parameters (patch embedding, norms) are identical on
 every TP rank; every parameter gradient is partial over the encoder DP group (summed by
 the MIMO model's gradient sync).
@@ -20,20 +22,25 @@ from mp_bridge.comm import group_size
 
 from .config import MimoConfig
 from .groups import check_group
+from .images import RaggedImages
 from .sharding import FullStateMixin
 from .tp_blocks import TPMLP, make_blocks, make_norm, parallel_config
 
 __all__ = ["TPEncoder", "TPProjection", "bidirectional_attention"]
 
 
-def bidirectional_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Full (non-causal) attention on local heads, ``[b, s, heads, d]``; no collectives."""
-    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
-    return out.transpose(1, 2)
+def bidirectional_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Non-causal attention on local heads, ``[b, s, heads, d]``; ``mask`` ``[s, s]`` bool
+    (True: may attend) or None for full attention. No collectives."""
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2)
 
 
 class TPEncoder(FullStateMixin, nn.Module):
-    """``images [b, p, patch_dim] -> [b, p, enc_hidden]``, TP-replicated output.
+    """``images [b, p, patch_dim] -> [b, p, enc_hidden]``, or ragged images (flat
+    ``[T, patch_dim]`` tokens) ``-> [T, enc_hidden]``; TP-replicated output.
 
     Parameter names equal :class:`ReferenceEncoder`'s, so :meth:`from_full` /
     :meth:`to_full` round-trip a single-process model's ``state_dict``.
@@ -58,16 +65,22 @@ class TPEncoder(FullStateMixin, nn.Module):
         )  # fmt: skip
         self.norm = make_norm(cfg.enc_hidden, cfg.norm_eps, device=device)
 
-    def forward(self, images: torch.Tensor) -> torch.Tensor:
-        if images.dim() != 3 or images.shape[-1] != self.cfg.patch_dim:
+    def forward(self, images: torch.Tensor | RaggedImages) -> torch.Tensor:
+        if isinstance(images, RaggedImages):
+            # One sequence of T tokens (batch 1), attention kept inside each image.
+            x, mask = images.tokens.unsqueeze(1), images.attention_mask()
+        else:
+            x, mask = images.transpose(0, 1), None  # blocks are sequence-first
+        if x.dim() != 3 or x.shape[-1] != self.cfg.patch_dim:
             raise ValueError(
-                f"images must be [batch, patches, patch_dim={self.cfg.patch_dim}]; got "
-                f"{tuple(images.shape)}"
+                f"images must be [batch, patches, patch_dim={self.cfg.patch_dim}] or "
+                f"RaggedImages of [T, patch_dim] tokens; got {tuple(x.shape)} (seq-first)"
             )
-        x = self.patch_embed(images).transpose(0, 1)  # blocks are sequence-first
+        x = self.patch_embed(x)
         for block in self.blocks:
-            x = block(x)
-        return self.norm(x).transpose(0, 1)
+            x = block(x, mask=mask)
+        x = self.norm(x)
+        return x.squeeze(1) if mask is not None else x.transpose(0, 1)
 
 
 class TPProjection(FullStateMixin, TPMLP):

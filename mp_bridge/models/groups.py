@@ -32,7 +32,7 @@ from typing import Any
 import torch.distributed as dist
 
 from mp_bridge.comm import ColocatedBridgeCommunicator, plan_bridge
-from mp_bridge.grid import GridLayout, destroy_grid
+from mp_bridge.grid import MISSING_PG_ERRORS, GridLayout, destroy_grid
 
 __all__ = ["MimoGroups", "check_group", "grid_group", "make_mimo_groups"]
 
@@ -64,7 +64,7 @@ def grid_group(grid: Any, axes: Sequence[str], *, create: bool = False):
     key = present[0] if len(present) == 1 else present
     try:
         return grid.get_pg(key)
-    except (KeyError, ValueError):  # megatron-core 0.16 raises KeyError, 0.19 ValueError
+    except MISSING_PG_ERRORS:  # the error type differs by megatron-core version
         if create:
             return grid.create_pg(key)
     raise ValueError(

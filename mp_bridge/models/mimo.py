@@ -6,9 +6,12 @@ Per step, on every rank of the shared grid:
    all-gather over the encoder TP group, then over the encoder DP group, ``step_checks``):
    a bad batch on any rank is the same error on every rank, never a stranded peer;
 2. encoder + projection on this rank's encoder DP shard ``images [b_e, p, patch_dim]``
-   -> ``[b_e, p, h]`` (TP-replicated);
-3. ``bridge.communicate`` -> this rank's LLM DP shard ``[b_l, p, h]``;
-4. text embeddings of ``input_ids [b_l, S]`` with image rows placed at the image tokens;
+   -> ``[b_e, p, h]`` (TP-replicated), or on ragged images (:class:`RaggedImages`, flat
+   ``[T_e, patch_dim]`` tokens of the shard's samples) -> ``[T_e, h]``;
+3. ``bridge.communicate`` -> this rank's LLM DP shard ``[b_l, p, h]``; ragged:
+   ``bridge.communicate_ragged`` -> ``[T_l, h]`` and the LLM shard's per-sample counts;
+4. text embeddings of ``input_ids [b_l, S]`` with image rows placed at the image tokens
+   (ragged: sample ``i``'s tokens at its placeholders, which must match its count);
 5. ``partition.shard`` -> CP (and SP) shards; LLM -> fp32 per-token loss ``[b_l, S/c]``;
 6. ``masked_mean`` over the LLM DP x CP group: the global mean over every masked token.
 
@@ -32,15 +35,16 @@ from mp_bridge.grid import GridLayout
 from mp_bridge.layers import masked_mean
 
 from .encoder import TPEncoder, TPProjection
+from .flow import MimoFlow
 from .groups import MimoGroups, grid_group, make_mimo_groups
+from .images import RaggedImages
 from .llm import TPLLM
-from .placement import place_image_embeddings
 from .step_checks import check_step
 
 __all__ = ["ColocatedMimoModel"]
 
 
-class ColocatedMimoModel(nn.Module):
+class ColocatedMimoModel(MimoFlow):
     """Wire ``encoder -> projection -> bridge -> placement -> partition -> llm -> loss``.
 
     Args:
@@ -54,7 +58,10 @@ class ColocatedMimoModel(nn.Module):
         groups: the :class:`MimoGroups` these came from (DP groups default to its
             fields; :func:`destroy_colocated_mimo` frees it).
 
-    The model creates no process group. A DP group left out (and not in ``groups``) is
+    ``model(input_ids, labels, loss_mask, images=None)`` is :meth:`MimoFlow.forward` on
+    this rank's shards (LLM DP shard of the text, encoder DP shard of the images, uniform
+    or :class:`RaggedImages`); the stages below implement it. The model creates no
+    process group. A DP group left out (and not in ``groups``) is
     looked up on the bridge's grids (``bridge.src_grid.get_pg('dp')``,
     ``bridge.dest_grid.get_pg(['dp', 'cp'])``), so the plain signature
     ``ColocatedMimoModel(encoder, projection, llm, bridge, partition, image_token_id=i)``
@@ -159,30 +166,26 @@ class ColocatedMimoModel(nn.Module):
         (see :func:`~mp_bridge.models.destroy_colocated_mimo`)."""
         self._destroyed = True
 
-    # ------------------------------------------------------------------ forward
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        labels: torch.Tensor,
-        loss_mask: torch.Tensor,
-        images: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """Global masked-mean token loss (fp32 scalar, identical on every rank).
-
-        ``input_ids``/``labels``/``loss_mask``: this rank's LLM DP shard ``[b_l, S]`` (full
-        sequences; CP/SP sharding happens inside). ``images``: this rank's encoder DP
-        shard ``[b_e, p, patch_dim]``, or ``None`` on *every* rank for a text-only step.
-        """
+    # ------------------------------------------------------------------ stages
+    # forward (MimoFlow): check_step -> encode -> bridge_images -> place -> mean_token_loss.
+    def check_step(self, input_ids, labels, loss_mask, images) -> bool:
+        """Every rank's local checks, agreed over the grid with whether images are present."""
         if self._destroyed:
             raise RuntimeError("forward() after destroy(); build a new ColocatedMimoModel")
-        has_images = self._check_step(input_ids, labels, loss_mask, images)
-        image = None
-        if has_images:
-            image = self.projection(self.encoder(images))  # [b_e, p, h] TP-replicated
-            image = self.bridge.communicate(image)  # [b_l, p, h]
-        embeddings = place_image_embeddings(
-            self.llm.embed_tokens(input_ids), image, input_ids, self.image_token_id
-        )
+        return self._check_step(input_ids, labels, loss_mask, images)
+
+    def bridge_images(self, image, images):
+        """Encoder DP batch -> LLM DP batch: ``[b_e, p, h] -> [b_l, p, h]``, or ragged
+        ``[T_e, h] -> [T_l, h]`` with the LLM batch's ``[b_l]`` token counts."""
+        if isinstance(images, RaggedImages):
+            return self.bridge.communicate_ragged(image, images.tokens_per_sample)
+        return self.bridge.communicate(image), None
+
+    def embed_text(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.llm.embed_tokens(input_ids)
+
+    def mean_token_loss(self, embeddings, labels, loss_mask) -> torch.Tensor:
+        """Partition into CP (and SP) shards, LLM per-token loss, global masked mean."""
         shard = self.partition.shard(embeddings, labels=labels, loss_mask=loss_mask)
         per_token = self.llm.token_loss(shard.embeddings, shard.position_ids, shard.labels)
         return masked_mean(per_token, shard.loss_mask, group=self.llm_dp_cp_group)

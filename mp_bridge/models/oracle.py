@@ -35,6 +35,7 @@ from mp_bridge.grid import AXIS_NAMES, GridLayout, make_grid
 from .build import build_colocated_mimo, destroy_colocated_mimo
 from .config import MimoConfig
 from .data import MimoBatch, dp_shard, synthetic_batch
+from .images import RaggedImages
 from .reference import ReferenceMimo
 from .sharding import gather_full_state
 
@@ -113,6 +114,23 @@ def _compare_state(
     return max_abs, max_rel, worst
 
 
+def _with_grad(images):
+    """``(x, images)``: a ``requires_grad`` copy of the image tokens, and images over it."""
+    if isinstance(images, RaggedImages):
+        x = images.tokens.clone().requires_grad_(True)
+        return x, images.with_tokens(x)
+    x = images.clone().requires_grad_(True)
+    return x, x
+
+
+def _encoder_rows(batch: MimoBatch, dp_rank: int, dp_size: int) -> slice:
+    """Rows of the global image input held by encoder DP rank ``dp_rank``."""
+    if batch.ragged:
+        return batch.images.token_slice(dp_rank, dp_size)
+    n = batch.batch_size // dp_size
+    return slice(dp_rank * n, (dp_rank + 1) * n)
+
+
 def run_parity(
     cfg: MimoConfig,
     *,
@@ -136,7 +154,8 @@ def run_parity(
     """Train both models for ``steps`` Adam steps and compare (collective on every rank).
 
     ``batch``: one global batch used at every step, or a list cycled over the steps
-    (default: one seeded :func:`synthetic_batch` of ``batch_size`` samples). Grids are
+    (default: one seeded :func:`synthetic_batch` of ``batch_size`` samples); uniform or
+    ragged (:class:`RaggedImages`: the encoder input gradient is then per token). Grids are
     built and destroyed here (``make_grid`` with ``encoder_dim_names`` / ``llm_dim_names``,
     default ``tp, cp, pp, dp``; the two orders must nest, see ``plan_bridge``) and
     each must cover the whole world, so many layouts can run one after another in one
@@ -180,7 +199,7 @@ def run_parity(
         llm_dp_rank = GridLayout.from_grid(llm_grid).coords(rank)["dp"]
         local = [
             (
-                dp_shard(b.images, enc_dp_rank, encoder_dp),
+                b.encoder_shard(enc_dp_rank, encoder_dp),
                 *(dp_shard(t, llm_dp_rank, llm_dp) for t in (b.input_ids, b.labels, b.loss_mask)),
             )
             for b in pool
@@ -191,8 +210,8 @@ def run_parity(
             start = time.perf_counter()
             optim.zero_grad(set_to_none=True)
             images, input_ids, labels, mask = local[step % len(local)]
-            x = images.clone().requires_grad_(True)
-            loss = model(input_ids, labels, mask, x)
+            x, images = _with_grad(images)
+            loss = model(input_ids, labels, mask, images)
             loss.backward()
             model.sync_gradients()
             optim.step()
@@ -212,10 +231,9 @@ def run_parity(
     ref_losses, grad_abs, grad_scale = [], 0.0, 0.0
     for step in range(steps):
         batch = pool[step % len(pool)]
-        n = batch.batch_size // encoder_dp
         ref_optim.zero_grad(set_to_none=True)
-        x = batch.images.clone().requires_grad_(True)
-        loss = reference(batch.input_ids, batch.labels, batch.loss_mask, x)
+        x, images = _with_grad(batch.images)
+        loss = reference(batch.input_ids, batch.labels, batch.loss_mask, images)
         loss.backward()
         if step == 0:
             ref_grads = {
@@ -224,8 +242,9 @@ def run_parity(
             }
         ref_optim.step()
         ref_losses.append(loss.item())
-        mine = x.grad[enc_dp_rank * n : (enc_dp_rank + 1) * n]
-        grad_abs = max(grad_abs, float((dist_grads[step] - mine).abs().max()))
+        mine = x.grad[_encoder_rows(batch, enc_dp_rank, encoder_dp)]
+        diff = (dist_grads[step] - mine).abs()
+        grad_abs = max(grad_abs, float(diff.max()) if diff.numel() else 0.0)  # ragged: T may be 0
         grad_scale = max(grad_scale, float(x.grad.abs().max()))
     # The input-gradient difference is per rank: take the worst over the world.
     worst = torch.tensor([grad_abs], dtype=torch.float64, device=device)

@@ -3,7 +3,8 @@
 Parameter names and layouts are the ones the distributed models shard from:
 ``qkv`` rows are ordered ``[heads, (q, k, v), head_dim]`` so a contiguous row block is a
 contiguous set of whole heads (Megatron's interleaved QKV), which is what a
-column-parallel shard holds. Tensors are batch-first, ``[b, s, h]``.
+column-parallel shard holds. Tensors are batch-first, ``[b, s, h]``; ragged images
+(:class:`RaggedImages`) run as one flat sequence with attention kept inside each image.
 """
 
 from __future__ import annotations
@@ -13,7 +14,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import MimoConfig
-from .placement import check_image_tokens, place_image_embeddings
+from .flow import MimoFlow
+from .images import RaggedImages
+from .placement import check_image_tokens, check_ragged_image_tokens
 
 __all__ = [
     "ReferenceEncoder",
@@ -31,11 +34,11 @@ class _Attention(nn.Module):
         self.qkv = nn.Linear(hidden, 3 * hidden, bias=False)
         self.proj = nn.Linear(hidden, hidden, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         b, s, h = x.shape
         qkv = self.qkv(x).view(b, s, self.heads, 3, h // self.heads)
         q, k, v = (qkv[:, :, :, i].transpose(1, 2) for i in range(3))  # [b, heads, s, d]
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=self.causal)
         return self.proj(out.transpose(1, 2).reshape(b, s, h))
 
 
@@ -57,8 +60,8 @@ class _Block(nn.Module):
         self.ln2 = nn.LayerNorm(hidden, eps=eps)
         self.mlp = _MLP(hidden, ffn)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln1(x))
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x), mask)
         return x + self.mlp(self.ln2(x))
 
 
@@ -68,14 +71,15 @@ def _trunk(n: int, hidden: int, heads: int, ffn: int, *, causal: bool, eps: floa
     return blocks, nn.LayerNorm(hidden, eps=eps)
 
 
-def _run_blocks(blocks: nn.ModuleList, x: torch.Tensor) -> torch.Tensor:
+def _run_blocks(blocks: nn.ModuleList, x: torch.Tensor, mask=None) -> torch.Tensor:
     for block in blocks:
-        x = block(x)
+        x = block(x, mask)
     return x
 
 
 class ReferenceEncoder(nn.Module):
-    """Patch embedding + bidirectional blocks + norm: [b, p, patch_dim] -> [b, p, enc_hidden]."""
+    """Patch embedding + bidirectional blocks + norm: [b, p, patch_dim] -> [b, p, enc_hidden],
+    or ragged images -> [T, enc_hidden] (one sequence, attention inside each image)."""
 
     def __init__(self, cfg: MimoConfig):
         super().__init__()
@@ -83,7 +87,10 @@ class ReferenceEncoder(nn.Module):
         self.blocks, self.norm = _trunk(cfg.enc_layers, cfg.enc_hidden, cfg.enc_heads,
                                         cfg.enc_ffn, causal=False, eps=cfg.norm_eps)  # fmt: skip
 
-    def forward(self, images: torch.Tensor) -> torch.Tensor:
+    def forward(self, images: torch.Tensor | RaggedImages) -> torch.Tensor:
+        if isinstance(images, RaggedImages):
+            x = self.patch_embed(images.tokens).unsqueeze(0)
+            return self.norm(_run_blocks(self.blocks, x, images.attention_mask())).squeeze(0)
         return self.norm(_run_blocks(self.blocks, self.patch_embed(images)))
 
 
@@ -114,32 +121,36 @@ def reference_masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Ten
     return (values.to(torch.float32) * mask).sum() / mask.sum().clamp(min=1.0)
 
 
-class ReferenceMimo(nn.Module):
-    """encoder -> projection -> place at image tokens -> LLM -> masked mean token loss."""
+class ReferenceMimo(MimoFlow):
+    """encoder -> projection -> place at image tokens -> LLM -> masked mean token loss.
+
+    ``forward(input_ids, labels, loss_mask, images=None)`` on the global batch
+    (:class:`MimoFlow`): ``images`` ``[B, P, patch_dim]``, :class:`RaggedImages` or None.
+    """
 
     def __init__(self, cfg: MimoConfig):
         super().__init__()
         self.cfg = cfg
+        self.image_token_id = cfg.image_token_id
         self.encoder = ReferenceEncoder(cfg)
         self.projection = ReferenceProjection(cfg)
         self.llm = ReferenceLLM(cfg)
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        labels: torch.Tensor,
-        loss_mask: torch.Tensor,
-        images: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """Global mean cross-entropy over tokens with ``loss_mask`` set (scalar, fp32).
+    def check_step(self, input_ids, labels, loss_mask, images) -> bool:
+        if isinstance(images, RaggedImages):
+            check_ragged_image_tokens(input_ids, self.image_token_id, images.tokens_per_sample)
+        else:
+            check_image_tokens(input_ids, self.image_token_id, self.cfg.num_patches)
+        return images is not None
 
-        ``input_ids``/``labels``/``loss_mask`` [B, S]; ``images`` [B, P, patch_dim] or None.
-        """
-        check_image_tokens(input_ids, self.cfg.image_token_id, self.cfg.num_patches)
-        image = None if images is None else self.projection(self.encoder(images))
-        embeddings = place_image_embeddings(
-            self.llm.embed(input_ids), image, input_ids, self.cfg.image_token_id
-        )
+    def bridge_images(self, image, images):
+        """One process holds every sample: the encoder's output is the LLM's input."""
+        return image, images.tokens_per_sample if isinstance(images, RaggedImages) else None
+
+    def embed_text(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.llm.embed(input_ids)
+
+    def mean_token_loss(self, embeddings, labels, loss_mask) -> torch.Tensor:
         logits = self.llm(embeddings)
         per_token = F.cross_entropy(
             logits.flatten(0, 1).float(), labels.flatten(), reduction="none"

@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from mp_bridge.comm import run_checked
 
+from .images import RaggedImages
 from .placement import check_image_tokens
 
 __all__ = ["check_batch", "check_step"]
@@ -60,14 +61,22 @@ def check_batch(
                 f"{name} holds {int(t[bad].flatten()[0])}, outside [0, {vocab_size}){allowed}; "
                 "fix the batch or the vocab size"
             )
-    if images is not None:
+    if isinstance(images, RaggedImages):
+        if images.tokens.shape[-1] != patch_dim:
+            raise ValueError(
+                f"images.tokens has shape {tuple(images.tokens.shape)}; expected [T, "
+                f"patch_dim={patch_dim}]"
+            )
+    elif images is not None:
         if not isinstance(images, torch.Tensor):
-            raise TypeError(f"images must be a torch.Tensor or None, got {type(images).__name__}")
+            raise TypeError(
+                f"images must be a torch.Tensor, RaggedImages or None, got {type(images).__name__}"
+            )
         check_image_tokens(input_ids, image_token_id, num_patches)
         if images.dim() != 3 or images.shape[1] != num_patches:
             raise ValueError(
                 f"images has shape {tuple(images.shape)}; expected [batch, "
-                f"num_patches={num_patches}, patch_dim={patch_dim}]"
+                f"num_patches={num_patches}, patch_dim={patch_dim}] or RaggedImages"
             )
 
 

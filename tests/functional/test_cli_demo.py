@@ -18,6 +18,7 @@ def test_demo_trains_and_reports_parity(capfd, tmp_path):
     plot = tmp_path / "loss.png"
     assert main(["demo", "--steps", "3", "--plot", str(plot)]) == 0
     out = capfd.readouterr().out
+    assert "ragged (0..3 images of 1..4 tokens per sample) batches" in out  # the default
     assert len(re.findall(r"^step +\d+/3  loss \d+\.\d+  tokens/s +\d+$", out, re.M)) == 3
     assert re.search(r"^loss \(3 steps\) .* yes$", out, re.M), out
     assert re.search(r"^weights \(gathered\) .* yes$", out, re.M), out
@@ -36,3 +37,11 @@ def test_demo_exits_1_when_parity_fails(capfd, monkeypatch):
     out = capfd.readouterr().out
     assert re.search(r"^loss \(2 steps\) .* NO$", out, re.M), out
     assert "parity FAILED" in out
+
+
+def test_demo_uniform_batches_on_request(capfd):
+    assert main(["demo", "--steps", "2", "--uniform"]) == 0
+    out = capfd.readouterr().out
+    assert "uniform (4 image tokens per sample) batches" in out
+    assert re.search(r"^weights \(gathered\) .* yes$", out, re.M), out
+    assert "parity OK" in out
