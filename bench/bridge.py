@@ -6,7 +6,10 @@ forward (k-1)·m, FAN_OUT backward (k-1)·m/k, EQUAL 0; the dest-CP gradient all
 listed separately (it is required whenever dest CP > 1). "bare" times the same collectives
 (all-gather of the same bytes in the same group, plus the CP all-reduce when there is one)
 without the bridge around them, alternating with the bridge run by run. Times are
-medians over iterations of the slowest rank.
+medians over iterations of the slowest rank. "checked" times the same bridge step with
+the agreement check on (``MP_BRIDGE_CHECK=1``: one ``[n, 20]`` int64 all-gather over
+the call's group and a host read before the collective), alternated with the others in
+the same rounds; the other columns run with the check off.
 Prints a table and the command; never asserts on time.
 
 A second table (``bench/bridge_ragged.py``) runs ``communicate_ragged`` on the same
@@ -67,6 +70,19 @@ def _timed(fns, iters: int) -> list[float]:
     return [statistics.median(t) for t in times]
 
 
+def _checked(fn):
+    """``fn`` with the agreement checks on (``MP_BRIDGE_CHECK`` is read at every call)."""
+
+    def run() -> None:
+        os.environ["MP_BRIDGE_CHECK"] = "1"
+        try:
+            fn()
+        finally:
+            os.environ["MP_BRIDGE_CHECK"] = "0"
+
+    return run
+
+
 def _bench_layout(src: dict, dest: dict, args: argparse.Namespace) -> dict:
     device = current_device()
     src_grid = make_grid(**src, create=())
@@ -98,7 +114,8 @@ def _bench_layout(src: dict, dest: dict, args: argparse.Namespace) -> dict:
         for _ in range(2):  # warm-up: the first collectives on a new group set up links
             step()
             bare()
-        t_bridge, t_bare = _timed([step, bare], args.iters)
+            _checked(step)()
+        t_bridge, t_bare, t_checked = _timed([step, bare, _checked(step)], args.iters)
     lower = {"FAN_IN": (k - 1) * m, "FAN_OUT": (k - 1) * m // k, "EQUAL": 0}[direction]
     return dict(
         layout=f"{_spec(src)} -> {_spec(dest)}",
@@ -111,6 +128,7 @@ def _bench_layout(src: dict, dest: dict, args: argparse.Namespace) -> dict:
         ar=counter.bytes_received("all_reduce"),
         t_bridge=t_bridge,
         t_bare=t_bare,
+        t_checked=t_checked,
     )
 
 
@@ -147,6 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.tables <= {"uniform", "ragged"}:
         parser.error(f"--tables {sorted(args.tables)}: choose from uniform, ragged")
     load_before = _load()
+    os.environ["MP_BRIDGE_CHECK"] = "0"  # the ranks inherit it; "checked" turns it on
     results = run_distributed(_worker, WORLD, args, backend="gloo", timeout_s=1800)
     print(f"{load_before} (before), {_load()} (after)\n")
     if "uniform" in args.tables:
@@ -175,6 +194,8 @@ def _print_uniform(per_rank: list[list[dict]], args: argparse.Namespace) -> None
         "bridge ms",
         "bare ms",
         "ratio",
+        "checked ms",
+        "check cost ms",
     )
     table = [head]
     for i, row in enumerate(per_rank[0]):
@@ -183,6 +204,7 @@ def _print_uniform(per_rank: list[list[dict]], args: argparse.Namespace) -> None
         ok = all(r["ag"] == r["lower"] for r in ranks)
         t_bridge = max(r["t_bridge"] for r in ranks) * 1e3
         t_bare = max(r["t_bare"] for r in ranks) * 1e3
+        t_checked = max(r["t_checked"] for r in ranks) * 1e3
         has_comm = row["k"] > 1 or row["cp"] > 1
         table.append(
             (
@@ -197,6 +219,8 @@ def _print_uniform(per_rank: list[list[dict]], args: argparse.Namespace) -> None
                 f"{t_bridge:.2f}",
                 f"{t_bare:.2f}" if has_comm else "-",
                 f"{t_bridge / t_bare:.2f}x" if has_comm and t_bare > 0 else "-",
+                f"{t_checked:.2f}",
+                f"{t_checked - t_bridge:+.2f}",
             )
         )
     print(f"colocated bridge, {WORLD} gloo ranks on CPU, fp32 [b, s={args.seq}, h={args.hidden}]")

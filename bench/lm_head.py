@@ -199,6 +199,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     print(header + "\n|---|---|---|---|---|---|---|---|---|---|")
     start = time.perf_counter()
+    os.environ.setdefault("MP_BRIDGE_CHECK", "0")  # time the losses, not the debug checks
     verdicts = []
     for vocab in args.vocab:
         for tp in args.tp:

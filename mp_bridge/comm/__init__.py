@@ -7,6 +7,14 @@ helpers (``primitives``), the CP cut (``cp_indices``), the packed-sequence mask
 the bridge (its ``route`` plan in ``route_plan``) and the partition adapter.
 """
 
+from .agreement import (
+    AgreementError,
+    check_agreement,
+    check_group_arg,
+    checks_enabled,
+    fingerprint,
+    run_checked,
+)
 from .bridge import ColocatedBridgeCommunicator
 from .bridge_plan import BridgeDirection, BridgePlan, format_rank_table, plan_bridge
 from .cp_indices import (
@@ -86,4 +94,11 @@ __all__ = [
     "PaddedLayout",
     "pad_layout",
     "deterministic_all_reduce",
+    # agreement checks (agreement.py)
+    "AgreementError",
+    "check_agreement",
+    "check_group_arg",
+    "checks_enabled",
+    "fingerprint",
+    "run_checked",
 ]

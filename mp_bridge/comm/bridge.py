@@ -37,6 +37,7 @@ import torch.distributed as dist
 
 from mp_bridge.grid import MISSING_PG_ERRORS, GridLayout
 
+from .agreement import check_agreement
 from .bridge_plan import BridgeDirection, BridgePlan, plan_bridge
 from .partition import PartitionAdapter
 from .primitives import all_gather_tensor, all_reduce_sum, copy_to_group, forbid_double_backward
@@ -324,6 +325,12 @@ class ColocatedBridgeCommunicator:
                 f"divisible by {k}"
             )
         slot = self._plan.slot_of(self._rank)
+        check_agreement(  # the group of this call's collective (MP_BRIDGE_CHECK)
+            "ColocatedBridgeCommunicator.communicate",
+            self._gather_group if k > 1 else self._cp_group,
+            {"x.shape": tuple(x.shape), "x.dtype": x.dtype, "x.device": x.device.type},
+            device=x.device,
+        )
         if direction is BridgeDirection.FAN_IN:
             return _FanIn.apply(x, self._gather_group, self._cp_group, dim, slot, k)
         if direction is BridgeDirection.FAN_OUT:
@@ -362,6 +369,15 @@ class ColocatedBridgeCommunicator:
         """
         if self._destroyed:
             raise RuntimeError("communicate_ragged() after destroy(); build a new communicator")
+        # FAN_IN's own header exchange (always on) already compares samples and row
+        # sizes; FAN_OUT and EQUAL have no forward collective to do it.
+        if isinstance(x, torch.Tensor) and self._plan.direction is not BridgeDirection.FAN_IN:
+            check_agreement(
+                "ColocatedBridgeCommunicator.communicate_ragged",
+                self._gather_group if self._plan.scale > 1 else self._cp_group,
+                {"x.shape[1:]": tuple(x.shape[1:]), "x.dtype": x.dtype, "x.dim()": x.dim()},
+                device=x.device,
+            )
         return bridge_ragged(
             x,
             tokens_per_sample,

@@ -30,6 +30,7 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
+from .agreement import check_agreement, check_group_arg
 from .cp_indices import (
     cp_gather_order,
     cp_shard_indices,
@@ -141,6 +142,8 @@ class PartitionAdapter:
             raise TypeError(f"sequence_parallel must be a bool, got {sequence_parallel!r}")
         if isinstance(seq_dim, bool) or not isinstance(seq_dim, int):
             raise TypeError(f"seq_dim must be an int, got {seq_dim!r}")
+        check_group_arg("cp_group", cp_group)
+        check_group_arg("tp_group", tp_group)
         self.cp_group = cp_group
         self.tp_group = tp_group
         self.sequence_parallel = sequence_parallel
@@ -239,6 +242,20 @@ class PartitionAdapter:
         pad = layout.padding > 0
         src = layout.source_index(device) if pad else None
 
+        given = {name: t is not None for name, t in tokens}
+        check_agreement(  # the full batch is identical on every CP (and SP) rank
+            "PartitionAdapter.shard",
+            [self.cp_group, self.tp_group if self.sequence_parallel else None],
+            {
+                "embeddings.shape": None if embeddings is None else tuple(embeddings.shape),
+                "embeddings.dtype": None if embeddings is None else embeddings.dtype,
+                "seq_len": seq_len,
+                "cu_seqlens": layout.padded_bounds,
+                "given": tuple(sorted(given.items())),
+            },
+            identical={n: t for n, t in tokens if t is not None},
+            device=device,
+        )  # fmt: skip
         if position_ids is None:
             position_ids = torch.arange(seq_len, device=device)
             if batch is not None:
@@ -337,6 +354,14 @@ class PartitionAdapter:
         sp = sequence_parallel
         full_len = x.shape[dim] * self.cp_size * (self.tp_size if sp else 1)
         self._check_len(full_len, sp, f"full sequence length (local {x.shape[dim]} x ranks)")
+        check_agreement(
+            "PartitionAdapter.unshard",
+            [self.tp_group if sp else None, self.cp_group],
+            {"x.shape": tuple(x.shape), "x.dtype": x.dtype, "seq_dim": dim, "sequence_parallel": sp,
+             "grad": grad, "seq_len": seq_len,
+             "cu_seqlens": None if cu_seqlens is None else str(cu_seqlens)},
+            device=x.device,
+        )  # fmt: skip
         bounds, keep = None, None
         if cu_seqlens is not None or seq_len is not None:
             layout = self._original_layout(full_len, seq_len, cu_seqlens)

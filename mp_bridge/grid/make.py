@@ -95,6 +95,15 @@ def make_grid(
     to_create = [[c] if isinstance(c, str) else list(c) for c in create]
     for axes in to_create:
         layout.groups(axes)  # validates names before any collective
+    # Group creation is collective over the world: ranks given different grids would hang.
+    # (Imported here: mp_bridge.comm imports mp_bridge.grid.)
+    from mp_bridge.comm import check_agreement
+
+    check_agreement(
+        "make_grid",
+        dist.group.WORLD,
+        {"sizes": sizes, "dim_names": names, "rank_offset": rank_offset, "create": to_create},
+    )
     grid = HyperCommGrid(list(layout.shape), list(names), rank_offset=rank_offset)
     for axes in to_create:
         grid.create_pg(axes if len(axes) > 1 else axes[0])

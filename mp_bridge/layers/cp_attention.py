@@ -27,7 +27,14 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from mp_bridge.comm import gather_kv, group_rank, group_size, packed_sequence_mask
+from mp_bridge.comm import (
+    check_agreement,
+    check_group_arg,
+    gather_kv,
+    group_rank,
+    group_size,
+    packed_sequence_mask,
+)
 
 __all__ = ["context_parallel_attention"]
 
@@ -58,6 +65,17 @@ def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         raise ValueError(
             f"q heads={hq} must be a multiple of k/v heads={k.shape[2]} (grouped-query attention)"
         )
+
+
+def check_softmax_scale(scale: object) -> float:
+    """A finite float > 0 (nan or inf would make every score nan)."""
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise TypeError(f"softmax_scale must be a float or None, got {scale!r}")
+    if not 0.0 < scale < math.inf:  # also rejects nan
+        raise ValueError(
+            f"softmax_scale={scale!r} must be a finite float > 0 (None = 1/sqrt(head dim))"
+        )
+    return float(scale)
 
 
 def _check_positions(position_ids: torch.Tensor, b: int, s: int) -> torch.Tensor:
@@ -108,6 +126,7 @@ def context_parallel_attention(
     of V are computed in fp32 for fp16/bf16 inputs. Collectives: see the module docstring.
     Every CP rank must pass the same shapes (not checkable without a collective).
     """
+    check_group_arg("cp_group", cp_group)
     _check_qkv(q, k, v)
     b, s, hq, d = q.shape
     hk = k.shape[2]
@@ -127,6 +146,15 @@ def context_parallel_attention(
         same_seq = packed_sequence_mask(cu_seqlens, n, rank, seq_len=s * n, device=q.device)
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(d)
+    softmax_scale = check_softmax_scale(softmax_scale)
+    check_agreement(
+        "context_parallel_attention",
+        cp_group,
+        {"q.shape": tuple(q.shape), "k.shape": tuple(k.shape), "dtype": q.dtype,
+         "causal": causal, "position_ids given": pos is not None, "softmax_scale": softmax_scale,
+         "cu_seqlens": None if cu_seqlens is None else str(list(map(int, cu_seqlens)))},
+        device=q.device,
+    )  # fmt: skip
 
     # ---- the one collective (forward) / reduce-scatter (backward)
     kv = torch.stack([k, v])  # [2, b, s, hk, d]

@@ -24,12 +24,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from mp_bridge.comm import (
+    check_agreement,
+    check_group_arg,
     group_rank,
     group_size,
     reduce_from_group,
     reduce_scatter_along,
 )
 
+from .loss_checks import check_bool
 from .param_shards import load_shard_, mark_sharded
 from .vocab_shards import VocabShard, vocab_shards
 
@@ -93,6 +96,8 @@ class VocabShardModule(nn.Module):
         positive_int("multiple", multiple)
         if isinstance(seq_dim, bool) or not isinstance(seq_dim, int):
             raise TypeError(f"seq_dim must be an int, got {seq_dim!r}")
+        check_group_arg("tp_group", tp_group)
+        check_bool("sequence_parallel", sequence_parallel)
         self.tp_group = tp_group
         self.tp_size = group_size(tp_group)
         self.sequence_parallel = bool(sequence_parallel)
@@ -209,6 +214,13 @@ class VocabParallelEmbedding(VocabShardModule):
                 f"ids hold {int(ids[bad].flatten()[0])}, outside [0, {self.num_embeddings}) "
                 f"(num_embeddings={self.num_embeddings}); check the tokenizer / vocab size"
             )
+        check_agreement(  # every TP rank embeds the same ids
+            "VocabParallelEmbedding.forward",
+            self.tp_group,
+            {"ids.shape": tuple(ids.shape), "weight.dtype": self.weight.dtype},
+            identical={"ids": ids},
+            device=ids.device,
+        )
         if self.tp_size == 1:
             return F.embedding(ids, self.weight)
         outside = (ids < self.vocab_start_index) | (ids >= self.vocab_end_index)

@@ -42,6 +42,7 @@ import torch.distributed as dist
 from .fused_engines import ChunkEngine, DefaultEngine, InvariantEngine
 from .loss_blocks import TOKEN_TILE, BlockLayout, pad_single_shard
 from .loss_checks import (
+    check_bool,
     check_fused_inputs,
     check_loss_args,
     check_options,
@@ -49,6 +50,7 @@ from .loss_checks import (
     check_shard,
     check_target,
     check_temperature,
+    check_tp_agreement,
     forbid_double_backward,
 )
 from .loss_math import LossSpec
@@ -214,7 +216,14 @@ def _fused_loss(
     if chunk_size is None:
         chunk_size = max(128, DEFAULT_CHUNK_ELEMENTS // v_local)
     chunk = max(1, min(chunk_size, hidden.shape[0]))
-    if invariant:
+    check_tp_agreement(  # under MP_BRIDGE_CHECK: one all-gather, before the chunk loop
+        "fused linear loss",
+        tp_group,
+        {"hidden": hidden, "weight": weight},
+        {"spec": spec, "chunk": chunk, "invariant": invariant, "reduction": reduction},
+        {"hidden": hidden, "target": target},
+    )
+    if check_bool("invariant", invariant):
         layout = BlockLayout.of_shard(shard)
         chunk = -(-chunk // TOKEN_TILE) * TOKEN_TILE  # tiles must not depend on the chunk
         # TP = 1 with a vocab that is not a whole number of blocks: one zero-padded copy.

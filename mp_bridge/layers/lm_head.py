@@ -23,9 +23,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from mp_bridge.comm import copy_to_group, gather_along
+from mp_bridge.comm import check_agreement, copy_to_group, gather_along
 
 from .embedding import VocabParallelEmbedding, VocabShardModule, token_dim
+from .loss_checks import check_bool
 from .param_shards import load_shard_
 
 __all__ = ["VocabParallelLMHead"]
@@ -54,6 +55,7 @@ class VocabParallelLMHead(VocabShardModule):
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
     ):
+        check_bool("bias", bias)
         if tie_to is not None and not isinstance(tie_to, VocabParallelEmbedding):
             raise TypeError(f"tie_to must be a VocabParallelEmbedding, got {type(tie_to).__name__}")
         vocab, width = ("vocab_size", vocab_size), ("hidden_size", hidden_size)
@@ -129,6 +131,12 @@ class VocabParallelLMHead(VocabShardModule):
             raise ValueError(
                 f"h must be [..., {self.hidden_size}] (hidden_size), got {tuple(h.shape)}"
             )
+        check_agreement(  # h is TP-replicated, or (SP) split into equal sequence slices
+            "VocabParallelLMHead.forward",
+            self.tp_group,
+            {"h.shape": tuple(h.shape), "h.dtype": h.dtype, "V_local": self.weight.shape[0]},
+            device=h.device,
+        )
         if self.sequence_parallel and self.tp_size > 1:
             dim = token_dim(self.seq_dim, h.dim() - 1, f"h of shape {tuple(h.shape)}")
             h = gather_along(h, self.tp_group, dim)

@@ -10,12 +10,14 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from mp_bridge.comm import group_rank, group_size
+from mp_bridge.comm import check_agreement, check_group_arg, group_rank, group_size
 
 from .vocab_shards import VocabShard
 
 __all__ = [
     "REDUCTIONS",
+    "check_bool",
+    "check_tp_agreement",
     "check_chunk_size",
     "check_float",
     "check_fused_inputs",
@@ -31,6 +33,13 @@ __all__ = [
 ]
 
 REDUCTIONS = ("mean", "sum", "none")
+
+
+def check_bool(name: str, value: object) -> bool:
+    """``TypeError`` unless ``value`` is a real bool (``"no"`` would be truthy)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, got {value!r}")
+    return value
 
 
 def check_vocab_size(vocab_size: object, padded: int, v_local: int, tp_size: int) -> int:
@@ -50,6 +59,7 @@ def check_vocab_size(vocab_size: object, padded: int, v_local: int, tp_size: int
 
 def check_shard(v_local: int, vocab_size: object, tp_group: dist.ProcessGroup | None) -> VocabShard:
     """This rank's :class:`VocabShard` of ``v_local`` rows; ``vocab_size`` validated."""
+    check_group_arg("tp_group", tp_group)
     tp = group_size(tp_group)
     vocab = check_vocab_size(vocab_size, v_local * tp, v_local, tp)
     return VocabShard.of_rank(tp, v_local, rank=group_rank(tp_group), vocab_size=vocab)
@@ -195,6 +205,27 @@ def check_options(
         if not isinstance(flag, bool):
             raise TypeError(f"{name} must be a bool, got {flag!r}")
     return softcap, float(z_loss_weight), ignore_index
+
+
+def check_tp_agreement(
+    where: str,
+    tp_group: dist.ProcessGroup | None,
+    inputs: dict[str, torch.Tensor],
+    settings: dict[str, object],
+    identical: dict[str, torch.Tensor | None],
+) -> None:
+    """The TP ranks agree on the inputs' shapes and dtypes, the ``settings`` (chunking,
+    vocab, loss spec), and hold bit-identical ``identical`` tensors (targets, fused hidden
+    states); else the same ``AgreementError`` on every rank. One tiny all-gather over
+    ``tp_group`` under ``MP_BRIDGE_CHECK=1`` (``mp_bridge.comm.check_agreement``)."""
+    fields: dict[str, object] = {}
+    for name, t in inputs.items():
+        fields[f"{name}.shape"] = tuple(t.shape)
+        fields[f"{name}.dtype"] = t.dtype
+    fields.update(settings)
+    device = next(iter(inputs.values())).device
+    same = {k: t for k, t in identical.items() if t is not None}
+    check_agreement(where, tp_group, fields, identical=same, device=device)
 
 
 def forbid_double_backward(name: str) -> None:

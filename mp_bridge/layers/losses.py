@@ -39,12 +39,14 @@ import torch.distributed as dist
 
 from .loss_blocks import BlockLayout, pad_single_shard
 from .loss_checks import (
+    check_bool,
     check_logits,
     check_loss_args,
     check_options,
     check_shard,
     check_target,
     check_temperature,
+    check_tp_agreement,
 )
 from .loss_math import LossSpec
 from .materialized import DefaultCrossEntropy, DefaultEntropy, InvariantLoss
@@ -56,6 +58,11 @@ __all__ = [
     "vocab_parallel_entropy",
     "vocab_parallel_logprobs",
 ]
+
+
+def _agree(where: str, logits, target, tp_group, spec) -> None:
+    """One agreement check over TP (``MP_BRIDGE_CHECK``): shapes, dtype, spec, target bits."""
+    check_tp_agreement(where, tp_group, {"logits": logits}, {"spec": spec}, {"target": target})
 
 
 def _check_target(target: object, logits: torch.Tensor, vocab: int, ignore_index) -> torch.Tensor:
@@ -104,7 +111,7 @@ def vocab_parallel_cross_entropy(
     )
     target = _check_target(target, logits, shard.vocab_size, ignore_index)
     options = {"temperature": temperature, "softcap": softcap, "z_loss_weight": zw}
-    if invariant:
+    if check_bool("invariant", invariant):
         return invariant_cross_entropy(
             logits,
             target,
@@ -117,6 +124,7 @@ def vocab_parallel_cross_entropy(
         )
     spec = LossSpec.cross_entropy(shard.vocab_size, ignore_index, eps, softcap=softcap)
     spec = replace(spec, z_loss_weight=zw)  # temperature: the scale below
+    _agree("vocab_parallel_cross_entropy", logits, target, tp_group, (spec, temperature))
     loss, z_loss = DefaultCrossEntropy.apply(logits, target, tp_group, shard, spec, 1 / temperature)
     return _with_z_loss(loss, z_loss, return_z_loss)
 
@@ -158,7 +166,7 @@ def vocab_parallel_logprobs(
         softcap=softcap, ignore_index=ignore_index, flags={"return_entropy": return_entropy}
     )
     target = _check_target(target, logits, shard.vocab_size, ignore_index)
-    if invariant:
+    if check_bool("invariant", invariant):
         return invariant_logprobs(
             logits,
             target,
@@ -172,6 +180,7 @@ def vocab_parallel_logprobs(
     # log-prob = -nll of logits / T (the cross-entropy without smoothing, scaled by 1 / T).
     spec = LossSpec.cross_entropy(shard.vocab_size, ignore_index, 0.0, softcap=softcap)
     spec = replace(spec, entropy=return_entropy)
+    _agree("vocab_parallel_logprobs", logits, target, tp_group, (spec, temperature))
     nll, entropy = DefaultCrossEntropy.apply(
         logits, target, tp_group, shard, spec, 1.0 / temperature
     )
@@ -196,6 +205,7 @@ def vocab_parallel_entropy(
     shard = check_logits(logits, tp_group, vocab_size)
     softcap, _, _ = check_options(softcap=softcap, flags={"invariant": invariant})
     if not invariant:
+        _agree("vocab_parallel_entropy", logits, None, tp_group, (shard.vocab_size, softcap))
         return DefaultEntropy.apply(logits, tp_group, shard, softcap)
     no_target = torch.full(logits.shape[:-1], -1, dtype=torch.long, device=logits.device)
     spec_of = lambda vocab: LossSpec.logprob(vocab, 1.0, softcap=softcap, entropy=True)  # noqa: E731
@@ -205,8 +215,10 @@ def vocab_parallel_entropy(
 def _invariant(logits, target, tp_group, vocab_size, spec_of):
     """``(value, extra)`` of ``InvariantLoss`` (``extra``: see ``DefaultCrossEntropy``)."""
     layout = BlockLayout.of_shard(check_shard(logits.shape[-1], vocab_size, tp_group))
+    spec = spec_of(layout.vocab_size)
+    _agree("invariant loss", logits, target, tp_group, spec)
     logits = pad_single_shard(logits, -1, layout)
-    return InvariantLoss.apply(logits, target, tp_group, layout, spec_of(layout.vocab_size))
+    return InvariantLoss.apply(logits, target, tp_group, layout, spec)
 
 
 def invariant_cross_entropy(

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from mp_bridge.comm import group_size, reduce_from_group
+from mp_bridge.comm import check_agreement, group_size, reduce_from_group
 
 __all__ = ["masked_count", "masked_mean", "masked_sum"]
 
@@ -63,6 +63,21 @@ def _check_mask(mask: object, values: torch.Tensor | None) -> None:
         )
 
 
+def _check_weights(mask: torch.Tensor) -> None:
+    """Counting weights are >= 0 (a negative weight would make the mean meaningless)."""
+    if mask.dtype != torch.bool and bool((mask < 0).any()):  # one host sync
+        raise ValueError(
+            f"mask holds negative weight {float(mask[mask < 0].flatten()[0])}; a numeric mask "
+            "is a per-token weight >= 0 (use a bool mask to select tokens)"
+        )
+
+
+def _agree(where: str, mask: torch.Tensor, groups: list[dist.ProcessGroup]) -> None:
+    """Every rank of ``groups`` makes this same reduction (``MP_BRIDGE_CHECK``). A rank
+    that passed no group makes no collective and cannot be seen: the others time out."""
+    check_agreement(where, groups, {"number of groups": len(groups)}, device=mask.device)
+
+
 def _local_sum(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     v = values.float()
     if mask.dtype == torch.bool:
@@ -85,13 +100,16 @@ def masked_sum(values: torch.Tensor, mask: torch.Tensor, *, group: Groups = None
     """Global ``sum(values * mask)`` over every rank of ``group`` (fp32 scalar)."""
     _check_mask(mask, values)
     groups = _groups(group)
+    _agree("masked_sum", mask, groups)
     return _all_sum(_local_sum(values, mask), groups)
 
 
 def masked_count(mask: torch.Tensor, *, group: Groups = None) -> torch.Tensor:
     """Global ``sum(mask)`` (the token count for a bool mask) as an fp32 scalar."""
     _check_mask(mask, None)
+    _check_weights(mask)
     groups = _groups(group)
+    _agree("masked_count", mask, groups)
     return _all_sum(_local_count(mask).detach(), groups)
 
 
@@ -101,7 +119,9 @@ def masked_mean(values: torch.Tensor, mask: torch.Tensor, *, group: Groups = Non
     One all-reduce per group carries ``[sum, count]`` together.
     """
     _check_mask(mask, values)
+    _check_weights(mask)
     groups = _groups(group)
+    _agree("masked_mean", mask, groups)
     both = _all_sum(torch.stack([_local_sum(values, mask), _local_count(mask)]), groups)
     total, count = both[0], both[1].detach()
     # Divide by 1 when empty (total is 0 then): avoids 0/0 = nan in value and gradient.

@@ -34,6 +34,12 @@ class MimoConfig:
     norm_eps: float = 1e-5
 
     def __post_init__(self) -> None:
+        eps = self.norm_eps
+        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 < eps < float("inf"):
+            raise ValueError(
+                f"MimoConfig.norm_eps={eps!r} must be a finite float > 0, e.g. 1e-5 (the "
+                "LayerNorm epsilon: <= 0 can divide by zero)"
+            )
         for name, value in self.__dict__.items():
             if name == "norm_eps":
                 continue

@@ -163,6 +163,14 @@ def _check_range(images_per_sample, cfg: MimoConfig) -> tuple[int, int]:
 
 def dp_shard(t: torch.Tensor, dp_rank: int, dp_size: int) -> torch.Tensor:
     """Contiguous batch block ``dp_rank`` of ``dp_size`` (the bridge's data contract)."""
+    for name, value in (("dp_rank", dp_rank), ("dp_size", dp_size)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{name} must be an int, got {value!r}")
+    if not 0 <= dp_rank < dp_size:
+        raise ValueError(
+            f"dp_rank={dp_rank} must be in [0, dp_size={dp_size}); pass this rank's DP "
+            "coordinate and the DP size"
+        )
     if t.shape[0] % dp_size:
         raise ValueError(
             f"batch of {t.shape[0]} samples does not split over dp={dp_size}; use a batch "

@@ -2,9 +2,9 @@
 
 Per step, on every rank of the shared grid:
 
-1. agree on whether images are present (one 2-element MAX all-reduce over the encoder TP
-   group, then over the encoder DP group: ranks that disagreed would otherwise wait in
-   different collectives forever);
+1. check every rank's batch and agree on it and on whether images are present (one small
+   all-gather over the encoder TP group, then over the encoder DP group, ``step_checks``):
+   a bad batch on any rank is the same error on every rank, never a stranded peer;
 2. encoder + projection on this rank's encoder DP shard ``images [b_e, p, patch_dim]``
    -> ``[b_e, p, h]`` (TP-replicated), or on ragged images (:class:`RaggedImages`, flat
    ``[T_e, patch_dim]`` tokens of the shard's samples) -> ``[T_e, h]``;
@@ -39,7 +39,7 @@ from .flow import MimoFlow
 from .groups import MimoGroups, grid_group, make_mimo_groups
 from .images import RaggedImages
 from .llm import TPLLM
-from .placement import check_image_tokens
+from .step_checks import check_step
 
 __all__ = ["ColocatedMimoModel"]
 
@@ -169,11 +169,10 @@ class ColocatedMimoModel(MimoFlow):
     # ------------------------------------------------------------------ stages
     # forward (MimoFlow): check_step -> encode -> bridge_images -> place -> mean_token_loss.
     def check_step(self, input_ids, labels, loss_mask, images) -> bool:
-        """Local checks, then agree over the grid on whether images are present."""
+        """Every rank's local checks, agreed over the grid with whether images are present."""
         if self._destroyed:
             raise RuntimeError("forward() after destroy(); build a new ColocatedMimoModel")
-        self._check_inputs(input_ids, labels, loss_mask, images)
-        return self._agree_on_images(images is not None)
+        return self._check_step(input_ids, labels, loss_mask, images)
 
     def bridge_images(self, image, images):
         """Encoder DP batch -> LLM DP batch: ``[b_e, p, h] -> [b_l, p, h]``, or ragged
@@ -191,52 +190,23 @@ class ColocatedMimoModel(MimoFlow):
         per_token = self.llm.token_loss(shard.embeddings, shard.position_ids, shard.labels)
         return masked_mean(per_token, shard.loss_mask, group=self.llm_dp_cp_group)
 
-    def _check_inputs(self, input_ids, labels, loss_mask, images) -> None:
-        # Local checks only, before any collective (a bad shape inside one hangs peers).
-        if input_ids.dim() != 2:
-            raise ValueError(
-                f"input_ids must be [batch, seq]; got {tuple(input_ids.shape)}; pass this "
-                "rank's LLM DP shard of full sequences"
-            )
-        for name, t in (("labels", labels), ("loss_mask", loss_mask)):
-            if t.shape != input_ids.shape:
-                raise ValueError(
-                    f"{name} has shape {tuple(t.shape)} but input_ids has "
-                    f"{tuple(input_ids.shape)}; give one value per token"
-                )
+    def _check_step(self, input_ids, labels, loss_mask, images) -> bool:
+        """Every rank's per-rank checks, agreed in one exchange (``step_checks``): a bad
+        batch on any rank is the same error on every rank, never a hang. Returns whether
+        images are present (on every rank)."""
         cfg = self.llm.cfg
-        if isinstance(images, RaggedImages):
-            if images.tokens.shape[-1] != cfg.patch_dim:
-                raise ValueError(
-                    f"images.tokens has shape {tuple(images.tokens.shape)}; expected [T, "
-                    f"patch_dim={cfg.patch_dim}]"
-                )
-        elif images is not None:
-            check_image_tokens(input_ids, self.image_token_id, cfg.num_patches)
-            if images.dim() != 3 or images.shape[1] != cfg.num_patches:
-                raise ValueError(
-                    f"images has shape {tuple(images.shape)}; expected [batch, "
-                    f"num_patches={cfg.num_patches}, patch_dim={cfg.patch_dim}] or "
-                    "RaggedImages"
-                )
-
-    def _agree_on_images(self, present: bool) -> bool:
-        """True when every rank has images; ``ValueError`` on every rank if they differ."""
-        groups = [g for g in (self.encoder.tp_group, self.encoder_dp_group) if group_size(g) > 1]
-        if not groups:
-            return present
-        device = next(self.llm.parameters()).device
-        # [max(flag), max(-flag)] = [any, -all]: one MAX all-reduce per group covers the grid.
-        flags = torch.tensor([float(present), -float(present)], device=device)
-        for group in groups:
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
-        any_present, all_present = bool(flags[0] > 0), bool(-flags[1] > 0)
-        if any_present != all_present:
-            raise ValueError(
-                "ranks disagree on whether images are present (some passed images=None); "
-                "pass images on every rank of the grid, or on none for a text-only step"
-            )
-        return all_present
+        return check_step(
+            (self.encoder.tp_group, self.encoder_dp_group),  # together: the whole grid
+            next(self.llm.parameters()).device,
+            input_ids,
+            labels,
+            loss_mask,
+            images,
+            vocab_size=cfg.vocab_size,
+            image_token_id=self.image_token_id,
+            num_patches=cfg.num_patches,
+            patch_dim=cfg.patch_dim,
+        )
 
     # ------------------------------------------------------------------ weights
     @classmethod

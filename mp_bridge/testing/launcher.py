@@ -5,16 +5,29 @@ with spawn), rendezvous through a ``file://`` store in a fresh temp dir (no port
 send their return value back pickled. Any failing rank raises in the caller with that
 rank's traceback; a rank that hangs or dies fails the call within ``timeout_s`` and every
 child is killed, so no process is left behind.
+
+The rank named is the *first cause*, not a victim: when a rank dies, its peers fail too
+("Connection closed by peer", or a SIGABRT inside gloo). After the first failure the
+parent keeps watching for ``FAILURE_GRACE_S`` and names, in this order, a rank that died
+other than by SIGABRT (exit code or signal), a rank whose error is not a lost
+connection, a rank that aborted, then any other; the others are listed after it. A rank
+still running at a timeout or an abort has its Python stacks in the message
+(``faulthandler``, dumped on ``SIGUSR1``). ``pytest.skip`` on every failing rank skips
+the caller's test. The ranks run with ``MP_BRIDGE_CHECK=1``
+(agreement checks, ``mp_bridge.comm.check_agreement``) unless the caller's environment
+sets it.
 """
 
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import multiprocessing as mp
 import os
 import pickle
 import shutil
 import signal
+import sys
 import tempfile
 import time
 import traceback
@@ -27,6 +40,15 @@ import torch.distributed as dist
 __all__ = ["DistributedError", "current_device", "run_distributed", "under_torchrun"]
 
 DEFAULT_TIMEOUT_S = 300.0
+#: Seconds the parent keeps collecting failures after the first, to find the first cause.
+FAILURE_GRACE_S = 2.0
+# Errors that are a symptom of a peer's death, not a cause.
+_LOST_PEER = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Broken pipe",
+    "did not all join the agreement check",
+)
 
 
 class DistributedError(RuntimeError):
@@ -68,6 +90,10 @@ def _child(
 ) -> None:
     # One intra-op thread per rank: N ranks on a few cores would otherwise oversubscribe.
     torch.set_num_threads(1)
+    # The parent asks a hanging rank for its stacks with SIGUSR1 (kept open until exit).
+    stack_file = open(_stack_path(init_file, rank), "w")  # noqa: SIM115
+    faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
+    os.environ.setdefault("MP_BRIDGE_CHECK", "1")
     # megatron-core's HyperCommGrid reads these; a parent under torchrun may carry others.
     os.environ.update(WORLD_SIZE=str(world_size), RANK=str(rank), LOCAL_RANK=str(rank))
     payload: tuple[str, Any]
@@ -83,8 +109,9 @@ def _child(
         )
         result = fn(*args)
         payload = ("ok", pickle.dumps(result))
-    except BaseException:  # noqa: BLE001 - everything goes back to the parent
-        payload = ("error", traceback.format_exc())
+    except BaseException as exc:  # noqa: BLE001 - everything goes back to the parent
+        skipped = "pytest" in sys.modules and isinstance(exc, sys.modules["pytest"].skip.Exception)
+        payload = ("skip", str(exc)) if skipped else ("error", traceback.format_exc())
     try:
         conn.send(payload)
     except Exception:  # noqa: BLE001 - an unpicklable result is an error too
@@ -102,6 +129,66 @@ def _child(
         pass
     # Skip destroy_process_group: peers may already be gone, and exit frees everything.
     os._exit(0)
+
+
+def _stack_path(init_file: str, rank: int) -> str:
+    return f"{init_file}.stacks.{rank}"
+
+
+def _stacks(procs: list[mp.Process], ranks: list[int], init_file: str) -> str:
+    """The Python stacks of the still-running ``ranks`` (faulthandler via SIGUSR1)."""
+    asked = []
+    for rank in ranks:
+        if procs[rank].is_alive():
+            try:
+                os.kill(procs[rank].pid, signal.SIGUSR1)
+                asked.append(rank)
+            except ProcessLookupError:
+                pass
+    time.sleep(0.5)  # faulthandler writes from the signal handler, at once
+    parts = []
+    for rank in asked:
+        try:
+            with open(_stack_path(init_file, rank)) as f:
+                text = f.read().strip()
+        except OSError:
+            text = ""
+        parts.append(f"--- stacks of rank {rank} ---\n{text or '(none written)'}")
+    return "\n".join(parts)
+
+
+def _exit_text(code: int | None) -> str:
+    if code is not None and code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return f"killed by signal {name}"
+    return f"exit code {code}"
+
+
+def _severity(kind: str, detail: Any) -> int:
+    """Lower = more likely the first cause (see the module docstring)."""
+    if kind == "skip":
+        return 4
+    if kind == "died":
+        return 2 if detail == -signal.SIGABRT else 0
+    return 3 if any(m in str(detail) for m in _LOST_PEER) else 1
+
+
+def _failure(rank: int, kind: str, detail: Any) -> str:
+    if kind == "died":
+        return f"rank {rank} died ({_exit_text(detail)}) before returning"
+    return f"rank {rank} raised:\n{detail}"  # (a skip is never the first of a failure)
+
+
+def _summary(rank: int, kind: str, detail: Any) -> str:
+    if kind == "died":
+        return f"rank {rank} died ({_exit_text(detail)})"
+    if kind == "skip":
+        return f"rank {rank} skipped ({detail})"
+    last = [line for line in str(detail).strip().splitlines() if line.strip()]
+    return f"rank {rank} raised {last[-1].strip()[:200] if last else ''}"
 
 
 def _kill_all(procs: list[mp.Process]) -> None:
@@ -158,7 +245,7 @@ def run_distributed(
             child_end.close()
             procs.append(proc)
             conns.append(parent_end)
-        return _collect(procs, conns, timeout_s, should_abort)
+        return _collect(procs, conns, timeout_s, should_abort, init_file)
     finally:
         _kill_all(procs)
         for conn in conns:
@@ -171,9 +258,11 @@ def _collect(
     conns: list[Any],
     timeout_s: float,
     should_abort: Callable[[], str | None] | None,
+    init_file: str,
 ) -> list[Any]:
     deadline = time.monotonic() + timeout_s
     results: dict[int, Any] = {}
+    failures: dict[int, tuple[str, Any, float]] = {}  # rank -> (kind, detail, seen at)
     pending = set(range(len(procs)))
     while pending:
         for rank in sorted(pending):
@@ -182,29 +271,47 @@ def _collect(
                 try:
                     status, value = conn.recv()
                 except EOFError:
-                    status, value = "died", None
-                if status == "error":
-                    raise DistributedError(f"rank {rank} raised:\n{value}", rank=rank)
-                if status == "died":
-                    code = procs[rank].exitcode
-                    raise DistributedError(
-                        f"rank {rank} died (exit code {code}) before returning", rank=rank
-                    )
-                results[rank] = pickle.loads(value)
+                    procs[rank].join(timeout=1)
+                    status, value = "died", procs[rank].exitcode
                 pending.discard(rank)
+                if status == "ok":
+                    results[rank] = pickle.loads(value)
+                else:
+                    failures[rank] = (status, value, time.monotonic())
             elif not procs[rank].is_alive() and not conn.poll():
-                code = procs[rank].exitcode
-                raise DistributedError(
-                    f"rank {rank} died (exit code {code}) before returning", rank=rank
-                )
+                pending.discard(rank)
+                failures[rank] = ("died", procs[rank].exitcode, time.monotonic())
+        if failures:
+            first_seen = min(t for _, _, t in failures.values())
+            if not pending or time.monotonic() - first_seen > FAILURE_GRACE_S:
+                _raise_first_cause(failures)
+            time.sleep(0.01)
+            continue
         reason = should_abort() if should_abort is not None and pending else None
         if reason:
-            raise DistributedError(reason)
+            stacks = _stacks(procs, sorted(pending), init_file)
+            raise DistributedError(f"{reason}\n{stacks}")
         if pending and time.monotonic() > deadline:
+            stacks = _stacks(procs, sorted(pending), init_file)
             raise DistributedError(
                 f"timed out after {timeout_s:.0f} s waiting for ranks {sorted(pending)} "
-                f"(finished: {sorted(results)}); a rank probably hangs in a collective"
+                f"(finished: {sorted(results)}); a rank probably hangs in a collective\n{stacks}"
             )
         if pending:
             time.sleep(0.01)
     return [results[r] for r in range(len(procs))]
+
+
+def _raise_first_cause(failures: dict[int, tuple[str, Any, float]]) -> None:
+    order = sorted(failures, key=lambda r: (_severity(*failures[r][:2]), failures[r][2], r))
+    first = order[0]
+    kind, detail, _ = failures[first]
+    if kind == "skip":  # every failing rank skipped: skip the caller's test
+        import pytest
+
+        pytest.skip(f"rank {first} skipped: {detail}")
+    message = _failure(first, kind, detail)
+    if len(order) > 1:
+        others = "; ".join(_summary(r, *failures[r][:2]) for r in order[1:])
+        message += f"\n(then, probably as a consequence: {others})"
+    raise DistributedError(message, rank=first)

@@ -16,14 +16,20 @@ Usage in a test module::
     def test_shard(cp, sp):
         ...
 
-The first test of a world size that pytest runs starts that world once, runs *every*
-case registered at that size on every rank (in registration order), and caches the
-per-rank outcomes; each test then
-reports its own case, with the failing rank's traceback. Ranks report each case as it
-ends, so when a case fails on some ranks while the others stay stuck in a collective
-(the usual shape of a distributed bug) the world is stopped ``abort_grace_s`` seconds
-later: that case reports the traceback, the cases not reached report that they did not
-run, and nothing waits for the full timeout.
+The first test of a world size that pytest runs starts that world, runs *every* case
+registered at that size on every rank (in registration order), and caches the per-rank
+outcomes; each test then reports its own case. Per case:
+
+- a case that passed stays passed, whatever happens to later cases;
+- a failing case names its rank and traceback (the first cause: a rank whose error is a
+  lost connection is named only if no other rank failed);
+- ``pytest.skip`` inside a case skips that case;
+- the ranks meet after every case; when a case failed on any rank, or some ranks ended
+  a case while others did not within ``abort_grace_s`` (stuck in a collective, or
+  hanging: their stacks are in the report, via ``faulthandler``), or a rank died
+  (named, with its exit code or signal), that world is stopped and a *new* world runs
+  the remaining cases, so a rank that failed before a collective cannot misalign the
+  collectives of later cases.
 
 Backend: ``MP_BRIDGE_BACKEND`` (default ``gloo``). Under ``torchrun`` (``RANK`` /
 ``WORLD_SIZE`` set by the launcher) the cases run in the launched processes themselves,
@@ -38,6 +44,7 @@ import datetime
 import functools
 import multiprocessing as mp
 import os
+import pickle
 import time
 import traceback
 from collections.abc import Callable, Iterable, Sequence
@@ -46,11 +53,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .launcher import DEFAULT_TIMEOUT_S, DistributedError, run_distributed, under_torchrun
+from .case_progress import CaseProgress, Outcome
+from .launcher import (
+    DEFAULT_TIMEOUT_S,
+    DistributedError,
+    _severity,
+    run_distributed,
+    under_torchrun,
+)
 
 __all__ = ["DistributedWorld", "world_backend"]
-
-Outcome = tuple[str, Any]  # ("ok", value), ("error", traceback) or ("not_run", reason)
 
 
 def world_backend() -> str:
@@ -76,37 +88,6 @@ def _label(values: tuple, names: list[str], index: int) -> str:
     return "-".join(parts)
 
 
-class _CaseProgress:
-    """Parent-side view of the per-case reports the ranks stream while the world runs."""
-
-    def __init__(self, queue: Any, world_size: int, grace_s: float):
-        self.queue, self.world_size, self.grace_s = queue, world_size, grace_s
-        self.done: dict[str, dict[int, Outcome]] = {}
-        self.first_error: tuple[str, int, float] | None = None  # (case, rank, when)
-
-    def drain(self) -> None:
-        while not self.queue.empty():
-            rank, name, status, text = self.queue.get()
-            self.done.setdefault(name, {})[rank] = (status, text)
-            if status == "error" and self.first_error is None:
-                self.first_error = (name, rank, time.monotonic())
-
-    def abort_reason(self) -> str | None:
-        """A message once a failed case has left other ranks behind for ``grace_s``."""
-        self.drain()
-        if self.first_error is None:
-            return None
-        name, rank, when = self.first_error
-        finished = self.done.get(name, {})
-        if len(finished) == self.world_size or time.monotonic() - when < self.grace_s:
-            return None
-        stuck = sorted(set(range(self.world_size)) - set(finished))
-        return (
-            f"case {name!r} failed on rank {rank} and ranks {stuck} did not finish it within "
-            f"{self.grace_s:.0f} s (probably waiting in a collective); the world was stopped"
-        )
-
-
 class DistributedWorld:
     """Lazily started worlds shared by the cases of one module, one world per world size.
 
@@ -126,6 +107,7 @@ class DistributedWorld:
         self._outcomes: dict[int, dict[str, list[Outcome]]] = {}
         self._failure: dict[int, BaseException] = {}
         self._queue: Any = None
+        self._meet: Any = None
 
     @property
     def sizes(self) -> tuple[int, ...]:
@@ -200,9 +182,17 @@ class DistributedWorld:
         if name not in self._size_of:
             raise KeyError(f"no case {name!r} is registered; known: {sorted(self._size_of)}")
         outcomes = self._run(self._size_of[name])[name]
+        errors = [r for r, (status, _) in enumerate(outcomes) if status in ("error", "died")]
+        if errors:  # name the first cause, not a rank that lost its connection to it
+            rank = min(errors, key=lambda r: (_severity(*outcomes[r]), r))
+            raise DistributedError(
+                f"case {name!r} failed on rank {rank}:\n{outcomes[rank][1]}", rank
+            )
         for rank, (status, value) in enumerate(outcomes):
-            if status == "error":
-                raise DistributedError(f"case {name!r} failed on rank {rank}:\n{value}", rank)
+            if status == "skip":  # the others may have been left in a collective: fine
+                import pytest
+
+                pytest.skip(f"case {name!r} skipped on rank {rank}: {value}")
         for rank, (status, value) in enumerate(outcomes):
             if status == "not_run":
                 message = f"case {name!r} did not finish on rank {rank}: {value}"
@@ -236,55 +226,122 @@ class DistributedWorld:
         return self._outcomes[size]
 
     def _run_forked(self, size: int) -> dict[str, list[Outcome]]:
-        cases = self._cases[size]
+        """Run every case of ``size``; after a failed case, a new world runs the rest.
+
+        A rank that failed a case may have skipped collectives its peers are waiting in
+        (or would pair with the next case's): so the ranks meet after every case, and
+        a failed case ends the world; the cases after it run in a fresh one. Each world
+        runs at least one case, so at most one world per case is started.
+        """
+        names = [name for name, _ in self._cases[size]]
+        out: dict[str, list[Outcome]] = {}
+        while len(out) < len(names):
+            todo = [n for n in names if n not in out]
+            ended = self._run_world(size, todo)
+            if not ended:  # cannot happen (a world ends its first case), but never loop
+                raise DistributedError(f"a {size}-rank world ended none of {todo}")
+            out.update(ended)
+        return out
+
+    def _run_world(self, size: int, todo: list[str]) -> dict[str, list[Outcome]]:
+        """Run the cases ``todo`` in one world; outcomes of those that ended (>= 1)."""
+        ctx = mp.get_context("fork")
         # A SimpleQueue writes synchronously (no feeder thread), so nothing is lost when a
         # rank exits right after reporting.
-        self._queue = mp.get_context("fork").SimpleQueue()
-        progress = _CaseProgress(self._queue, size, self.abort_grace_s)
+        self._queue = ctx.SimpleQueue()
+        self._meet = ctx.Array("i", 2 * len(todo))  # per case: ranks ended, ranks failed
+        progress = CaseProgress(self._queue, size, self.abort_grace_s)
         try:
             per_rank = run_distributed(
                 self._run_cases,
                 size,
                 size,
+                todo,
                 backend=world_backend(),
                 timeout_s=self.timeout_s,
                 should_abort=progress.abort_reason,
             )
         except DistributedError as exc:
-            if progress.first_error is None:
-                raise
             progress.drain()
-            return self._partial_outcomes(size, progress, str(exc))
+            return self._partial_outcomes(size, todo, progress, exc)
         finally:
-            self._queue = None
-        return {name: [rank_result[name] for rank_result in per_rank] for name, _ in cases}
-
-    def _partial_outcomes(
-        self, size: int, progress: _CaseProgress, reason: str
-    ) -> dict[str, list[Outcome]]:
-        """Outcomes after an abort: finished cases as reported, the rest marked not run."""
-        out: dict[str, list[Outcome]] = {}
-        for name, _ in self._cases[size]:
-            reports = progress.done.get(name, {})
-            missing: Outcome = ("not_run", reason)
-            out[name] = [reports.get(r, missing) for r in range(size)]
+            self._queue = self._meet = None
+        out = {}
+        for name in todo:
+            if all(name in rank_result for rank_result in per_rank):
+                out[name] = [rank_result[name] for rank_result in per_rank]
         return out
 
-    def _run_cases(self, size: int) -> dict[str, Outcome]:
+    def _partial_outcomes(
+        self, size: int, todo: list[str], progress: CaseProgress, exc: DistributedError
+    ) -> dict[str, list[Outcome]]:
+        """After a world was stopped: the cases that ended as reported, then the case it
+        stopped in (the dead or failing rank named, the stuck ranks with ``exc``)."""
+        out: dict[str, list[Outcome]] = {}
+        for name in todo:
+            reports = progress.done.get(name, {})
+            if len(reports) == size:
+                out[name] = [reports[r] for r in range(size)]
+                continue
+            started = name in progress.started.values() or bool(reports)
+            if not started and out == {} and not progress.started:
+                started = True  # the world never reached a case: report it on the first
+            if not started:
+                break
+            dead = exc.rank
+            outcomes: list[Outcome] = []
+            for r in range(size):
+                if r in reports:
+                    outcomes.append(reports[r])
+                elif r == dead:
+                    outcomes.append(("died", f"rank {r} during case {name!r}: {exc}"))
+                else:
+                    outcomes.append(("not_run", str(exc)))
+            out[name] = outcomes
+            break
+        return out
+
+    def _run_cases(self, size: int, todo: list[str]) -> dict[str, Outcome]:
+        import pytest
+
         results: dict[str, Outcome] = {}
         rank = dist.get_rank() if dist.is_initialized() else 0
-        for name, fn in self._cases[size]:
+        cases = dict(self._cases[size])
+        for i, name in enumerate(todo):
+            self._report(rank, name, "start", "")
             torch.manual_seed(1234)
             try:
-                results[name] = ("ok", fn())
-                report = (rank, name, "ok", "")
+                results[name] = ("ok", cases[name]())
+            except pytest.skip.Exception as skip:
+                results[name] = ("skip", str(skip.msg))
             except Exception:  # noqa: BLE001 - reported per case
-                text = traceback.format_exc()
-                results[name] = ("error", text)
-                report = (rank, name, "error", text)
-            if self._queue is not None:
-                self._queue.put(report)
+                results[name] = ("error", traceback.format_exc())
+            self._report(rank, name, *results[name])
+            failed = results[name][0] == "error"
+            if self._meet is not None and self._meet_after(i, size, failed):
+                break  # a rank failed this case: the remaining cases run in a new world
         return results
+
+    def _report(self, rank: int, name: str, status: str, value: Any) -> None:
+        """Stream a case's outcome to the parent (a result only when it pickles on CPU)."""
+        if self._queue is None:
+            return
+        try:
+            blob = pickle.dumps(value) if status == "ok" else value
+            if status == "ok" and isinstance(value, torch.Tensor) and value.device.type != "cpu":
+                blob = pickle.dumps(None)
+        except Exception:  # noqa: BLE001 - the result comes back with the world's, if it ends
+            blob = pickle.dumps(None)
+        self._queue.put((rank, name, status, blob))
+
+    def _meet_after(self, i: int, size: int, failed: bool) -> bool:
+        """Wait until every rank ended case ``i``; True when one of them failed it."""
+        with self._meet.get_lock():
+            self._meet[2 * i] += 1
+            self._meet[2 * i + 1] += int(failed)
+        while self._meet[2 * i] < size:  # a rank stuck in the case: the parent stops us
+            time.sleep(0.001)
+        return self._meet[2 * i + 1] > 0
 
     def _run_in_process(self, size: int) -> dict[str, list[Outcome]]:
         import pytest
@@ -297,10 +354,10 @@ class DistributedWorld:
             if backend == "nccl":
                 torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
             dist.init_process_group(backend, timeout=datetime.timedelta(seconds=self.timeout_s))
-        mine = self._run_cases(size)
+        mine = self._run_cases(size, [name for name, _ in self._cases[size]])
         gathered: list[dict[str, Outcome] | None] = [None] * world
         # Only statuses travel: results may hold device tensors.
-        statuses = {n: (s, v if s == "error" else None) for n, (s, v) in mine.items()}
+        statuses = {n: (s, v if s != "ok" else None) for n, (s, v) in mine.items()}
         dist.all_gather_object(gathered, statuses)
         out = {}
         for name, _ in self._cases[size]:

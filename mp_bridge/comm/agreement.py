@@ -1,0 +1,255 @@
+"""Agreement checks: ranks of a group that disagree get the same clear error on every rank.
+
+A collective whose ranks disagree (one rank sends ``[2, 8, 4]``, the others
+``[2, 4, 8]``; fp64 on one rank; 5 tokens versus 4; a target that differs across TP)
+aborts inside gloo, hangs, or silently returns garbage. :func:`check_agreement` runs
+first, at the top of every collective entry point of the library: each rank packs what
+its group must agree on into one fixed-size int64 row (the call site, a hash of each
+field, an exact fingerprint of each tensor that must be identical), the rows are
+all-gathered (**one** small collective per group, ``8 * (4 + 16)`` bytes per rank), and
+on any difference every rank raises the same :class:`AgreementError` (a ``ValueError``)
+naming the argument, the ranks and their values. Only then (the error path) a second
+exchange, ``all_gather_object``, fetches the readable values for the message.
+
+When: ``MP_BRIDGE_CHECK=1`` in the environment (``mp_bridge.testing`` sets it in the
+ranks it starts unless the caller set it). Off by default: each check is a host sync
+(the rows are read on the host) plus a latency-bound collective; see the README for the
+measured cost. ``always=True`` (the model step) checks whatever the variable says.
+
+What it cannot see: a rank that never calls the check (e.g. ``masked_mean`` given the
+group on one rank only). Under ``MP_BRIDGE_CHECK=1`` the ranks that did call it wait at
+most ``MP_BRIDGE_CHECK_TIMEOUT`` seconds (default 60) on gloo, then raise
+``TimeoutError`` naming the call and the group; the rank that skipped the collective
+cannot know. (Otherwise they wait like any collective: up to the group's timeout.)
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+import os
+import zlib
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "MAX_FIELDS",
+    "AgreementError",
+    "check_agreement",
+    "check_group_arg",
+    "checks_enabled",
+    "fingerprint",
+    "run_checked",
+]
+
+#: Fields (plus fingerprints) one check may compare; the row is fixed-size.
+MAX_FIELDS = 16
+_HEADER = 4  # [global rank, call-site hash, has local error, number of fields]
+# Bound before any collective: a CollectiveCounter (mp_bridge.testing) patches the ``dist``
+# attribute, and a budget test counts the op's own collectives, not the debug check's.
+_raw_all_gather = dist.all_gather_into_tensor
+
+
+class AgreementError(ValueError):
+    """The ranks of a group disagree on an argument (or one rank rejected its input)."""
+
+
+def checks_enabled() -> bool:
+    """Whether ``MP_BRIDGE_CHECK`` turns the agreement checks on (``1``/``true``/``on``)."""
+    value = os.environ.get("MP_BRIDGE_CHECK", "0").strip().lower()
+    return value in ("1", "true", "yes", "on")
+
+
+def _timeout_s() -> float:
+    raw = os.environ.get("MP_BRIDGE_CHECK_TIMEOUT", "60")
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not value > 0 or math.isinf(value):
+        raise ValueError(f"MP_BRIDGE_CHECK_TIMEOUT={raw!r} must be a positive number of seconds")
+    return value
+
+
+def check_group_arg(name: str, group: object) -> None:
+    """``TypeError`` unless ``group`` is a ``ProcessGroup`` or ``None`` (no collective)."""
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        raise TypeError(
+            f"{name}={group!r} must be a torch.distributed ProcessGroup or None (one "
+            f"process); pass e.g. grid.get_pg('tp'), not a size or a rank"
+        )
+
+
+def fingerprint(t: torch.Tensor) -> torch.Tensor:
+    """An exact int64 fingerprint (0-dim, on ``t.device``) of ``t``'s bits and order.
+
+    ``sum_i bits_i * (i + 1)`` in wrapping int64 over the flattened tensor: integer
+    arithmetic, so the same bits give the same value on every rank whatever the
+    reduction order, and a permutation or a single changed element changes it.
+    Costs one pass over ``t`` (and an int64 copy of it).
+    """
+    flat = t.detach().reshape(-1)
+    if flat.dtype == torch.bool:
+        flat = flat.to(torch.uint8)
+    if flat.is_floating_point() or flat.is_complex():
+        bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+        if flat.is_complex():
+            flat = torch.view_as_real(flat).reshape(-1)
+        flat = flat.view(bits[flat.element_size()])
+    v = flat.to(torch.int64)
+    w = torch.arange(1, v.numel() + 1, dtype=torch.int64, device=v.device)
+    return (v * w).sum() + v.numel()
+
+
+def _code(value: object) -> int:
+    return zlib.crc32(repr(value).encode())
+
+
+def _groups(group: Any) -> list[dist.ProcessGroup]:
+    items = list(group) if isinstance(group, (list, tuple)) else [group]
+    return [g for g in items if g is not None and dist.get_world_size(g) > 1]
+
+
+def _gather_rows(row: torch.Tensor, groups: list[dist.ProcessGroup], where: str) -> list:
+    """All-gather ``row`` over each group in turn (rows of the whole product of groups)."""
+    for g in groups:
+        n = dist.get_world_size(g)
+        out = row.new_empty((n * row.shape[0], row.shape[1]))
+        work = _raw_all_gather(out, row.contiguous(), group=g, async_op=True)
+        # Bounded only in the debug mode: an always-on check (the model step) must wait
+        # for a legitimately slow rank (data loading) as long as the collective would.
+        if dist.get_backend(g) == "gloo" and checks_enabled():
+            timeout = _timeout_s()
+            try:
+                work.wait(datetime.timedelta(seconds=timeout))
+            except RuntimeError as exc:
+                raise TimeoutError(
+                    f"{where}: the ranks {dist.get_process_group_ranks(g)} of its group did "
+                    f"not all join the agreement check within {timeout:.0f} s "
+                    "(MP_BRIDGE_CHECK_TIMEOUT): a rank failed before it, is in another "
+                    "collective, or called with a different group (e.g. group=None); see "
+                    "the other ranks' errors"
+                ) from exc
+        else:
+            work.wait()
+        row = out
+    return row.tolist()
+
+
+def _gather_objects(obj: Any, groups: list[dist.ProcessGroup]) -> list:
+    items = [obj]
+    for g in groups:
+        parts: list[Any] = [None] * dist.get_world_size(g)
+        dist.all_gather_object(parts, items, group=g)
+        items = [x for part in parts for x in part]
+    return items
+
+
+def _message(where: str, records: list[dict], names: list[str]) -> str:
+    """The same text on every rank: the failing ranks' errors, else each differing field."""
+    ranks = [r["rank"] for r in records]
+    failed = [r for r in records if r["error"] is not None]
+    sites = {r["where"] for r in records}
+    if failed:
+        lines = [f"{where}: rank {r['rank']} rejected its input: {r['error']}" for r in failed]
+        lines.append(f"  (agreement check over ranks {ranks}: every rank raises this error)")
+        return "\n".join(lines)
+    if len(sites) > 1:
+        lines = [f"{where}: ranks {ranks} are in different collective calls:"]
+        lines += [f"  rank {r['rank']} is in {r['where']}" for r in records]
+        lines.append("  every rank of a group must make the same collective calls in order")
+        return "\n".join(lines)
+    differing, lines = [], []
+    for name in names:
+        by_value: dict[str, list[int]] = {}
+        for r in records:
+            by_value.setdefault(r["fields"].get(name, "<missing>"), []).append(r["rank"])
+        if len(by_value) > 1:
+            differing.append(name)
+            parts = "; ".join(f"ranks {rs} have {v}" for v, rs in by_value.items())
+            lines.append(f"  {name}: {parts}")
+    head = f"{where}: ranks disagree on {', '.join(differing)} (group ranks {ranks}):"
+    tail = (
+        "  pass the same values (bit-identical tensors where a fingerprint differs) on every rank"
+    )
+    return "\n".join([head, *lines, tail])
+
+
+def check_agreement(
+    where: str,
+    group: dist.ProcessGroup | Sequence[dist.ProcessGroup | None] | None,
+    fields: Mapping[str, object],
+    *,
+    identical: Mapping[str, torch.Tensor] | None = None,
+    device: torch.device | str | None = None,
+    error: BaseException | None = None,
+    always: bool = False,
+) -> None:
+    """Raise :class:`AgreementError` on every rank unless the ranks of ``group`` agree.
+
+    ``fields``: name -> a small value (shape tuple, dtype, int, str) that must be equal on
+    every rank; ``identical``: name -> a tensor whose bits must be equal on every rank
+    (compared by :func:`fingerprint`); ``error``: this rank's own validation error, if
+    any (every rank then raises, naming this rank and its message). ``group``: a group or
+    a sequence of groups (one all-gather each, rows gathered over their product); groups
+    of size 1 and ``None`` are skipped. ``device``: where the int64 row lives (default:
+    this rank's GPU under NCCL, else CPU). No-op unless :func:`checks_enabled` or ``always``.
+    Collectives: one all-gather of ``[n, 20]`` int64 per group; on a mismatch, one
+    ``all_gather_object`` per group for the message.
+    """
+    groups = _groups(group)
+    if not groups or not (always or checks_enabled()):
+        if error is not None:
+            raise error
+        return
+    names = list(fields) + [f"{k} (fingerprint)" for k in identical or {}]
+    assert len(names) <= MAX_FIELDS, f"{where}: too many agreement fields {names}"
+    if device is None:  # the group's device: NCCL rows must live on this rank's GPU
+        nccl = dist.get_backend(groups[0]) == "nccl"
+        device = torch.device("cuda", torch.cuda.current_device()) if nccl else "cpu"
+    device = torch.device(device)
+    header = [dist.get_rank(), _code(where), int(error is not None), len(names)]
+    codes = [_code(v) for v in fields.values()]
+    row = torch.tensor(header + codes, dtype=torch.int64, device=device)
+    prints = [fingerprint(t).to(device).reshape(1) for t in (identical or {}).values()]
+    pad = torch.zeros(MAX_FIELDS - len(names), dtype=torch.int64, device=device)
+    row = torch.cat([row, *prints, pad]).reshape(1, -1)
+    rows = _gather_rows(row, groups, where)
+    if all(r[1:] == rows[0][1:] for r in rows) and not any(r[2] for r in rows):
+        return
+    readable = {k: str(v) for k, v in fields.items()}
+    for k, p in zip(identical or {}, prints):
+        readable[f"{k} (fingerprint)"] = f"{int(p):#018x}"
+    mine = {
+        "rank": dist.get_rank(),
+        "where": where,
+        "error": None if error is None else f"{type(error).__name__}: {error}",
+        "fields": readable,
+    }
+    records = sorted(_gather_objects(mine, groups), key=lambda r: r["rank"])
+    raise AgreementError(_message(where, records, names)) from error
+
+
+def run_checked(
+    where: str,
+    group: Any,
+    checks: Callable[[], Mapping[str, object]],
+    *,
+    device: torch.device | str | None = None,
+    always: bool = False,
+) -> Mapping[str, object]:
+    """Run this rank's ``checks()`` (which returns the fields to agree on) and agree.
+
+    A ``TypeError``/``ValueError`` raised by ``checks`` does not strand the peers: it is
+    sent through the same exchange, so every rank raises :class:`AgreementError` naming
+    the failing rank and its message. Returns the fields.
+    """
+    try:
+        fields, error = checks(), None
+    except (TypeError, ValueError) as exc:
+        fields, error = {}, exc
+    check_agreement(where, group, fields, device=device, error=error, always=always)
+    return fields

@@ -1,0 +1,292 @@
+"""Ranks that disagree get the same clear error on every rank (issue 12's table).
+
+Each case runs on 2 gloo ranks with ``MP_BRIDGE_CHECK=1`` (``mp_bridge.testing`` sets it)
+and makes rank 1 differ from rank 0 in one argument. Every rank must raise
+``AgreementError`` (a ``ValueError``) naming the argument and both ranks' values, within
+the world's bounded time (no SIGABRT, no hang: a rank stuck in a collective would stop
+the world after ``abort_grace_s`` and fail the case). Without the check these inputs
+abort inside gloo, hang, or return a wrong result (issue 12).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from mp_bridge.comm import AgreementError, ColocatedBridgeCommunicator, check_agreement
+from mp_bridge.grid import make_grid
+from mp_bridge.layers import (
+    VocabParallelEmbedding,
+    context_parallel_attention,
+    fused_linear_cross_entropy,
+    masked_mean,
+    vocab_parallel_cross_entropy,
+)
+from mp_bridge.testing import DistributedWorld, run_distributed
+
+world = DistributedWorld(2, timeout_s=180, abort_grace_s=15)
+
+
+def _odd() -> bool:
+    return dist.get_rank() == 1
+
+
+def _world_group():
+    return dist.new_group([0, 1])
+
+
+def _raises(match: str):
+    return pytest.raises(AgreementError, match=match)
+
+
+# ------------------------------------------------------------------------------ bridge
+def _fan_in_bridge():
+    # 2 src DP replicas -> 1 dest replica of TP 2: FAN_IN, one gather group of both ranks.
+    src, dest = make_grid(tp=1, dp=2, create=()), make_grid(tp=2, dp=1, create=())
+    return ColocatedBridgeCommunicator(src, dest)
+
+
+@world.parametrize(
+    "odd_shape, odd_dtype, field",
+    [((2, 8, 4), torch.float32, "x.shape"), ((3, 4, 8), torch.float32, "x.shape")]
+    + [((2, 4, 8), torch.float64, "x.dtype")],
+    ids=["transposed", "batch3", "fp64"],
+)
+def test_bridge_fan_in_disagreement(odd_shape, odd_dtype, field):
+    with _fan_in_bridge() as bridge:
+        shape, dtype = (odd_shape, odd_dtype) if _odd() else ((2, 4, 8), torch.float32)
+        with _raises(rf"ranks disagree on {field}(.|\n)*ranks \[0\] have .*ranks \[1\] have"):
+            bridge.communicate(torch.randn(shape, dtype=dtype))
+        y = bridge.communicate(torch.randn(2, 4, 8))  # the group still works afterwards
+        assert y.shape == (4, 4, 8)
+
+
+# ------------------------------------------------------------------------ losses
+@world.case
+def test_cross_entropy_token_counts_differ():
+    group = _world_group()
+    n = 5 if _odd() else 4
+    logits, target = torch.randn(n, 8), torch.zeros(n, dtype=torch.long)
+    with _raises(r"ranks disagree on logits.shape(.|\n)*\(4, 8\)(.|\n)*\(5, 8\)"):
+        vocab_parallel_cross_entropy(logits, target, tp_group=group)
+
+
+@world.case
+def test_cross_entropy_v_local_differs():
+    group = _world_group()
+    v_local = 9 if _odd() else 8
+    with _raises(r"logits.shape(.|\n)*\(4, 8\)(.|\n)*\(4, 9\)"):
+        vocab_parallel_cross_entropy(
+            torch.randn(4, v_local), torch.zeros(4, dtype=torch.long), tp_group=group
+        )
+
+
+@world.case
+def test_cross_entropy_target_differs_across_tp():
+    group = _world_group()
+    target = torch.tensor([1, 2, 3, 4 if _odd() else 5])
+    with _raises(r"ranks disagree on target \(fingerprint\)"):
+        vocab_parallel_cross_entropy(torch.randn(4, 8), target, tp_group=group)
+    # A permutation of the same ids is a different target too.
+    target = torch.tensor([2, 1, 3, 5] if _odd() else [1, 2, 3, 5])
+    with _raises(r"target \(fingerprint\)"):
+        vocab_parallel_cross_entropy(torch.randn(4, 8), target, tp_group=group)
+
+
+def _fused(n: int, *, chunk_size: int | None = None, hidden=None, group=None):
+    torch.manual_seed(0)  # the same hidden and target on both ranks unless given
+    hidden = torch.randn(n, 6) if hidden is None else hidden
+    weight = torch.randn(8, 6)
+    target = torch.randint(0, 16, (n,))
+    return fused_linear_cross_entropy(hidden, weight, target, tp_group=group, chunk_size=chunk_size)
+
+
+@world.case
+def test_fused_chunk_sizes_differ():
+    group = _world_group()
+    with _raises(r"ranks disagree on chunk (.|\n)*chunk: ranks \[0\] have 8; ranks \[1\] have 3"):
+        _fused(16, chunk_size=3 if _odd() else 8, group=group)
+
+
+@world.case
+def test_fused_zero_tokens_on_one_rank():
+    group = _world_group()
+    with _raises(r"hidden.shape(.|\n)*\(0, 6\)"):
+        _fused(0 if _odd() else 4, group=group)
+
+
+@world.case
+def test_fused_hidden_not_identical_across_tp():
+    group = _world_group()
+    torch.manual_seed(0)
+    hidden = torch.randn(4, 6)
+    if _odd():
+        hidden[2, 3] += 1e-3
+    with _raises(r"ranks disagree on hidden \(fingerprint\)"):
+        _fused(4, hidden=hidden, group=group)
+    assert torch.isfinite(_fused(4, group=group))  # identical inputs pass
+
+
+# ------------------------------------------------------------------ attention, vocab
+@world.case
+def test_attention_local_lengths_differ():
+    group = _world_group()
+    s = 6 if _odd() else 4
+    q = torch.randn(1, s, 2, 4)
+    pos = torch.arange(s) + dist.get_rank() * 4
+    with _raises(r"q.shape(.|\n)*\(1, 4, 2, 4\)(.|\n)*\(1, 6, 2, 4\)"):
+        context_parallel_attention(q, q, q, cp_group=group, position_ids=pos)
+
+
+@world.case
+def test_embedding_ids_differ_across_tp():
+    group = _world_group()
+    emb = VocabParallelEmbedding(16, 4, tp_group=group)
+    ids = torch.tensor([[1, 2, 3]]) + int(_odd())
+    with _raises(r"ids \(fingerprint\)"):
+        emb(ids)
+
+
+# ------------------------------------------------------------------ reductions, grid
+@world.case
+def test_reductions_with_different_ops():
+    group = _world_group()
+    values, mask = torch.ones(3), torch.ones(3, dtype=torch.bool)
+    with _raises(r"different collective calls(.|\n)*rank 0 is in masked_mean(.|\n)*masked_sum"):
+        if _odd():
+            from mp_bridge.layers import masked_sum
+
+            masked_sum(values, mask, group=group)
+        else:
+            masked_mean(values, mask, group=group)
+
+
+@world.case
+def test_make_grid_sizes_differ():
+    sizes = dict(tp=2, dp=1) if _odd() else dict(tp=1, dp=2)
+    with _raises(r"make_grid: ranks disagree on sizes(.|\n)*'tp': 1(.|\n)*'tp': 2"):
+        make_grid(**sizes)
+
+
+@world.case
+def test_a_local_error_on_one_rank_is_raised_on_every_rank():
+    group = _world_group()
+    error = ValueError("labels hold 99 on this rank") if _odd() else None
+    with _raises(r"where: rank 1 rejected its input: ValueError: labels hold 99"):
+        check_agreement("where", group, {"n": 1}, error=error)
+
+
+def _mean_with_group_on_rank_0_only():
+    os.environ["MP_BRIDGE_CHECK_TIMEOUT"] = "3"
+    group = dist.new_group([0, 1])
+    start = time.monotonic()
+    try:
+        masked_mean(torch.ones(2), torch.ones(2), group=group if dist.get_rank() == 0 else None)
+    except TimeoutError as exc:
+        return "timeout", str(exc), time.monotonic() - start
+    return "returned", "", time.monotonic() - start
+
+
+@pytest.mark.skipif(
+    os.environ.get("TORCH_DISTRIBUTED_DEBUG", "").upper() == "DETAIL",
+    reason="DETAIL's ProcessGroupWrapper blocks inside the collective call (its own shape "
+    "check, 30 min monitored barrier) before the check's timed wait can start",
+)
+def test_masked_mean_given_the_group_on_one_rank_only():
+    # Rank 1 makes no collective (group=None is one process), so it cannot know; rank 0
+    # waits in the agreement exchange for MP_BRIDGE_CHECK_TIMEOUT (3 s) and then names the
+    # call and its group instead of hanging.
+    (kind0, text0, t0), (kind1, _, _) = run_distributed(
+        _mean_with_group_on_rank_0_only, 2, timeout_s=120
+    )
+    assert kind1 == "returned"
+    assert kind0 == "timeout" and t0 < 30, (kind0, t0)
+    assert "masked_mean: the ranks [0, 1] of its group did not all join" in text0
+
+
+# ------------------------------------------------------------------------- model step
+def _model_rows():
+    """A 2-rank model (encoder DP 2 -> LLM DP 2) and this rank's rows of one batch."""
+    from mp_bridge.models import MimoConfig, ReferenceMimo, build_colocated_mimo, synthetic_batch
+
+    cfg = MimoConfig()
+    torch.manual_seed(0)
+    enc = make_grid(tp=1, dp=2, create=("tp", "dp"))
+    llm = make_grid(tp=1, cp=1, dp=2, create=("tp", "cp", "dp", ("dp", "cp")))
+    model = build_colocated_mimo(ReferenceMimo(cfg), enc, llm)
+    batch = synthetic_batch(cfg, 4, seed=5)
+    rows = slice(2 * dist.get_rank(), 2 * dist.get_rank() + 2)
+    parts = [t[rows].clone() for t in (batch.input_ids, batch.labels, batch.loss_mask)]
+    return cfg, (enc, llm), model, parts, batch.images[rows]
+
+
+@world.case
+def test_model_label_out_of_range_on_one_dp_replica():
+    from mp_bridge.models import destroy_colocated_mimo
+
+    cfg, grids, model, (ids, labels, mask), images = _model_rows()
+    try:
+        if _odd():
+            labels[1, 3] = cfg.vocab_size + 5
+        with _raises(r"forward: rank 1 rejected its input: ValueError: labels holds 66"):
+            model(ids, labels, mask, images)
+    finally:
+        destroy_colocated_mimo(model, *grids)
+
+
+@world.case
+def test_model_too_many_image_tokens_on_one_rank():
+    from mp_bridge.models import destroy_colocated_mimo
+
+    cfg, grids, model, (ids, labels, mask), images = _model_rows()
+    try:
+        bad = ids.clone()
+        if not _odd():
+            bad[0, : cfg.num_patches + 1] = cfg.image_token_id
+        with _raises(r"rank 0 rejected its input: ValueError: sample 0 has .* image tokens"):
+            model(bad, labels, mask, images)
+        assert torch.isfinite(model(ids, labels, mask, images))  # a good batch still runs
+    finally:
+        destroy_colocated_mimo(model, *grids)
+
+
+# ------------------------------------------------------------------------ the exchange
+def _count_gathers(calls: list):
+    import mp_bridge.comm.agreement as agreement
+
+    raw = agreement._raw_all_gather
+
+    def counting(out, inp, group=None, async_op=False):
+        calls.append(tuple(out.shape))
+        return raw(out, inp, group=group, async_op=async_op)
+
+    agreement._raw_all_gather = counting
+    return lambda: setattr(agreement, "_raw_all_gather", raw)
+
+
+def _one_exchange_per_call() -> str:
+    calls: list = []
+    restore = _count_gathers(calls)
+    try:
+        with _fan_in_bridge() as bridge:
+            calls.clear()  # make_grid's own checks
+            bridge.communicate(torch.randn(2, 4, 8))
+            assert calls == [(2, 20)]  # one [n, 4 + 16] int64 all-gather, nothing else
+            with pytest.raises(AgreementError) as info:
+                bridge.communicate(torch.randn((3 if _odd() else 2), 4, 8))
+    finally:
+        restore()
+    return str(info.value)
+
+
+same_message_case = world.case(_one_exchange_per_call)
+
+
+def test_one_small_exchange_and_the_same_message_on_every_rank():
+    messages = world.check("_one_exchange_per_call")
+    assert messages[0] == messages[1]
+    assert "x.shape: ranks [0] have (2, 4, 8); ranks [1] have (3, 4, 8)" in messages[0]
