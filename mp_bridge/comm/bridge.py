@@ -38,8 +38,11 @@ import torch.distributed as dist
 from mp_bridge.grid import MISSING_PG_ERRORS, GridLayout
 
 from .bridge_plan import BridgeDirection, BridgePlan, plan_bridge
+from .partition import PartitionAdapter
 from .primitives import all_gather_tensor, all_reduce_sum, copy_to_group, forbid_double_backward
 from .ragged import bridge_ragged
+from .route import route_image_rows
+from .route_plan import route_groups
 
 __all__ = ["ColocatedBridgeCommunicator"]
 
@@ -205,6 +208,8 @@ class ColocatedBridgeCommunicator:
         self._gather_group: dist.ProcessGroup | None = None
         self.src_grid, self.dest_grid = src_grid, dest_grid
         self._cp_group: dist.ProcessGroup | None = None
+        self._route_group: dist.ProcessGroup | None = None
+        self._route_members: tuple[int, ...] = (self._rank,)
         self._destroyed = False
 
         try:
@@ -220,6 +225,13 @@ class ColocatedBridgeCommunicator:
                     # torch orders a group's ranks ascending; the plan's concatenation order
                     # (by dp coordinate) is ascending too, so slot == group rank.
                     assert dist.get_process_group_ranks(pg) == list(members), members
+            for members in route_groups(self._plan):  # collective: same order on every rank
+                if len(members) < 2:
+                    continue
+                pg = dist.new_group(list(members))
+                if self._rank in members:
+                    self._route_group, self._route_members = pg, members
+                    self._owned.append(pg)
         except BaseException:
             self.destroy()  # do not leak the groups created so far
             raise
@@ -362,6 +374,39 @@ class ColocatedBridgeCommunicator:
             cp_group=self._cp_group,
         )
 
+    def route(
+        self,
+        x: torch.Tensor,
+        *,
+        tokens_per_sample: torch.Tensor | Sequence[int],
+        image_mask: torch.Tensor,
+        partition: PartitionAdapter,
+        cu_seqlens: Sequence[int] | torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Image tokens of this rank's encoder batch -> the image rows of its LLM shard.
+
+        ``x`` ``[T, *rest]``, ``tokens_per_sample``: as in :meth:`communicate_ragged`.
+        ``image_mask``: bool ``[B, S]`` of this rank's LLM DP batch (packed: ``[T_llm]``
+        with ``cu_seqlens``, one document per sample), the same on every rank of the
+        replica; sample ``i``'s ``j``-th ``True`` takes its ``j``-th image token.
+        ``partition``: the LLM's adapter. Returns ``[n_local, *rest]``, the rows
+        ``partition.shard(full).embeddings`` holds at image positions, in shard order.
+        Collectives, bytes, backward and errors: see :mod:`mp_bridge.comm.route`.
+        """
+        if self._destroyed:
+            raise RuntimeError("route() after destroy(); build a new communicator")
+        return route_image_rows(
+            x,
+            tokens_per_sample,
+            image_mask,
+            partition,
+            cu_seqlens=cu_seqlens,
+            plan=self._plan,
+            rank=self._rank,
+            group=self._route_group,
+            members=self._route_members,
+        )
+
     # ------------------------------------------------------------------ lifecycle
     def destroy(self) -> None:
         """Free every process group this communicator created (idempotent, every rank)."""
@@ -373,6 +418,7 @@ class ColocatedBridgeCommunicator:
             dist.destroy_process_group(pg)
         self._gather_group = None
         self._cp_group = None
+        self._route_group = None
 
     def __enter__(self) -> ColocatedBridgeCommunicator:
         return self

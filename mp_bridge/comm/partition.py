@@ -37,36 +37,68 @@ from .cp_indices import (
     normalize_cu_seqlens,
     seq_len_divisor,
 )
+from .cp_padding import PaddedLayout, pad_layout
 from .primitives import gather_along, gather_keep_grad, group_rank, group_size, scatter_along
 
 __all__ = ["PartitionAdapter", "ShardedBatch"]
 
 CuSeqlens = Sequence[int] | torch.Tensor
 
+#: Label written at padding tokens (the usual ``ignore_index``).
+PAD_LABEL = -100
+
 
 @dataclass(frozen=True)
 class ShardedBatch:
     """This rank's part of a batch (see :class:`PartitionAdapter` for the layout).
 
-    - ``embeddings``: ``[b, S/cp, h]`` (``[b, S/(cp·tp), h]`` with SP), autograd-connected.
-    - ``labels``, ``loss_mask``: CP-local ``[b, S/cp]`` (or ``[S/cp]``), ``None`` if not given.
+    Lengths below are of the *padded* layout (``S`` itself when no padding was needed).
+
+    - ``embeddings``: ``[b, S/cp, h]`` (``[b, S/(cp·tp), h]`` with SP), autograd-connected;
+      ``None`` when ``shard`` got no embeddings.
+    - ``labels``, ``loss_mask``, ``input_ids``: CP-local ``[b, S/cp]`` (or ``[S/cp]``),
+      ``None`` if not given. Padding tokens hold label ``PAD_LABEL`` (-100), loss mask 0
+      and input id 0.
     - ``position_ids``: the *original* positions of the local tokens, ``[b, S/cp]`` or
       ``[S/cp]`` as given; when not given, ``arange(S)`` expanded to ``[b, S]`` (``[S]`` for
-      2-D ``[T, h]`` embeddings, which have no batch dim) and sharded.
-    - ``cu_seqlens``: the *global* cumulative lengths (LongTensor) for packed input, else
-      ``None``; the local ones are ``cu_seqlens // cp``. ``context_parallel_attention``
-      takes the global ones.
+      2-D ``[T, h]`` embeddings, which have no batch dim) and sharded. Padding tokens
+      continue their sequence: ``last + 1, last + 2, ...``.
+    - ``cu_seqlens``: the *global* cumulative lengths of the padded layout (LongTensor) for
+      packed input, else ``None``; the local ones are ``cu_seqlens // cp``.
+      ``context_parallel_attention`` takes these.
+    - ``token_mask``: bool CP-local ``[S/cp]``, ``True`` at real tokens, ``False`` at
+      padding; ``None`` when nothing was padded.
     """
 
-    embeddings: torch.Tensor
+    embeddings: torch.Tensor | None
     labels: torch.Tensor | None
     loss_mask: torch.Tensor | None
     position_ids: torch.Tensor
     cu_seqlens: torch.Tensor | None
+    input_ids: torch.Tensor | None = None
+    token_mask: torch.Tensor | None = None
 
 
 def _token_dim(t: torch.Tensor) -> int:
     return 0 if t.dim() == 1 else 1
+
+
+def _pad_along(t: torch.Tensor, dim: int, src: torch.Tensor, fill: object) -> torch.Tensor:
+    """``t`` laid out along ``dim`` by ``src`` (padded position -> original index, ``-1``
+    for padding), padding filled with ``fill``; ``fill=None`` (positions) continues each
+    padding run after the last real token: ``p + 1, p + 2, ...``."""
+    src = src.to(t.device)
+    real = src >= 0
+    shape = [1] * t.dim()
+    shape[dim] = src.numel()
+    if fill is None:
+        ar = torch.arange(src.numel(), device=t.device)
+        last = torch.where(real, ar, -1).cummax(0).values.clamp(min=0)
+        base = t.index_select(dim, src[last].clamp(min=0))
+        return base + (ar - last).reshape(shape).to(t.dtype)
+    gathered = t.index_select(dim, src.clamp(min=0))
+    filler = torch.tensor(fill, dtype=t.dtype, device=t.device)
+    return torch.where(real.reshape(shape), gathered, filler)
 
 
 class PartitionAdapter:
@@ -79,9 +111,22 @@ class PartitionAdapter:
         seq_dim: sequence dim of embeddings / hidden states (1 for ``[b, s, h]``, 0 for
             ``[s, b, h]``). Per-token tensors are always ``[b, s]`` or ``[s]``.
 
-    Divisibility: ``S`` (and every packed length) by ``2·cp``; with SP, ``S`` by ``2·cp·tp``.
-    With ``cp = 1`` the factor 2 is dropped (nothing to balance): any ``S``, or ``S`` a
-    multiple of ``tp`` with SP.
+    Any length: a sequence (every packed document) is padded at its end to the cut
+    (:func:`~mp_bridge.comm.cp_padding.pad_layout`): ``S`` to a multiple of ``2·cp``
+    (``2·cp·tp`` with SP; ``tp`` with SP at cp = 1; no padding at cp = 1 without SP),
+    each packed document to a multiple of ``2·cp``, plus with SP one padding-only document
+    completing the packed total to a multiple of ``2·cp·tp``. Cost: at most ``2·cp − 1``
+    tokens per document (``cp − ½`` on average) and per plain row (``2·cp·tp − 1`` with
+    SP) of compute and activation memory; already-divisible input is not padded at all.
+
+    Padding contract: padding tokens get label ``PAD_LABEL`` (-100, the usual
+    ``ignore_index``), loss mask 0 and ``token_mask`` False, so the loss skips them; with
+    the padded ``ShardedBatch.cu_seqlens`` and ``position_ids`` (padding continues its
+    document's positions at its end), causal ``context_parallel_attention`` never shows a
+    padding key to a real query (it sits after every real token of its document), so
+    real tokens' outputs are exactly those of the unpadded sequence. Non-causal attention
+    would see padding keys: it needs input that is already divisible. ``unshard(x,
+    cu_seqlens=<original>)`` (or ``seq_len=<original S>``) drops the padding again.
     """
 
     def __init__(
@@ -139,8 +184,9 @@ class PartitionAdapter:
     # ------------------------------------------------------------------------ shard
     def shard(
         self,
-        embeddings: torch.Tensor,
+        embeddings: torch.Tensor | None = None,
         *,
+        input_ids: torch.Tensor | None = None,
         labels: torch.Tensor | None = None,
         loss_mask: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
@@ -148,51 +194,95 @@ class PartitionAdapter:
     ) -> ShardedBatch:
         """This rank's :class:`ShardedBatch` of a full-sequence batch.
 
-        Collectives: none forward. Backward: embeddings' gradient is zero outside this CP
-        rank's tokens (``index_select`` adjoint); with SP it is first all-gathered over TP.
-        Packed input (``cu_seqlens``, global ``[0, l0, l0+l1, ...]``) is sharded per sequence.
+        ``embeddings`` may be ``None`` (shard the integer tensors first, embed the local
+        tokens after): the sequence length and batch then come from the first per-token
+        tensor given. Sequences of any length are padded to the cut first (see the class
+        docstring). Collectives: none forward. Backward: embeddings' gradient is zero
+        outside this CP rank's tokens (``index_select`` adjoint); with SP it is first
+        all-gathered over TP. Packed input (``cu_seqlens``, global ``[0, l0, l0+l1, ...]``)
+        is sharded per sequence.
         """
-        if not isinstance(embeddings, torch.Tensor):
-            raise TypeError(f"embeddings must be a torch.Tensor, got {type(embeddings).__name__}")
-        dim = self._seq_dim(embeddings, self.seq_dim, "embeddings")
-        seq_len = embeddings.shape[dim]
-        self._check_len(seq_len, self.sequence_parallel, f"sequence length embeddings.shape[{dim}]")
-        bounds = None
-        if cu_seqlens is not None:
-            bounds = normalize_cu_seqlens(cu_seqlens, seq_len_divisor(self.cp_size), total=seq_len)
-        # [b, s, h] / [s, b, h]: the batch is the other of dims 0 and 1. A 2-D [T, h]
-        # (packed, seq_dim=0) has no batch dim: its default positions are 1-D [T].
-        batch = embeddings.shape[1 - dim] if embeddings.dim() >= 3 and dim <= 1 else None
-        for name, t in (
+        tokens = [
+            ("input_ids", input_ids),
             ("labels", labels),
             ("loss_mask", loss_mask),
             ("position_ids", position_ids),
-        ):
+        ]
+        if embeddings is not None:
+            if not isinstance(embeddings, torch.Tensor):
+                raise TypeError(
+                    f"embeddings must be a torch.Tensor or None, got {type(embeddings).__name__}"
+                )
+            dim = self._seq_dim(embeddings, self.seq_dim, "embeddings")
+            seq_len, device = embeddings.shape[dim], embeddings.device
+            # [b, s, h] / [s, b, h]: the batch is the other of dims 0 and 1. A 2-D [T, h]
+            # (packed, seq_dim=0) has no batch dim: its default positions are 1-D [T].
+            batch = embeddings.shape[1 - dim] if embeddings.dim() >= 3 and dim <= 1 else None
+        else:
+            first = next((t for _, t in tokens if t is not None), None)
+            if first is None:
+                raise ValueError(
+                    "shard() got no tensor: pass embeddings or at least one per-token tensor "
+                    "(input_ids, labels, loss_mask or position_ids)"
+                )
+            if not isinstance(first, torch.Tensor) or first.dim() not in (1, 2):
+                raise ValueError(
+                    f"per-token tensors must be [b, S] or [S] tensors, got "
+                    f"{getattr(first, 'shape', type(first).__name__)}"
+                )
+            seq_len, device = first.shape[-1], first.device
+            batch = first.shape[0] if first.dim() == 2 else None
+        for name, t in tokens:
             if t is not None:
                 self._check_token_tensor(name, t, seq_len, batch)
+        layout = self.layout(seq_len, cu_seqlens=cu_seqlens)
+        pad = layout.padding > 0
+        src = layout.source_index(device) if pad else None
 
-        device = embeddings.device
         if position_ids is None:
             position_ids = torch.arange(seq_len, device=device)
             if batch is not None:
                 position_ids = position_ids.repeat(batch, 1)  # materialised, not a view
-        idx = self.local_indices(seq_len, cu_seqlens=bounds, device=device)
+        idx = layout.local_positions(self.cp_rank, device)
 
-        def cp_take(t: torch.Tensor, d: int) -> torch.Tensor:
+        def take(t: torch.Tensor | None, d: int, fill: float | None = 0) -> torch.Tensor | None:
+            if t is None:
+                return None
+            if pad:
+                t = _pad_along(t, d, src, fill)
             if self.cp_size == 1:
                 return t
             return t.index_select(d, idx.to(t.device))
 
-        local = cp_take(embeddings, dim)
-        if self.sequence_parallel:
-            local = scatter_along(local, self.tp_group, dim)
+        local = None
+        if embeddings is not None:
+            local = take(embeddings, dim)
+            if self.sequence_parallel:
+                local = scatter_along(local, self.tp_group, dim)
+        token_mask = None
+        if pad:
+            real = torch.ones(seq_len, dtype=torch.bool, device=device)
+            token_mask = take(real, 0, False)
+        bounds = layout.padded_bounds
         cu = None if bounds is None else torch.tensor(bounds, dtype=torch.long, device=device)
         return ShardedBatch(
             embeddings=local,
-            labels=None if labels is None else cp_take(labels, _token_dim(labels)),
-            loss_mask=None if loss_mask is None else cp_take(loss_mask, _token_dim(loss_mask)),
-            position_ids=cp_take(position_ids, _token_dim(position_ids)),
+            labels=take(labels, _token_dim(labels) if labels is not None else 0, PAD_LABEL),
+            loss_mask=take(loss_mask, _token_dim(loss_mask) if loss_mask is not None else 0),
+            position_ids=take(position_ids, _token_dim(position_ids), None),
             cu_seqlens=cu,
+            input_ids=take(input_ids, _token_dim(input_ids) if input_ids is not None else 0),
+            token_mask=token_mask,
+        )
+
+    def layout(self, seq_len: int, *, cu_seqlens: CuSeqlens | None = None) -> PaddedLayout:
+        """The padded layout ``shard`` cuts a sequence of ``seq_len`` tokens with (pure)."""
+        return pad_layout(
+            seq_len,
+            self.cp_size,
+            self.tp_size,
+            sequence_parallel=self.sequence_parallel,
+            cu_seqlens=cu_seqlens,
         )
 
     # ---------------------------------------------------------------------- unshard
@@ -204,6 +294,7 @@ class PartitionAdapter:
         cu_seqlens: CuSeqlens | None = None,
         sequence_parallel: bool | None = None,
         grad: Literal["slice", "sum"] = "slice",
+        seq_len: int | None = None,
     ) -> torch.Tensor:
         """The full-sequence tensor, in original order, on every rank (inverse of ``shard``).
 
@@ -213,9 +304,12 @@ class PartitionAdapter:
         ``[s]`` or ``[b, s]`` (labels, loss mask, positions, per-token losses) -- is not,
         as ``shard`` never SP-splits them; anything else (embeddings / hidden states end
         with ``h``) is SP-split iff the adapter is. ``cu_seqlens``: the global cumulative
-        lengths if the batch was packed. E.g. with SP at tp=2, cp=2 and ``[2, 16, h]``
-        input: ``unshard(batch.embeddings)`` gathers ``[2, 4, h]`` pieces and
-        ``unshard(batch.labels)`` gathers ``[2, 8]`` pieces, both back to length 16.
+        lengths if the batch was packed: the original ones (padding is dropped) or the
+        padded ``ShardedBatch.cu_seqlens`` (nothing dropped). ``seq_len``: the original
+        length of a plain batch that ``shard`` padded (default: keep the padded length).
+        E.g. with SP at tp=2, cp=2 and ``[2, 16, h]`` input: ``unshard(batch.embeddings)``
+        gathers ``[2, 4, h]`` pieces and ``unshard(batch.labels)`` gathers ``[2, 8]`` pieces,
+        both back to length 16.
 
         Forward: all-gather over TP (with SP), then over CP, then a fixed permutation back
         to sequence order — one all-gather per group of size > 1.
@@ -243,15 +337,42 @@ class PartitionAdapter:
         sp = sequence_parallel
         full_len = x.shape[dim] * self.cp_size * (self.tp_size if sp else 1)
         self._check_len(full_len, sp, f"full sequence length (local {x.shape[dim]} x ranks)")
-        order = cp_gather_order(full_len, self.cp_size, cu_seqlens=cu_seqlens, device=x.device)
+        bounds, keep = None, None
+        if cu_seqlens is not None or seq_len is not None:
+            layout = self._original_layout(full_len, seq_len, cu_seqlens)
+            bounds = layout.padded_bounds
+            if layout.padding:
+                keep = layout.kept_positions(x.device)
+        order = cp_gather_order(full_len, self.cp_size, cu_seqlens=bounds, device=x.device)
 
         gather = gather_keep_grad if grad == "slice" else gather_along
         if sp:
             x = gather(x, self.tp_group, dim)
-        if self.cp_size == 1:
-            return x
-        x = gather(x, self.cp_group, dim)
-        return x.index_select(dim, order.argsort())
+        if self.cp_size > 1:
+            x = gather(x, self.cp_group, dim)
+            x = x.index_select(dim, order.argsort())
+        return x if keep is None else x.index_select(dim, keep)
+
+    def _original_layout(
+        self, full_len: int, seq_len: int | None, cu_seqlens: CuSeqlens | None
+    ) -> PaddedLayout:
+        """The layout ``shard`` padded the original sequence to; it must be ``full_len``."""
+        if cu_seqlens is not None:
+            if isinstance(cu_seqlens, torch.Tensor):
+                total = int(cu_seqlens[-1]) if cu_seqlens.numel() else 0
+            else:
+                total = int(list(cu_seqlens)[-1]) if len(cu_seqlens) else 0
+            if seq_len is not None and seq_len != total:
+                raise ValueError(f"seq_len={seq_len} but cu_seqlens ends at {total}; pass one")
+            seq_len = total
+        layout = self.layout(seq_len, cu_seqlens=cu_seqlens)
+        if layout.padded_len != full_len:
+            what = "cu_seqlens" if cu_seqlens is not None else f"seq_len={seq_len}"
+            raise ValueError(
+                f"{what} pads to {layout.padded_len} tokens but the gathered sequence has "
+                f"{full_len}; pass the original seq_len / cu_seqlens given to shard()"
+            )
+        return layout
 
     # ------------------------------------------------------------------ validation
     @staticmethod

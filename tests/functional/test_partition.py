@@ -161,12 +161,12 @@ def test_bad_input_raises_before_any_collective():
     cp_only = PartitionAdapter(cp_group=cp_g, tp_group=tp_g)
     dev = current_device()
     with CollectiveCounter() as counter:
-        with pytest.raises(ValueError, match=r"=6 must be divisible by 2·cp=4 \(cp=2\)"):
-            cp_only.shard(torch.zeros(1, 6, 2, device=dev))
-        with pytest.raises(ValueError, match=r"=12 must be divisible by 2·cp·tp=8"):
-            sp.shard(torch.zeros(1, 12, 2, device=dev))
-        with pytest.raises(ValueError, match=r"by 2·cp=4; lengths \[6, 2\] are not"):
-            cp_only.shard(torch.zeros(1, 12, 2, device=dev), cu_seqlens=[0, 4, 10, 12])
+        # Indivisible lengths are padded (tests/functional/test_partition_padding.py); a
+        # gathered length that is not the padded original one is still an error.
+        with pytest.raises(ValueError, match=r"seq_len=3 pads to 4 tokens but the gathered"):
+            cp_only.unshard(torch.zeros(1, 4, device=dev), seq_len=3)
+        with pytest.raises(ValueError, match=r"shard\(\) got no tensor"):
+            sp.shard()
         with pytest.raises(ValueError, match=r"cu_seqlens\[-1\]=8 must equal .* 12"):
             cp_only.shard(torch.zeros(1, 12, 2, device=dev), cu_seqlens=[0, 8])
         with pytest.raises(ValueError, match=r"labels has shape \(2, 7\); expected \[2, 8\]"):
@@ -245,12 +245,13 @@ def test_partition_without_cp_takes_any_length():
     assert torch.equal(adapter.unshard(out.embeddings), emb)
     packed = adapter.shard(emb[:1], cu_seqlens=[0, 3, 7])
     assert torch.equal(packed.embeddings, emb[:1])
-    # With SP at tp=2 (and no CP) the length must be a multiple of tp only.
+    assert packed.token_mask is None  # nothing padded
+    # With SP at tp=2 (and no CP) the length is a multiple of tp, else padded to one.
     _, tp_g, _, t = tp_cp_groups(1)
     sp = PartitionAdapter(tp_group=tp_g, sequence_parallel=True)
     assert torch.equal(sp.shard(emb[:, :6]).embeddings, emb[:, 3 * t : 3 * t + 3])
-    with pytest.raises(ValueError, match=r"=7 must be divisible by cp·tp=2 \(cp=1, tp=2"):
-        sp.shard(emb)
+    padded = torch.cat([emb, emb.new_zeros(2, 1, 3)], dim=1)  # 7 -> 8 tokens
+    assert torch.equal(sp.shard(emb).embeddings, padded[:, 4 * t : 4 * t + 4])
 
 
 # ------------------------------------------------------------------ 4 ranks: literal cut
@@ -288,8 +289,10 @@ def test_partition_cp2_sp_tp2_against_literal_token_lists():
         expected[:, cp_idx] = w[:, cp_idx]
         if not torch.equal(emb.grad, expected):
             bad.append(f"sp={sp}: gradient is not the zero-padded local one")
-    with pytest.raises(ValueError, match="divisible by 2·cp·tp=8"):
-        PartitionAdapter(cp_group=cp_g, tp_group=tp_g, sequence_parallel=True).shard(
-            rand(2, 12, 3, seed=0)
-        )
+    # S = 12 with SP is padded to 16 (zeros at 12..15): the same literal cut.
+    emb12 = rand(2, 12, 3, seed=0)
+    out = PartitionAdapter(cp_group=cp_g, tp_group=tp_g, sequence_parallel=True).shard(emb12)
+    padded = torch.cat([emb12, torch.zeros(2, 4, 3)], dim=1)
+    if not torch.equal(out.embeddings, padded[:, CP2_SP2_TOKENS[c, t]]):
+        bad.append("S=12 with SP: not the padded literal cut")
     assert not bad, bad
