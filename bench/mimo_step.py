@@ -36,6 +36,7 @@ import os
 import statistics
 import sys
 import time
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -216,6 +217,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=4, help="global batch (multiple of 4)")
     p.add_argument("--iters", type=int, default=5, help="timed steps per flow")
     args = p.parse_args()
+    warnings.filterwarnings("ignore")  # megatron's optional-dependency notices, per rank
     h, s = args.hidden, args.seq
     cfg = dataclasses.replace(
         MimoConfig(), patch_dim=64, num_patches=s // 2, enc_hidden=128, enc_heads=8,

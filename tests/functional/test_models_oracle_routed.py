@@ -21,10 +21,18 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+import torch
+import torch.distributed as dist
 
 import mp_bridge.models.routed as routed_module
-from mp_bridge.models import synthetic_batch
-from mp_bridge.testing import DistributedWorld
+from mp_bridge.grid import make_grid
+from mp_bridge.models import (
+    ReferenceMimo,
+    build_colocated_mimo,
+    destroy_colocated_mimo,
+    synthetic_batch,
+)
+from mp_bridge.testing import DistributedWorld, current_device
 from tests.functional.test_models_oracle import (
     CFG,
     FAN_IN_CP2,
@@ -72,6 +80,54 @@ def test_routed_parity_on_a_length_the_cut_pads(layout):
     batch = synthetic_batch(ODD, 8, seed=4, images_per_sample=(0, 3), uneven_mask=True)
     report = run_parity(ODD, device=current_device(), batch=batch, flow="routed", **layout)
     return _check(report)
+
+
+def _routed_model():
+    torch.manual_seed(0)
+    reference = ReferenceMimo(CFG).to(current_device())
+    enc = make_grid(tp=2, dp=4, create=("tp", "dp"))
+    llm = make_grid(tp=2, cp=2, dp=2, create=("tp", "cp", "dp", ("dp", "cp")))
+    model = build_colocated_mimo(
+        reference, enc, llm, sequence_parallel=True, device=current_device(), flow="routed"
+    )
+    return reference, enc, llm, model
+
+
+@world.case
+def test_routed_text_only_step_matches_reference_and_skips_encoder():
+    reference, enc, llm, model = _routed_model()
+    try:
+        batch = synthetic_batch(CFG, 8, seed=5, text_only=range(8)).to(current_device())
+        d = dist.get_rank() // 4  # LLM dp coordinate: rank = tp + 2 * (cp + 2 * dp)
+        rows = slice(4 * d, 4 * d + 4)
+        loss = model(batch.input_ids[rows], batch.labels[rows], batch.loss_mask[rows], None)
+        loss.backward()
+        model.sync_gradients()
+        expected = reference(batch.input_ids, batch.labels, batch.loss_mask, None)
+        # Same rounding argument as the parity cases.
+        torch.testing.assert_close(loss.detach(), expected.detach(), rtol=LOSS_RTOL, atol=0)
+        assert all(p.grad is None for p in model.encoder.parameters())
+    finally:
+        destroy_colocated_mimo(model, enc, llm)
+
+
+@world.case
+def test_routed_placeholder_count_mismatch_raises_on_every_rank():
+    reference, enc, llm, model = _routed_model()
+    try:
+        batch = _ragged_batch().to(current_device())
+        ids = batch.input_ids.clone()
+        # Sample 0 of each LLM DP replica (global 0 and 4) one placeholder short: the route
+        # check covers a route group (one replica here), so both replicas get a bad sample.
+        for i in (0, 4):
+            ids[i, (ids[i] == CFG.image_token_id).nonzero()[0, 0]] = 1
+        d, e = dist.get_rank() // 4, dist.get_rank() // 2  # LLM / encoder dp coordinates
+        rows = slice(4 * d, 4 * d + 4)
+        images = batch.encoder_shard(e, 4)
+        with pytest.raises(ValueError, match=f"sample 0 of LLM DP replica {d} has"):
+            model(ids[rows], batch.labels[rows], batch.loss_mask[rows], images)
+    finally:
+        destroy_colocated_mimo(model, enc, llm)
 
 
 # ------------------------------------------------------------------ teeth
