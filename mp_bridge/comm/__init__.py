@@ -3,7 +3,8 @@
 Everything other packages use from ``comm`` is exported here (import from
 ``mp_bridge.comm``, not from its modules): the differentiable collectives and their plain
 helpers (``primitives``), the CP cut (``cp_indices``), the packed-sequence mask
-(``cp_mask``), the CP K/V gather (``kv_gather``), the bridge and the partition adapter.
+(``cp_mask``), padding to the cut (``cp_padding``), the CP K/V gather (``kv_gather``),
+the bridge (its ``route`` plan in ``route_plan``) and the partition adapter.
 """
 
 from .bridge import ColocatedBridgeCommunicator
@@ -17,9 +18,10 @@ from .cp_indices import (
     seq_len_divisor,
 )
 from .cp_mask import packed_sequence_mask
+from .cp_padding import PaddedLayout, pad_layout
 from .deterministic import deterministic_all_reduce
 from .kv_gather import GatherKV, ReduceScatterKV, gather_kv
-from .partition import PartitionAdapter, ShardedBatch
+from .partition import PAD_LABEL, PartitionAdapter, ShardedBatch
 from .primitives import (
     all_gather_tensor,
     all_reduce_sum,
@@ -36,6 +38,7 @@ from .primitives import (
 )
 from .ragged import exchange_rows
 from .ragged_plan import RaggedRoute, route_ragged
+from .route_plan import RankRoute, image_token_shards, plan_route, route_groups, route_needs
 
 __all__ = [
     # differentiable collectives (primitives.py)
@@ -60,6 +63,11 @@ __all__ = [
     "RaggedRoute",
     "route_ragged",
     "exchange_rows",
+    "RankRoute",
+    "image_token_shards",
+    "plan_route",
+    "route_groups",
+    "route_needs",
     "format_rank_table",
     # context parallelism
     "cp_factor",
@@ -74,5 +82,8 @@ __all__ = [
     "gather_kv",
     "PartitionAdapter",
     "ShardedBatch",
+    "PAD_LABEL",
+    "PaddedLayout",
+    "pad_layout",
     "deterministic_all_reduce",
 ]

@@ -41,8 +41,7 @@ from .bridge_plan import BridgeDirection, BridgePlan, plan_bridge
 from .partition import PartitionAdapter
 from .primitives import all_gather_tensor, all_reduce_sum, copy_to_group, forbid_double_backward
 from .ragged import bridge_ragged
-from .route import route_image_rows
-from .route_plan import route_groups
+from .route import make_route_group, route_image_rows
 
 __all__ = ["ColocatedBridgeCommunicator"]
 
@@ -149,12 +148,13 @@ class ColocatedBridgeCommunicator:
     Construction is collective over the whole world: every rank (even one outside the
     grids) must build the communicator with the same arguments, in the same order as its
     other group creations. It validates the layouts (``plan_bridge``) and ``dim_mapping``
-    before creating any group, then creates the gather groups with the world's default
-    backend; it owns those and frees them in ``destroy()``. The dest CP group (needed when
-    dest CP > 1) belongs to the grid: ``dest_grid.get_pg('cp')``, created on the grid with
-    ``create_pg('cp')`` if it lacks one (``mp_bridge.models.make_mimo_groups`` builds it
-    with every other group up front). Only a pure ``GridLayout``, which holds no groups,
-    makes the communicator create (and free) the CP groups itself.
+    before creating any group, then creates the gather and ``route`` groups (the latter
+    reuse the CP group when equal) with the default backend; it owns those and frees them
+    in ``destroy()``. The dest CP group (needed when dest CP > 1) belongs to the grid:
+    ``dest_grid.get_pg('cp')``, created on the grid with ``create_pg('cp')`` if it lacks
+    one (``mp_bridge.models.make_mimo_groups`` builds it with every other group up front).
+    Only a pure ``GridLayout``, which holds no groups, makes the communicator create (and
+    free) the CP groups itself.
 
     Args:
         src_grid, dest_grid: megatron-core ``HyperCommGrid``s on the same ranks (or
@@ -225,13 +225,10 @@ class ColocatedBridgeCommunicator:
                     # torch orders a group's ranks ascending; the plan's concatenation order
                     # (by dp coordinate) is ascending too, so slot == group rank.
                     assert dist.get_process_group_ranks(pg) == list(members), members
-            for members in route_groups(self._plan):  # collective: same order on every rank
-                if len(members) < 2:
-                    continue
-                pg = dist.new_group(list(members))
-                if self._rank in members:
-                    self._route_group, self._route_members = pg, members
-                    self._owned.append(pg)
+            self._route_group, self._route_members, owned = make_route_group(
+                self._plan, self._rank, self._cp_group
+            )
+            self._owned += owned
         except BaseException:
             self.destroy()  # do not leak the groups created so far
             raise

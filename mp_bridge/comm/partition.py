@@ -40,7 +40,7 @@ from .cp_indices import (
 from .cp_padding import PaddedLayout, pad_layout
 from .primitives import gather_along, gather_keep_grad, group_rank, group_size, scatter_along
 
-__all__ = ["PartitionAdapter", "ShardedBatch"]
+__all__ = ["PAD_LABEL", "PartitionAdapter", "ShardedBatch"]
 
 CuSeqlens = Sequence[int] | torch.Tensor
 

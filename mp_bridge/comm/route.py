@@ -30,9 +30,26 @@ from .bridge_plan import BridgeDirection, BridgePlan
 from .partition import PartitionAdapter
 from .primitives import all_gather_tensor, forbid_double_backward, group_size
 from .ragged import check_tokens_per_sample
-from .route_plan import RankRoute, image_token_shards, plan_route, route_needs
+from .route_plan import RankRoute, image_token_shards, plan_route, route_groups, route_needs
 
-__all__ = ["route_image_rows"]
+__all__ = ["make_route_group", "route_image_rows"]
+
+
+def make_route_group(plan: BridgePlan, rank: int, cp_group: dist.ProcessGroup | None):
+    """``(group, members, owned)``: this rank's route group (collective: every rank of
+    the world creates every group of size > 1 in the same order; a route group equal to
+    a dest CP group, i.e. dest tp = 1, reuses ``cp_group``). ``owned``: groups created."""
+    mine, members_of, owned = None, (rank,), []
+    for members in route_groups(plan):
+        if len(members) < 2 or members in plan.cp_groups:
+            if rank in members:
+                mine, members_of = (cp_group if len(members) > 1 else None), members
+            continue
+        pg = dist.new_group(list(members))
+        if rank in members:
+            mine, members_of = pg, members
+            owned.append(pg)
+    return mine, members_of, owned
 
 
 def _exchange(rows: torch.Tensor, send: Sequence[torch.Tensor], recv: Sequence[int], group):

@@ -98,7 +98,10 @@ def context_parallel_attention(
         cu_seqlens: packed input (``b == 1``): the *global* cumulative lengths; tokens
             must be laid out as ``cp_shard_indices_packed(cu_seqlens, cp, rank)``
             (``PartitionAdapter.shard`` does this). Queries only see keys of their own
-            sequence; positions may be packed indices or restart at 0 per sequence.
+            sequence; positions may be packed indices or restart at 0 per sequence. When
+            the adapter padded the documents, pass ``ShardedBatch.cu_seqlens`` (the padded
+            layout) and its ``position_ids``: padding sits after each document's tokens,
+            so causal attention never shows it to a real query.
         softmax_scale: default ``1/sqrt(d)``.
 
     Returns ``[b, s_local, hq, d]`` in ``q.dtype``; scores, softmax and the weighted sum

@@ -97,7 +97,9 @@ def test_destroy_is_idempotent_and_frees_groups():
     src_grid, dest_grid = _grids(dict(tp=2, dp=4), dict(tp=2, cp=2, dp=2))
     before = _live_groups()
     bridge = ColocatedBridgeCommunicator(src_grid, dest_grid)
-    assert _live_groups() == before + 1  # one gather group per rank; CP is the grid's
+    # One gather group and one route group (the LLM DP replica, tp x cp) per rank; CP is
+    # the grid's.
+    assert _live_groups() == before + 2
     bridge.destroy()
     bridge.destroy()
     assert _live_groups() == before

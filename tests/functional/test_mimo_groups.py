@@ -86,7 +86,8 @@ def test_groups_the_grids_hold_are_reused():
     groups = make_mimo_groups(enc, llm)
     assert _members(groups) == TP2_DP2__TP2_CP2[dist.get_rank()]
     assert groups.encoder_dp is enc.get_pg("dp") and groups.llm_dp_cp is llm.get_pg(["dp", "cp"])
-    assert _live_groups() == before + 1  # only the bridge's gather group (FAN_IN 2 -> 1)
+    # only the bridge's gather group (FAN_IN 2 -> 1) and route group (the LLM replica)
+    assert _live_groups() == before + 2
     groups.destroy()
 
 

@@ -130,3 +130,17 @@ def test_route_validation_raises_before_any_collective():
         assert counter.calls == []
     with pytest.raises(RuntimeError, match=r"after destroy\(\)"):
         bridge.route(x, tokens_per_sample=[4], image_mask=mask, partition=part)
+
+
+@world.case
+def test_double_backward_is_refused_on_every_rank():
+    src_grid, dest_grid = grids(dict(tp=2, dp=4), dict(tp=2, cp=2, dp=2))
+    part = PartitionAdapter(cp_group=dest_grid.get_pg("cp"), tp_group=dest_grid.get_pg("tp"))
+    x = torch.randn(4, H, requires_grad=True)
+    mask = torch.zeros(4, 6, dtype=torch.bool)
+    mask[:, [0, 5]] = True
+    with ColocatedBridgeCommunicator(src_grid, dest_grid) as bridge:
+        y = bridge.route(x, tokens_per_sample=[2, 2], image_mask=mask, partition=part)
+        with pytest.raises(RuntimeError, match=r"route cannot differentiate twice"):
+            torch.autograd.grad(y.sum(), x, create_graph=True)
+        dist.barrier()
