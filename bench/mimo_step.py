@@ -18,11 +18,15 @@ both flows and left out). Per row, max over ranks:
   plus rows it holds but did not consume (backward), times ``h·4`` bytes. The bound is
   computed here from the image positions and ``PartitionAdapter.shard`` of a token-id
   tensor, not from the route plan;
-- memory: activations saved for backward (distinct storages, parameters excluded; a
-  ``saved_tensors_hooks`` count) and the largest buffer any op wrote in forward+backward
-  (a ``TorchDispatchMode`` over the step); "full-seq bufs" counts op outputs with both a
-  dim of the full length ``S`` and the hidden dim ``h`` (``[b, S, h]`` activations or
-  gradients); the target for the routed flow is 0;
+- memory (torch's CPU profiler over one step, forward + backward, op input shapes, fp32):
+  "saved act" = distinct non-parameter storages autograd saves for backward (a
+  ``saved_tensors_hooks`` count, the activation memory held at the end of forward);
+  "largest alloc" = the largest single-op allocation (attention scores here);
+  "largest [..,h]" = the largest hidden-wide activation or gradient (an op input ending
+  in ``h`` whose shape is no parameter's); "full-seq [..,h] ops" = ops taking such a tensor
+  with at least ``b·S`` rows (the LLM DP batch's full sequences: ``[b, S, h]``). Target
+  for the routed flow: 0. (``h`` is chosen unlike every other width of the model, so a
+  shape match is the hidden dim.)
 - step time: the two flows alternate step by step (a barrier before each), median of
   the slowest rank; spread = the largest interquartile range / median over both flows.
 """
