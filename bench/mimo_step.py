@@ -27,8 +27,9 @@ both flows and left out). Per row, max over ranks:
   with at least ``b·S`` rows (the LLM DP batch's full sequences: ``[b, S, h]``). Target
   for the routed flow: 0. (``h`` is chosen unlike every other width of the model, so a
   shape match is the hidden dim.)
-- step time: the two flows alternate step by step (a barrier before each), median of
-  the slowest rank; spread = the largest interquartile range / median over both flows.
+- time: the two flows alternate step by step (a barrier before each), each step followed
+  by the bridge alone (forward + backward, as for the bytes); medians of the slowest rank;
+  spread = the largest per-rank interquartile range / median.
 """
 
 from __future__ import annotations
@@ -158,13 +159,12 @@ def _layout_rows(cfg, batch, llm: dict, sp: bool, iters: int) -> dict:
         ids = text[0]
         with torch.no_grad():
             enc = model.encode(images)
-        for flow in ("routed", "gather"):
-            step(flow)()  # warm-up
-            with CollectiveCounter() as c:
-                step(flow)()
-            out[f"{flow}_bytes"] = _names(c)
-            x = enc.clone().requires_grad_(True)
-            with CollectiveCounter() as c:
+
+        def bridge(flow: str):
+            """The bridge alone, forward + backward, on this rank's encoder output."""
+
+            def run():
+                x = enc.clone().requires_grad_(True)
                 if flow == "routed":
                     y = model.bridge.route(
                         x,
@@ -175,22 +175,33 @@ def _layout_rows(cfg, batch, llm: dict, sp: bool, iters: int) -> dict:
                 else:
                     y, _ = model.bridge.communicate_ragged(x, images.tokens_per_sample)
                 y.backward(torch.ones_like(y))
+
+            return run
+
+        for flow in ("routed", "gather"):
+            step(flow)()  # warm-up
+            with CollectiveCounter() as c:
+                step(flow)()
+            out[f"{flow}_bytes"] = _names(c)
+            with CollectiveCounter() as c:
+                bridge(flow)()
             out[f"{flow}_bridge"] = _names(c)
             out[f"{flow}_saved"] = _saved_bytes(step(flow), params)
             out[f"{flow}_largest"], out[f"{flow}_wide"], out[f"{flow}_full"] = _buffers(
                 step(flow), per * cfg.seq_len, cfg.llm_hidden, params
             )
-        times = {"routed": [], "gather": []}
+        times = {f"{flow}_{what}": [] for flow in ("routed", "gather") for what in "tb"}
         for _ in range(iters):
             for flow in ("routed", "gather"):
-                dist.barrier()
-                t0 = time.perf_counter()
-                step(flow)()
-                times[flow].append(time.perf_counter() - t0)
-        for flow, ts in times.items():
-            q1, med, q3 = statistics.quantiles(ts, n=4) if len(ts) > 1 else (0, ts[0], 0)
-            out[f"{flow}_t"] = statistics.median(ts)
-            out[f"{flow}_spread"] = (q3 - q1) / statistics.median(ts)
+                for what, fn in (("t", step(flow)), ("b", bridge(flow))):
+                    dist.barrier()
+                    t0 = time.perf_counter()
+                    fn()
+                    times[f"{flow}_{what}"].append(time.perf_counter() - t0)
+        for key, ts in times.items():
+            q1, _, q3 = statistics.quantiles(ts, n=4) if len(ts) > 1 else (0, 0, 0)
+            out[key] = statistics.median(ts)
+            out[f"{key}_spread"] = (q3 - q1) / statistics.median(ts)
     finally:
         destroy_colocated_mimo(model, enc_grid, llm_grid)
     out["layout"] = ",".join(f"{k}={v}" for k, v in llm.items()) + (",sp" if sp else "")
@@ -243,11 +254,12 @@ def main() -> None:
             "llm layout", "flow", "step KiB/rank by collective (max)", "bridge data KiB",
             "bridge meta B", "bound KiB", "data/bound", "saved act MiB", "largest alloc MiB",
             "largest [..,h] MiB", "full-seq [..,h] ops", "step ms", "vs gather", "spread",
+            "bridge ms", "vs gather", "spread",
         )
     ]  # fmt: skip
     for i, row in enumerate(per_rank[0]):
         ranks = [r[i] for r in per_rank]
-        t = {f: max(r[f"{f}_t"] for r in ranks) for f in ("routed", "gather")}
+        t = {k: max(r[k] for r in ranks) for k in ("routed_t", "gather_t", "routed_b", "gather_b")}
         for flow in ("routed", "gather"):
             names = {}
             for r in ranks:
@@ -270,9 +282,15 @@ def main() -> None:
                     f"{max(r[f'{flow}_largest'] for r in ranks) / 2**20:.1f}",
                     f"{max(r[f'{flow}_wide'] for r in ranks) / 2**20:.2f}",
                     str(max(r[f"{flow}_full"] for r in ranks)),
-                    f"{t[flow] * 1e3:.0f}",
-                    f"{t[flow] / t['gather']:.2f}x",
-                    f"{max(r[f'{flow}_spread'] for r in ranks) * 100:.0f}%",
+                    *(
+                        cell
+                        for w in "tb"
+                        for cell in (
+                            f"{t[f'{flow}_{w}'] * 1e3:.{0 if w == 't' else 1}f}",
+                            f"{t[f'{flow}_{w}'] / t[f'gather_{w}']:.2f}x",
+                            f"{max(r[f'{flow}_{w}_spread'] for r in ranks) * 100:.0f}%",
+                        )
+                    ),
                 )
             )
     print(format_table(rows))
