@@ -31,6 +31,7 @@ it up to summation order.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from mp_bridge.comm import all_gather_tensor, group_size, scatter_along
 
@@ -101,10 +102,10 @@ def _image_tokens(model, image: torch.Tensor, images, input_ids: torch.Tensor):
     if isinstance(images, RaggedImages):
         return image, images.tokens_per_sample
     plan = model.bridge.plan
-    rank = torch.distributed.get_rank()
+    rank = dist.get_rank()
     counts = (input_ids == model.image_token_id).sum(1).to(torch.int64)  # [b_l]
     group = model.encoder.tp_group
-    members = [rank] if group_size(group) == 1 else torch.distributed.get_process_group_ranks(group)
+    members = [rank] if group_size(group) == 1 else dist.get_process_group_ranks(group)
     gathered = all_gather_tensor(counts, group, 0).view(len(members), -1).cpu()
     per_replica = {plan.dest.coords(m)["dp"]: row for m, row in zip(members, gathered)}
     b_e, b_l = image.shape[0], counts.shape[0]
