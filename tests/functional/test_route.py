@@ -23,6 +23,7 @@ world = DistributedWorld(8)
 LAYOUTS_8 = [
     ("fan_in_cp2", dict(tp=2, dp=4), dict(tp=2, cp=2, dp=2), "FAN_IN"),
     ("fan_in_cp1", dict(tp=1, dp=8), dict(tp=4, dp=2), "FAN_IN"),
+    ("fan_in_tp1_cp2", dict(tp=1, dp=8), dict(cp=2, dp=4), "FAN_IN"),  # route group = CP's
     ("fan_out_cp2", dict(tp=8, dp=1), dict(tp=2, cp=2, dp=2), "FAN_OUT"),
     ("fan_out_cp1", dict(tp=4, dp=2), dict(tp=2, dp=4), "FAN_OUT"),
     ("equal_cp2", dict(tp=4, dp=2), dict(tp=2, cp=2, dp=2), "EQUAL"),
