@@ -6,7 +6,9 @@ Prints one progress line per step (step, loss, tokens/s), then trains the single
 reference on the same data and prints a parity table; exits 1 when parity fails. Batches
 are ragged by default (each sample 0..3 images of 1..num_patches tokens, some text-only;
 ``communicate_ragged`` moves them); ``--uniform`` trains on one image of ``num_patches``
-tokens per sample instead.
+tokens per sample instead. The model runs the routed step by default (``--flow routed``:
+shard ids first, route each image token straight to its CP/SP shard); ``--flow gather``
+runs the full-sequence flow (bridge to the whole LLM replica, then partition).
 
     mp-bridge demo --world 8 --encoder tp=2,dp=4 --llm tp=2,cp=2,dp=2 --steps 20
 """
@@ -69,6 +71,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="one image of num_patches tokens per sample (default: ragged, 0..3 images of "
         "1..num_patches tokens per sample)",
+    )
+    parser.add_argument(
+        "--flow",
+        choices=("routed", "gather"),
+        default="routed",
+        help="colocated step: 'routed' (default; partition first, route image tokens to "
+        "their shards) or 'gather' (full-sequence embeddings, then partition)",
     )
     parser.add_argument("--plot", metavar="PATH", help="write a PNG of both loss curves")
     parser.set_defaults(run=run)
@@ -201,7 +210,7 @@ def _worker(enc: GridLayout, llm: GridLayout, opts: dict):
         encoder_dim_names=enc.axis_names,
         llm_dim_names=llm.axis_names, sequence_parallel=opts["sequence_parallel"],
         fused_loss=opts["fused_loss"], batch=batches, steps=opts["steps"], lr=opts["lr"],
-        device=current_device(), on_step=progress,
+        device=current_device(), on_step=progress, flow=opts["flow"],
     )  # fmt: skip
 
 
@@ -309,6 +318,7 @@ def run(args: argparse.Namespace) -> int:
         "fused_loss": args.fused_loss,
         "config": args.config,
         "uniform": args.uniform,
+        "flow": args.flow,
     }
     start = time.perf_counter()
     if under_torchrun():
@@ -318,7 +328,7 @@ def run(args: argparse.Namespace) -> int:
 
         print(
             f"launching {args.world} ranks (gloo, CPU): encoder {args.encoder} -> llm "
-            f"{args.llm}, {_batches(args)} batches",
+            f"{args.llm}, {_batches(args)} batches, {args.flow} flow",
             flush=True,
         )
         report, printer = run_distributed(_worker, args.world, enc, llm, opts)[0], True
@@ -334,7 +344,7 @@ def run(args: argparse.Namespace) -> int:
     )
     print(
         f"parity vs single-process oracle ({report.encoder} -> {report.llm}, "
-        f"{_batches(args)} batches):\n"
+        f"{_batches(args)} batches, {args.flow} flow):\n"
     )
     print(format_parity_table(report, weight_atol=WEIGHT_STEP_FRACTION * args.lr))
     if args.plot:

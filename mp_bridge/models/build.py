@@ -34,15 +34,17 @@ def build_colocated_mimo(
     sequence_parallel: bool = False,
     fused_loss: bool = False,
     device: torch.device | None = None,
+    flow: str = "gather",
 ) -> ColocatedMimoModel:
     """Shard ``reference`` into encoder (``tp``/``dp``) and LLM (``tp``/``cp``/``dp``) grids.
 
     Every group comes from ``make_mimo_groups(encoder_grid, llm_grid)`` (groups the grids
     lack are created on them; one bridge). Release them with :func:`destroy_colocated_mimo`.
+    ``flow``: ``"gather"`` or ``"routed"`` (see :class:`ColocatedMimoModel`).
     """
     return ColocatedMimoModel.from_full(
         reference, encoder_grid, llm_grid, sequence_parallel=sequence_parallel,
-        fused_loss=fused_loss, device=device,
+        fused_loss=fused_loss, device=device, flow=flow,
     )  # fmt: skip
 
 

@@ -2,9 +2,10 @@
 
 Data flow on one rank (``S`` full sequence, ``c`` CP size, ``t`` TP size):
 
-1. :meth:`TPLLM.embed_tokens`: ids ``[b, S]`` -> ``[b, S, h]`` TP-replicated (vocab-parallel
-   lookup + TP all-reduce). Always full-sequence and never SP-split: the MIMO model
-   places image embeddings on the full sequence before the partition adapter shards it.
+1. :meth:`TPLLM.embed_tokens`: ids ``[b, s]`` -> ``[b, s, h]`` TP-replicated (vocab-parallel
+   lookup + TP all-reduce), never SP-split. The MIMO model's gather flow embeds the full
+   sequence (``s = S``) and places image embeddings before the partition adapter shards
+   it; its routed flow embeds the CP-local ids (``s = S/c``) and SP-splits after.
 2. :meth:`TPLLM.token_loss`: partitioned embeddings ``[b, S/c (/t with SP), h]`` and
    original ``position_ids [b, S/c]`` -> blocks (sequence-first inside; attention
    all-gathers K/V over CP with a causal mask on the original positions) -> final norm ->

@@ -15,6 +15,10 @@ Per step, on every rank of the shared grid:
 5. ``partition.shard`` -> CP (and SP) shards; LLM -> fp32 per-token loss ``[b_l, S/c]``;
 6. ``masked_mean`` over the LLM DP x CP group: the global mean over every masked token.
 
+That is ``flow="gather"`` (the default). ``flow="routed"`` (:mod:`.routed`) reorders
+steps 3-5: shard the integer tensors first, embed only the local text tokens, and
+``bridge.route`` every image token straight to the CP (SP) shard that consumes it.
+
 Because ``masked_mean``'s backward is the identity, each rank's backward yields the
 gradient of the *global* loss restricted to its own tokens. :meth:`sync_gradients` then
 sums encoder/projection gradients over the encoder DP group and LLM gradients over the
@@ -39,6 +43,7 @@ from .flow import MimoFlow
 from .groups import MimoGroups, grid_group, make_mimo_groups
 from .images import RaggedImages
 from .llm import TPLLM
+from .routed import check_flow, routed_forward
 from .step_checks import check_step
 
 __all__ = ["ColocatedMimoModel"]
@@ -57,6 +62,10 @@ class ColocatedMimoModel(MimoFlow):
         llm_dp_cp_group: LLM DP x CP group (loss denominator, grad sync).
         groups: the :class:`MimoGroups` these came from (DP groups default to its
             fields; :func:`destroy_colocated_mimo` frees it).
+        flow: ``"gather"`` (default; the stages below: full-sequence embeddings, then
+            partition) or ``"routed"`` (:mod:`.routed`: partition the integer tensors
+            first, embed the local tokens, ``bridge.route`` each image token straight to
+            its shard; no full-sequence activation or gradient).
 
     ``model(input_ids, labels, loss_mask, images=None)`` is :meth:`MimoFlow.forward` on
     this rank's shards (LLM DP shard of the text, encoder DP shard of the images, uniform
@@ -83,8 +92,10 @@ class ColocatedMimoModel(MimoFlow):
         encoder_dp_group: dist.ProcessGroup | None = None,
         llm_dp_cp_group: dist.ProcessGroup | None = None,
         groups: MimoGroups | None = None,
+        flow: str = "gather",
     ):
         super().__init__()
+        self.flow = check_flow(flow)
         if isinstance(image_token_id, bool) or not isinstance(image_token_id, int):
             raise TypeError(f"image_token_id={image_token_id!r} must be an int vocab id")
         if not 0 <= image_token_id < llm.cfg.vocab_size:
@@ -167,7 +178,14 @@ class ColocatedMimoModel(MimoFlow):
         self._destroyed = True
 
     # ------------------------------------------------------------------ stages
-    # forward (MimoFlow): check_step -> encode -> bridge_images -> place -> mean_token_loss.
+    def forward(self, input_ids, labels, loss_mask, images=None) -> torch.Tensor:
+        """Global masked-mean token loss (fp32 scalar) of this rank's shards, by ``flow``."""
+        if self.flow == "routed":
+            return routed_forward(self, input_ids, labels, loss_mask, images)
+        return super().forward(input_ids, labels, loss_mask, images)
+
+    # flow="gather" (MimoFlow.forward):
+    # check_step -> encode -> bridge_images -> place -> mean_token_loss.
     def check_step(self, input_ids, labels, loss_mask, images) -> bool:
         """Every rank's local checks, agreed over the grid with whether images are present."""
         if self._destroyed:
@@ -187,7 +205,12 @@ class ColocatedMimoModel(MimoFlow):
     def mean_token_loss(self, embeddings, labels, loss_mask) -> torch.Tensor:
         """Partition into CP (and SP) shards, LLM per-token loss, global masked mean."""
         shard = self.partition.shard(embeddings, labels=labels, loss_mask=loss_mask)
-        per_token = self.llm.token_loss(shard.embeddings, shard.position_ids, shard.labels)
+        return self.shard_loss(shard.embeddings, shard)
+
+    def shard_loss(self, embeddings, shard) -> torch.Tensor:
+        """LLM per-token loss of this rank's shard (``embeddings`` CP/SP-local, ``shard``
+        its :class:`ShardedBatch`) -> masked mean over the LLM DP x CP group (both flows)."""
+        per_token = self.llm.token_loss(embeddings, shard.position_ids, shard.labels)
         return masked_mean(per_token, shard.loss_mask, group=self.llm_dp_cp_group)
 
     def _check_step(self, input_ids, labels, loss_mask, images) -> bool:
@@ -225,9 +248,11 @@ class ColocatedMimoModel(MimoFlow):
         sequence_parallel: bool = False,
         fused_loss: bool = False,
         device: torch.device | None = None,
+        flow: str = "gather",
     ) -> ColocatedMimoModel:
         """This rank's shards of ``reference`` on ``groups`` (no collective; the model
-        keeps ``groups``, which :func:`destroy_colocated_mimo` frees)."""
+        keeps ``groups``, which :func:`destroy_colocated_mimo` frees). ``flow``: see
+        the class."""
         cfg = reference.cfg
         _check_tp(cfg, groups.bridge.plan.src, groups.bridge.plan.dest)
         enc_tp, llm_tp, llm_cp = groups.encoder_tp, groups.llm_tp, groups.llm_cp
@@ -245,6 +270,7 @@ class ColocatedMimoModel(MimoFlow):
             ),
             image_token_id=cfg.image_token_id,
             groups=groups,
+            flow=flow,
         )
 
     def to_full(self) -> dict[str, torch.Tensor]:

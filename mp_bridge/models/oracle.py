@@ -150,6 +150,7 @@ def run_parity(
     seed: int = 0,
     device: torch.device | None = None,
     on_step: StepHook | None = None,
+    flow: str = "gather",
 ) -> ParityReport:
     """Train both models for ``steps`` Adam steps and compare (collective on every rank).
 
@@ -160,7 +161,8 @@ def run_parity(
     default ``tp, cp, pp, dp``; the two orders must nest, see ``plan_bridge``) and
     each must cover the whole world, so many layouts can run one after another in one
     world. ``on_step(step, loss, seconds)`` is called after every distributed step (e.g.
-    for progress lines).
+    for progress lines). ``flow``: the colocated model's step, ``"gather"`` or
+    ``"routed"`` (see :class:`ColocatedMimoModel`).
     """
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ValueError(f"steps={steps!r} must be an int >= 1")
@@ -191,7 +193,7 @@ def run_parity(
     )  # fmt: skip
     model = build_colocated_mimo(
         reference, enc_grid, llm_grid, sequence_parallel=sequence_parallel,
-        fused_loss=fused_loss, device=device,
+        fused_loss=fused_loss, device=device, flow=flow,
     )  # fmt: skip
     try:
         rank = dist.get_rank()

@@ -19,6 +19,7 @@ def test_demo_trains_and_reports_parity(capfd, tmp_path):
     assert main(["demo", "--steps", "3", "--plot", str(plot)]) == 0
     out = capfd.readouterr().out
     assert "ragged (0..3 images of 1..4 tokens per sample) batches" in out  # the default
+    assert "batches, routed flow" in out  # the default flow
     assert len(re.findall(r"^step +\d+/3  loss \d+\.\d+  tokens/s +\d+$", out, re.M)) == 3
     assert re.search(r"^loss \(3 steps\) .* yes$", out, re.M), out
     assert re.search(r"^weights \(gathered\) .* yes$", out, re.M), out
@@ -44,4 +45,12 @@ def test_demo_uniform_batches_on_request(capfd):
     out = capfd.readouterr().out
     assert "uniform (4 image tokens per sample) batches" in out
     assert re.search(r"^weights \(gathered\) .* yes$", out, re.M), out
+    assert "parity OK" in out
+
+
+def test_demo_gather_flow_on_request(capfd):
+    assert main(["demo", "--steps", "2", "--flow", "gather"]) == 0
+    out = capfd.readouterr().out
+    assert "batches, gather flow" in out
+    assert re.search(r"^param grads \(step 1\) .* yes$", out, re.M), out
     assert "parity OK" in out
