@@ -21,6 +21,7 @@ from mp_bridge.layers import (
 )
 from mp_bridge.layers.losses import invariant_cross_entropy, invariant_logprobs
 from mp_bridge.testing import CollectiveCounter, DistributedWorld, current_device
+from tests.loss_refs import Checks
 from tests.oracles import gather_rows, rank_in, tp_group, tp_member, vocab_cut
 
 world = DistributedWorld(8, timeout_s=120)
@@ -33,30 +34,6 @@ def _full(n, dtype=torch.float32, seed=0):
     target = torch.randint(0, VOCAB, (n,), generator=g).to(current_device())
     target[[2, 5]] = -100
     return logits, target
-
-
-class _Checks:
-    """Collect failures and raise at the end of a case: a rank leaving a case early would
-    leave its peers waiting in the next collective (a hang instead of a report)."""
-
-    def __init__(self) -> None:
-        self.failures: list[str] = []
-
-    def close(self, actual, expected, what, **tol) -> None:
-        try:
-            torch.testing.assert_close(actual, expected, **tol)
-        except AssertionError as exc:
-            self.failures.append(f"{what}: {exc}")
-
-    def equal(self, actual, expected, what) -> None:
-        if actual.shape != expected.shape:
-            self.failures.append(f"{what}: shape {actual.shape} != {expected.shape}")
-        elif not torch.equal(actual, expected):
-            diff = (actual.float() - expected.float()).abs().max().item()
-            self.failures.append(f"{what}: not bitwise equal (max diff {diff:.3g})")
-
-    def done(self) -> None:
-        assert not self.failures, "\n".join(self.failures)
 
 
 def _local(full, tp, rank):
@@ -99,7 +76,7 @@ def _oracle(kind, full, target):
 @world.case
 def test_matches_full_vocab_oracle_and_is_bitwise_acrosstp_member():
     full, target = _full(150)  # 3 token tiles, the last one partial
-    checks = _Checks()
+    checks = Checks()
     for kind in ("ce", "lp"):
         ref_out, ref_grad = _oracle(kind, full, target)
         base_out, base_grad = _call(kind, _local(full, 1, 0)[0], target, None)
@@ -122,7 +99,7 @@ def test_matches_full_vocab_oracle_and_is_bitwise_acrosstp_member():
 @world.case
 def test_bf16_logits_bitwise_across_tp_and_close_to_oracle():
     full, target = _full(70, torch.bfloat16)
-    checks = _Checks()
+    checks = Checks()
     ref_out, ref_grad = _oracle("ce", full, target)
     base_out, base_grad = _call("ce", _local(full, 1, 0)[0], target, None)
     # Both see the same bf16 logits upcast to fp32: only fp32 summation order differs.
@@ -144,7 +121,7 @@ def test_batch_invariance_with_unrelated_tokens():
     extra, extra_t = _full(90, seed=4)
     inside, group, rank = tp_member(4)
     ref_out, ref_grad = _call("lp", _local(full, 4, rank)[0], target, group)
-    checks = _Checks()
+    checks = Checks()
     for logits, t, base in (
         (torch.cat([full, extra]), torch.cat([target, extra_t]), slice(0, 100)),
         (torch.cat([extra, full]), torch.cat([extra_t, target]), slice(90, 190)),

@@ -41,6 +41,7 @@ from tests.functional.test_models_oracle import (
     LOSS_RTOL,
     _check,
     _parity,
+    check_text_only_step,
 )
 from tests.functional.test_models_oracle_ragged import _ragged_batch
 
@@ -95,20 +96,7 @@ def _routed_model():
 
 @world.case
 def test_routed_text_only_step_matches_reference_and_skips_encoder():
-    reference, enc, llm, model = _routed_model()
-    try:
-        batch = synthetic_batch(CFG, 8, seed=5, text_only=range(8)).to(current_device())
-        d = dist.get_rank() // 4  # LLM dp coordinate: rank = tp + 2 * (cp + 2 * dp)
-        rows = slice(4 * d, 4 * d + 4)
-        loss = model(batch.input_ids[rows], batch.labels[rows], batch.loss_mask[rows], None)
-        loss.backward()
-        model.sync_gradients()
-        expected = reference(batch.input_ids, batch.labels, batch.loss_mask, None)
-        # Same rounding argument as the parity cases.
-        torch.testing.assert_close(loss.detach(), expected.detach(), rtol=LOSS_RTOL, atol=0)
-        assert all(p.grad is None for p in model.encoder.parameters())
-    finally:
-        destroy_colocated_mimo(model, enc, llm)
+    check_text_only_step(*_routed_model())
 
 
 @world.case
