@@ -2,7 +2,7 @@
 
 from .build import build_colocated_mimo, destroy_colocated_mimo
 from .config import MimoConfig
-from .data import MimoBatch, dp_shard, synthetic_batch
+from .data import MimoBatch, TextShard, dp_shard, synthetic_batch
 from .encoder import TPEncoder, TPProjection
 from .groups import MimoGroups, make_mimo_groups
 from .images import RaggedImages
@@ -32,6 +32,7 @@ __all__ = [
     "load_full_state",
     "gather_full_state",
     "MimoBatch",
+    "TextShard",
     "RaggedImages",
     "synthetic_batch",
     "dp_shard",

@@ -7,6 +7,13 @@ images of ``1..num_patches`` tokens each (:class:`RaggedImages`, flat tokens in 
 order), each image a run of placeholders, the runs in order at random text gaps.
 ``loss_mask`` is 1 on text tokens and 0 on placeholders; ``uneven_mask`` additionally
 drops a different random fraction of tokens per sample, so ranks hold different counts.
+
+Packed (``doc_lengths=[l0, l1, ...]``, one length per sample, any lengths): sample ``i``
+is one document of ``l_i`` tokens, drawn like a uniform or ragged sample of that length;
+the documents are concatenated into 1-D ``[T]`` ids/labels/mask with
+``cu_seqlens = [0, l0, l0+l1, ...]`` (:mod:`.packed`). :meth:`MimoBatch.llm_shard` cuts
+either layout into a DP rank's text (packed: its contiguous documents, ``cu_seqlens``
+rebased to 0).
 """
 
 from __future__ import annotations
@@ -18,23 +25,53 @@ import torch
 
 from .config import MimoConfig
 from .images import RaggedImages
+from .packed import check_cu_seqlens
 
-__all__ = ["MimoBatch", "dp_shard", "synthetic_batch"]
+__all__ = ["MimoBatch", "TextShard", "dp_shard", "synthetic_batch"]
+
+
+@dataclass(frozen=True)
+class TextShard:
+    """One LLM DP rank's text: ``model(input_ids, labels, loss_mask, images,
+    cu_seqlens=cu_seqlens)``. Plain: ``[b, S]`` rows and ``cu_seqlens=None``; packed: 1-D
+    ``[T_r]`` tokens of the rank's documents and their ``cu_seqlens`` ``[b + 1]`` from 0."""
+
+    input_ids: torch.Tensor
+    labels: torch.Tensor
+    loss_mask: torch.Tensor
+    cu_seqlens: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
 class MimoBatch:
-    """Global batch: ids, labels and ``loss_mask`` ``[B, S]``; ``images`` either uniform
-    ``[B, p, patch_dim]`` or :class:`RaggedImages` (flat ``[T, patch_dim]`` in sample order)."""
+    """Global batch: ids, labels and ``loss_mask`` ``[B, S]`` (plain) or ``[T]`` with
+    ``cu_seqlens`` ``[B + 1]`` (packed: sample ``i`` is document ``i``, CPU int64);
+    ``images`` uniform ``[B, p, patch_dim]`` or :class:`RaggedImages` (flat
+    ``[T_img, patch_dim]`` in sample order)."""
 
     images: torch.Tensor | RaggedImages
     input_ids: torch.Tensor
     labels: torch.Tensor
     loss_mask: torch.Tensor
+    cu_seqlens: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if self.cu_seqlens is not None:
+            cu = check_cu_seqlens(self.cu_seqlens, self.input_ids.shape[-1])
+            object.__setattr__(self, "cu_seqlens", cu)
+
+    @property
+    def packed(self) -> bool:
+        return self.cu_seqlens is not None
 
     @property
     def batch_size(self) -> int:
-        return self.input_ids.shape[0]
+        return len(self.cu_seqlens) - 1 if self.packed else self.input_ids.shape[0]
+
+    @property
+    def doc_lengths(self) -> torch.Tensor | None:
+        """``[B]`` int64 document lengths of a packed batch (``None`` when plain)."""
+        return None if self.cu_seqlens is None else self.cu_seqlens.diff()
 
     @property
     def ragged(self) -> bool:
@@ -58,8 +95,25 @@ class MimoBatch:
             return self.images.shard(dp_rank, dp_size)
         return dp_shard(self.images, dp_rank, dp_size)
 
+    def llm_shard(self, dp_rank: int, dp_size: int) -> TextShard:
+        """Text of LLM DP block ``dp_rank`` of ``dp_size`` (contiguous samples; packed: the
+        block's documents, ``cu_seqlens`` rebased to start at 0)."""
+        if not self.packed:
+            rows = (dp_shard(t, dp_rank, dp_size) for t in self.text)
+            return TextShard(*rows)
+        docs = dp_shard(torch.arange(self.batch_size), dp_rank, dp_size)
+        first, last = int(self.cu_seqlens[docs[0]]), int(self.cu_seqlens[docs[-1] + 1])
+        cu = self.cu_seqlens[int(docs[0]) : int(docs[-1]) + 2] - first
+        return TextShard(*(t[first:last] for t in self.text), cu_seqlens=cu)
+
+    @property
+    def text(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.input_ids, self.labels, self.loss_mask
+
     def to(self, device: torch.device) -> MimoBatch:
-        return MimoBatch(*(t.to(device) for t in self.__dict__.values()))
+        """The tensors on ``device`` (``cu_seqlens`` stays on the CPU: it steers slicing)."""
+        return MimoBatch(self.images.to(device), *(t.to(device) for t in self.text),
+                         cu_seqlens=self.cu_seqlens)  # fmt: skip
 
 
 def synthetic_batch(
@@ -70,12 +124,16 @@ def synthetic_batch(
     text_only: Sequence[int] = (),
     uneven_mask: bool = False,
     images_per_sample: tuple[int, int] | None = None,
+    doc_lengths: Sequence[int] | None = None,
 ) -> MimoBatch:
     """A deterministic global batch; samples listed in ``text_only`` get no image tokens.
 
     ``images_per_sample=(lo, hi)`` makes it ragged: each sample draws ``lo..hi`` images
     (``text_only`` ones 0) of ``1..num_patches`` tokens; ``hi * num_patches`` must fit in
     ``seq_len``. ``None`` (default) keeps the uniform ``[B, num_patches, patch_dim]`` batch.
+    ``doc_lengths`` (``batch_size`` ints >= 0) makes it packed: sample ``i`` is one
+    document of ``doc_lengths[i]`` tokens (``seq_len`` unused), which must hold its
+    images (``num_patches``; ragged ``hi * num_patches``) unless it is ``text_only``.
     """
     if batch_size < 1:
         raise ValueError(f"batch_size={batch_size} must be >= 1")
@@ -83,6 +141,9 @@ def synthetic_batch(
     if bad:
         raise ValueError(f"text_only={list(text_only)} has ids {bad} outside [0, {batch_size})")
     gen = torch.Generator().manual_seed(seed)
+    if doc_lengths is not None:
+        lengths = _check_lengths(doc_lengths, batch_size, cfg, set(text_only), images_per_sample)
+        return _packed_batch(cfg, lengths, gen, set(text_only), uneven_mask, images_per_sample)
     if images_per_sample is not None:
         return _ragged_batch(cfg, batch_size, gen, set(text_only), uneven_mask, images_per_sample)
     b, s, p = batch_size, cfg.seq_len, cfg.num_patches
@@ -127,21 +188,80 @@ def _ragged_batch(cfg, batch_size, gen, text_only, uneven_mask, images_per_sampl
     for i in range(b):
         mine = sizes[image : image + int(n_images[i])].tolist()
         image += len(mine)
-        # Text gaps before each image: sorted cut points split the sample's text tokens.
-        cuts = torch.randint(0, s - sum(mine) + 1, (len(mine),), generator=gen).sort().values
-        start, previous = 0, 0
-        for size, cut in zip(mine, cuts.tolist()):
-            start += cut - previous
-            previous = cut
-            ids[i, start : start + size] = cfg.image_token_id
-            loss_mask[i, start : start + size] = 0.0
-            start += size
+        _place_runs(ids[i], loss_mask[i], mine, gen, cfg.image_token_id)
     tokens = torch.randn(int(sizes.sum()), cfg.patch_dim, generator=gen)
     images = RaggedImages(tokens, sizes, n_images)
     return MimoBatch(images, ids, labels, _thin(loss_mask, uneven_mask, gen))
 
 
-def _check_range(images_per_sample, cfg: MimoConfig) -> tuple[int, int]:
+def _place_runs(ids, loss_mask, sizes: list[int], gen, image_token_id: int) -> None:
+    """Write one placeholder run per image size into one sample's ``ids``/``loss_mask``
+    rows (in place), the runs in order at random text gaps."""
+    s = ids.shape[0]
+    # Text gaps before each image: sorted cut points split the sample's text tokens.
+    cuts = torch.randint(0, s - sum(sizes) + 1, (len(sizes),), generator=gen).sort().values
+    start, previous = 0, 0
+    for size, cut in zip(sizes, cuts.tolist()):
+        start += cut - previous
+        previous = cut
+        ids[start : start + size] = image_token_id
+        loss_mask[start : start + size] = 0.0
+        start += size
+
+
+def _packed_batch(cfg, lengths, gen, text_only, uneven_mask, images_per_sample) -> MimoBatch:
+    """Sample ``i`` drawn as one document of ``lengths[i]`` tokens; documents concatenated."""
+    b, p = len(lengths), cfg.num_patches
+    text = [_text(cfg, (n,), gen) for n in lengths]
+    ids, labels = [t[0] for t in text], [t[1] for t in text]
+    masks = [torch.ones(n) for n in lengths]
+    if images_per_sample is None:
+        images = torch.randn(b, p, cfg.patch_dim, generator=gen)
+        for i, n in enumerate(lengths):
+            if i not in text_only:
+                start = int(torch.randint(0, n - p + 1, (1,), generator=gen))
+                ids[i][start : start + p] = cfg.image_token_id
+                masks[i][start : start + p] = 0.0
+    else:
+        lo, hi = images_per_sample
+        n_images = torch.randint(lo, hi + 1, (b,), generator=gen)
+        n_images[sorted(text_only)] = 0
+        sizes = torch.randint(1, p + 1, (int(n_images.sum()),), generator=gen)
+        bounds = torch.cat([torch.zeros(1, dtype=torch.int64), n_images.cumsum(0)]).tolist()
+        for i in range(b):
+            _place_runs(ids[i], masks[i], sizes[bounds[i] : bounds[i + 1]].tolist(), gen,
+                        cfg.image_token_id)  # fmt: skip
+        tokens = torch.randn(int(sizes.sum()), cfg.patch_dim, generator=gen)
+        images = RaggedImages(tokens, sizes, n_images)
+    masks = [_thin(m[None], uneven_mask, gen)[0] for m in masks]  # per document
+    cu = torch.tensor([0, *lengths], dtype=torch.int64).cumsum(0)
+    return MimoBatch(images, *(torch.cat(t) for t in (ids, labels, masks)), cu_seqlens=cu)
+
+
+def _check_lengths(doc_lengths, batch_size, cfg, text_only, images_per_sample) -> list[int]:
+    """``doc_lengths`` as ints if there is one per sample and each holds its images."""
+    lengths = list(doc_lengths)
+    if len(lengths) != batch_size or not all(
+        isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in lengths
+    ):
+        raise ValueError(
+            f"doc_lengths={lengths!r} must hold batch_size={batch_size} ints >= 0, one "
+            "document length per sample"
+        )
+    if images_per_sample is not None:
+        _check_range(images_per_sample, cfg, packed=True)
+    need = cfg.num_patches * (1 if images_per_sample is None else images_per_sample[1])
+    short = [i for i, n in enumerate(lengths) if n < need and i not in text_only]
+    if short:
+        raise ValueError(
+            f"documents {short} of doc_lengths={lengths} are shorter than the {need} "
+            "placeholders their images may need; lengthen them or list them in text_only"
+        )
+    return lengths
+
+
+def _check_range(images_per_sample, cfg: MimoConfig, *, packed: bool = False) -> tuple[int, int]:
+    """``(lo, hi)`` if valid; plain batches: ``hi`` images must fit in ``seq_len``."""
     ok = (
         isinstance(images_per_sample, tuple | list)
         and len(images_per_sample) == 2
@@ -153,7 +273,7 @@ def _check_range(images_per_sample, cfg: MimoConfig) -> tuple[int, int]:
             "0 <= lo <= hi, e.g. (0, 3)"
         )
     lo, hi = images_per_sample
-    if hi * cfg.num_patches > cfg.seq_len:
+    if not packed and hi * cfg.num_patches > cfg.seq_len:
         raise ValueError(
             f"images_per_sample hi={hi} images of up to num_patches={cfg.num_patches} tokens "
             f"do not fit in seq_len={cfg.seq_len}; use hi <= {cfg.seq_len // cfg.num_patches}"

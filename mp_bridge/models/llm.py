@@ -12,6 +12,11 @@ Data flow on one rank (``S`` full sequence, ``c`` CP size, ``t`` TP size):
    vocab-parallel logits ``[b, S/c, V/t]`` (the SP head all-gathers the sequence back) ->
    fp32 per-token cross-entropy ``[b, S/c]`` (TP max / sum-exp all-reduces inside).
 
+Packed input (THD): ``b = 1``, the partition adapter's CP-local layout of the documents,
+and ``cu_seqlens=ShardedBatch.cu_seqlens`` (the global bounds of the padded layout)
+threaded down to ``context_parallel_attention``, which keeps every query inside its own
+document. ``cu_seqlens=None`` (default) is the plain ``[b, S]`` path.
+
 Gradients are partial over DP x CP (each rank sees its own tokens) and, with SP, the
 norms' gradients are partial over TP too (``param.sequence_parallel``).
 """
@@ -39,15 +44,17 @@ __all__ = ["TPLLM"]
 
 
 class _CausalCPAttention:
-    """``(q, k, v, position_ids)`` -> causal attention over the whole CP group's keys."""
+    """``(q, k, v, position_ids[, cu_seqlens])`` -> causal attention over the whole CP
+    group's keys (packed: only keys of the query's own document)."""
 
     def __init__(self, cp_group: dist.ProcessGroup | None):
         self.cp_group = cp_group
 
-    def __call__(self, q, k, v, *, position_ids: torch.Tensor) -> torch.Tensor:
+    def __call__(self, q, k, v, *, position_ids: torch.Tensor, cu_seqlens=None) -> torch.Tensor:
         return context_parallel_attention(
-            q, k, v, cp_group=self.cp_group, position_ids=position_ids, causal=True
-        )
+            q, k, v, cp_group=self.cp_group, position_ids=position_ids, causal=True,
+            cu_seqlens=cu_seqlens,
+        )  # fmt: skip
 
 
 class TPLLM(FullStateMixin, nn.Module):
@@ -95,18 +102,27 @@ class TPLLM(FullStateMixin, nn.Module):
         """``[b, S]`` ids -> ``[b, S, h]`` embeddings, TP-replicated (one TP all-reduce)."""
         return self.embed(input_ids)
 
-    def final_hidden(self, embeddings: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-        """Partitioned ``[b, s_local, h]`` -> normed hidden states of the same shape."""
+    def final_hidden(
+        self, embeddings: torch.Tensor, position_ids: torch.Tensor, *, cu_seqlens=None
+    ) -> torch.Tensor:
+        """Partitioned ``[b, s_local, h]`` -> normed hidden states of the same shape
+        (``cu_seqlens``: packed, ``b = 1``, the adapter's padded global bounds)."""
         x = embeddings.transpose(0, 1)  # [s_local, b, h]: megatron's SP splits dim 0
         for block in self.blocks:
-            x = block(x, position_ids=position_ids)
+            x = block(x, position_ids=position_ids, cu_seqlens=cu_seqlens)
         return self.norm(x).transpose(0, 1)
 
     def token_loss(
-        self, embeddings: torch.Tensor, position_ids: torch.Tensor, labels: torch.Tensor
+        self,
+        embeddings: torch.Tensor,
+        position_ids: torch.Tensor,
+        labels: torch.Tensor,
+        *,
+        cu_seqlens=None,
     ) -> torch.Tensor:
-        """fp32 per-token cross-entropy ``[b, S/c]`` for CP-sharded ``labels [b, S/c]``."""
-        hidden = self.final_hidden(embeddings, position_ids)
+        """fp32 per-token cross-entropy ``[b, S/c]`` for CP-sharded ``labels [b, S/c]``
+        (packed: ``b = 1`` and ``cu_seqlens`` as in :meth:`final_hidden`)."""
+        hidden = self.final_hidden(embeddings, position_ids, cu_seqlens=cu_seqlens)
         if not self.fused_loss:
             logits = self.head(hidden)  # [b, S/c, V/t]
             return vocab_parallel_cross_entropy(

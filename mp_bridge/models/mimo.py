@@ -15,6 +15,14 @@ Per step, on every rank of the shared grid:
 5. ``partition.shard`` -> CP (and SP) shards; LLM -> fp32 per-token loss ``[b_l, S/c]``;
 6. ``masked_mean`` over the LLM DP x CP group: the global mean over every masked token.
 
+Packed text (``forward(..., cu_seqlens=)``, :mod:`.packed`): ``input_ids [T_l]`` holds the
+documents of this rank's LLM DP shard (document ``i`` = sample ``i``); step 4 embeds them
+as one ``[1, T_l, h]`` row, step 5 shards with ``cu_seqlens`` (each document padded to its
+CP cut) and the LLM's attention gets the padded global ``ShardedBatch.cu_seqlens``, so no
+token attends across documents. The step check then also agrees on the packed layout:
+two more small exchanges (every LLM DP replica's ranks must hold the same
+``cu_seqlens``; see :func:`.step_checks.check_step`).
+
 That is ``flow="gather"`` (the default). ``flow="routed"`` (:mod:`.routed`) reorders
 steps 3-5: shard the integer tensors first, embed only the local text tokens, and
 ``bridge.route`` every image token straight to the CP (SP) shard that consumes it.
@@ -67,9 +75,10 @@ class ColocatedMimoModel(MimoFlow):
             first, embed the local tokens, ``bridge.route`` each image token straight to
             its shard; no full-sequence activation or gradient).
 
-    ``model(input_ids, labels, loss_mask, images=None)`` is :meth:`MimoFlow.forward` on
-    this rank's shards (LLM DP shard of the text, encoder DP shard of the images, uniform
-    or :class:`RaggedImages`); the stages below implement it. The model creates no
+    ``model(input_ids, labels, loss_mask, images=None, *, cu_seqlens=None)`` is
+    :meth:`MimoFlow.forward` on this rank's shards (LLM DP shard of the text, ``[b, S]``
+    rows or packed ``[T]`` documents with ``cu_seqlens``; encoder DP shard of the images,
+    uniform or :class:`RaggedImages`); the stages below implement it. The model creates no
     process group. A DP group left out (and not in ``groups``) is
     looked up on the bridge's grids (``bridge.src_grid.get_pg('dp')``,
     ``bridge.dest_grid.get_pg(['dp', 'cp'])``), so the plain signature
@@ -178,19 +187,22 @@ class ColocatedMimoModel(MimoFlow):
         self._destroyed = True
 
     # ------------------------------------------------------------------ stages
-    def forward(self, input_ids, labels, loss_mask, images=None) -> torch.Tensor:
+    def forward(
+        self, input_ids, labels, loss_mask, images=None, *, cu_seqlens=None
+    ) -> torch.Tensor:
         """Global masked-mean token loss (fp32 scalar) of this rank's shards, by ``flow``."""
         if self.flow == "routed":
-            return routed_forward(self, input_ids, labels, loss_mask, images)
-        return super().forward(input_ids, labels, loss_mask, images)
+            return routed_forward(self, input_ids, labels, loss_mask, images, cu_seqlens=cu_seqlens)
+        return super().forward(input_ids, labels, loss_mask, images, cu_seqlens=cu_seqlens)
 
     # flow="gather" (MimoFlow.forward):
     # check_step -> encode -> bridge_images -> place -> mean_token_loss.
-    def check_step(self, input_ids, labels, loss_mask, images) -> bool:
-        """Every rank's local checks, agreed over the grid with whether images are present."""
+    def check_step(self, input_ids, labels, loss_mask, images, *, cu_seqlens=None) -> bool:
+        """Every rank's local checks, agreed over the grid with whether images are present
+        (and, packed, on each LLM DP replica's ``cu_seqlens``)."""
         if self._destroyed:
             raise RuntimeError("forward() after destroy(); build a new ColocatedMimoModel")
-        return self._check_step(input_ids, labels, loss_mask, images)
+        return self._check_step(input_ids, labels, loss_mask, images, cu_seqlens)
 
     def bridge_images(self, image, images):
         """Encoder DP batch -> LLM DP batch: ``[b_e, p, h] -> [b_l, p, h]``, or ragged
@@ -202,21 +214,30 @@ class ColocatedMimoModel(MimoFlow):
     def embed_text(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.llm.embed_tokens(input_ids)
 
-    def mean_token_loss(self, embeddings, labels, loss_mask) -> torch.Tensor:
-        """Partition into CP (and SP) shards, LLM per-token loss, global masked mean."""
-        shard = self.partition.shard(embeddings, labels=labels, loss_mask=loss_mask)
+    def mean_token_loss(self, embeddings, labels, loss_mask, *, cu_seqlens=None) -> torch.Tensor:
+        """Partition into CP (and SP) shards, LLM per-token loss, global masked mean
+        (packed: ``embeddings [1, T, h]``, each document padded to its cut)."""
+        shard = self.partition.shard(
+            embeddings, labels=labels, loss_mask=loss_mask, cu_seqlens=cu_seqlens
+        )
         return self.shard_loss(shard.embeddings, shard)
 
     def shard_loss(self, embeddings, shard) -> torch.Tensor:
         """LLM per-token loss of this rank's shard (``embeddings`` CP/SP-local, ``shard``
-        its :class:`ShardedBatch`) -> masked mean over the LLM DP x CP group (both flows)."""
-        per_token = self.llm.token_loss(embeddings, shard.position_ids, shard.labels)
-        return masked_mean(per_token, shard.loss_mask, group=self.llm_dp_cp_group)
+        its :class:`ShardedBatch`) -> masked mean over the LLM DP x CP group (both flows).
+        Packed (``shard.cu_seqlens``): the 1-D local labels/mask become one ``b = 1`` row
+        and attention gets the padded global ``cu_seqlens``."""
+        labels, loss_mask, cu = shard.labels, shard.loss_mask, shard.cu_seqlens
+        if cu is not None:
+            labels, loss_mask = labels.reshape(1, -1), loss_mask.reshape(1, -1)
+        per_token = self.llm.token_loss(embeddings, shard.position_ids, labels, cu_seqlens=cu)
+        return masked_mean(per_token, loss_mask, group=self.llm_dp_cp_group)
 
-    def _check_step(self, input_ids, labels, loss_mask, images) -> bool:
+    def _check_step(self, input_ids, labels, loss_mask, images, cu_seqlens=None) -> bool:
         """Every rank's per-rank checks, agreed in one exchange (``step_checks``): a bad
         batch on any rank is the same error on every rank, never a hang. Returns whether
-        images are present (on every rank)."""
+        images are present (on every rank). Packed: each LLM DP replica (its TP x CP
+        ranks) must also hold one ``cu_seqlens``."""
         cfg = self.llm.cfg
         return check_step(
             (self.encoder.tp_group, self.encoder_dp_group),  # together: the whole grid
@@ -225,6 +246,8 @@ class ColocatedMimoModel(MimoFlow):
             labels,
             loss_mask,
             images,
+            cu_seqlens=cu_seqlens,
+            replica_groups=(self.llm.tp_group, self.llm.cp_group),
             vocab_size=cfg.vocab_size,
             image_token_id=self.image_token_id,
             num_patches=cfg.num_patches,

@@ -34,7 +34,7 @@ from mp_bridge.grid import AXIS_NAMES, GridLayout, make_grid
 
 from .build import build_colocated_mimo, destroy_colocated_mimo
 from .config import MimoConfig
-from .data import MimoBatch, dp_shard, synthetic_batch
+from .data import MimoBatch, synthetic_batch
 from .images import RaggedImages
 from .reference import ReferenceMimo
 from .sharding import gather_full_state
@@ -156,7 +156,9 @@ def run_parity(
 
     ``batch``: one global batch used at every step, or a list cycled over the steps
     (default: one seeded :func:`synthetic_batch` of ``batch_size`` samples); uniform or
-    ragged (:class:`RaggedImages`: the encoder input gradient is then per token). Grids are
+    ragged (:class:`RaggedImages`: the encoder input gradient is then per token), plain
+    or packed (``synthetic_batch(..., doc_lengths=...)``: each LLM DP rank gets its
+    documents by :meth:`MimoBatch.llm_shard` and both models get ``cu_seqlens``). Grids are
     built and destroyed here (``make_grid`` with ``encoder_dim_names`` / ``llm_dim_names``,
     default ``tp, cp, pp, dp``; the two orders must nest, see ``plan_bridge``) and
     each must cover the whole world, so many layouts can run one after another in one
@@ -200,10 +202,7 @@ def run_parity(
         enc_dp_rank = GridLayout.from_grid(enc_grid).coords(rank)["dp"]
         llm_dp_rank = GridLayout.from_grid(llm_grid).coords(rank)["dp"]
         local = [
-            (
-                b.encoder_shard(enc_dp_rank, encoder_dp),
-                *(dp_shard(t, llm_dp_rank, llm_dp) for t in (b.input_ids, b.labels, b.loss_mask)),
-            )
+            (b.encoder_shard(enc_dp_rank, encoder_dp), b.llm_shard(llm_dp_rank, llm_dp))
             for b in pool
         ]
         optim = torch.optim.Adam(model.parameters(), lr=lr)
@@ -211,9 +210,11 @@ def run_parity(
         for step in range(steps):
             start = time.perf_counter()
             optim.zero_grad(set_to_none=True)
-            images, input_ids, labels, mask = local[step % len(local)]
+            images, text = local[step % len(local)]
             x, images = _with_grad(images)
-            loss = model(input_ids, labels, mask, images)
+            loss = model(
+                text.input_ids, text.labels, text.loss_mask, images, cu_seqlens=text.cu_seqlens
+            )
             loss.backward()
             model.sync_gradients()
             optim.step()
@@ -235,7 +236,7 @@ def run_parity(
         batch = pool[step % len(pool)]
         ref_optim.zero_grad(set_to_none=True)
         x, images = _with_grad(batch.images)
-        loss = reference(batch.input_ids, batch.labels, batch.loss_mask, images)
+        loss = reference(*batch.text, images, cu_seqlens=batch.cu_seqlens)
         loss.backward()
         if step == 0:
             ref_grads = {
@@ -275,5 +276,5 @@ def run_parity(
         param_grad_max_rel=pgrad_rel,
         worst_param_grad=worst_pgrad,
         step_seconds=seconds,
-        tokens_per_step=pool[0].batch_size * cfg.seq_len,
+        tokens_per_step=pool[0].input_ids.numel(),
     )

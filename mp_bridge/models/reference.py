@@ -5,6 +5,10 @@ Parameter names and layouts are the ones the distributed models shard from:
 contiguous set of whole heads (Megatron's interleaved QKV), which is what a
 column-parallel shard holds. Tensors are batch-first, ``[b, s, h]``; ragged images
 (:class:`RaggedImages`) run as one flat sequence with attention kept inside each image.
+Packed text (``cu_seqlens``) runs as one ``[1, T, h]`` sequence under a dense
+block-diagonal causal mask (:func:`packed_causal_mask`): each document attends only to
+its own earlier tokens, exactly as if it ran alone (checked against per-document runs in
+``tests/unit/test_models_packed.py``). It uses no code of the distributed path.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from torch import nn
 from .config import MimoConfig
 from .flow import MimoFlow
 from .images import RaggedImages
+from .packed import check_cu_seqlens, check_packed_image_tokens
 from .placement import check_image_tokens, check_ragged_image_tokens
 
 __all__ = [
@@ -23,6 +28,7 @@ __all__ = [
     "ReferenceLLM",
     "ReferenceMimo",
     "ReferenceProjection",
+    "packed_causal_mask",
     "reference_masked_mean",
 ]
 
@@ -35,10 +41,13 @@ class _Attention(nn.Module):
         self.proj = nn.Linear(hidden, hidden, bias=False)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """``mask`` (bool ``[s, s]``, True = attend) replaces the causal mask when given,
+        so a causal stack's mask must hold the causality itself (:func:`packed_causal_mask`)."""
         b, s, h = x.shape
         qkv = self.qkv(x).view(b, s, self.heads, 3, h // self.heads)
         q, k, v = (qkv[:, :, :, i].transpose(1, 2) for i in range(3))  # [b, heads, s, d]
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=self.causal)
+        causal = self.causal and mask is None
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
         return self.proj(out.transpose(1, 2).reshape(b, s, h))
 
 
@@ -101,8 +110,22 @@ class ReferenceProjection(_MLP):
         super().__init__(cfg.enc_hidden, cfg.proj_hidden, cfg.llm_hidden)
 
 
+def packed_causal_mask(cu_seqlens: torch.Tensor, device=None) -> torch.Tensor:
+    """Bool ``[T, T]``: query ``i`` sees key ``j`` iff both lie in the same document of
+    ``cu_seqlens`` (``[0, l0, l0+l1, ..., T]``) and ``j <= i``. Dense (``T^2``), for the
+    small reference. Example ``cu_seqlens = [0, 2, 3]``: rows ``[1,0,0], [1,1,0], [0,0,1]``."""
+    cu = cu_seqlens.to("cpu", torch.int64)
+    doc = torch.arange(len(cu) - 1).repeat_interleave(cu.diff())
+    pos = torch.arange(int(cu[-1]))
+    mask = (doc[:, None] == doc[None, :]) & (pos[None, :] <= pos[:, None])
+    return mask.to(device)
+
+
 class ReferenceLLM(nn.Module):
-    """Embedding, causal blocks, final norm, untied head: [b, s, h] -> logits [b, s, V]."""
+    """Embedding, causal blocks, final norm, untied head: [b, s, h] -> logits [b, s, V].
+
+    ``mask`` (bool ``[s, s]``) replaces the causal mask, e.g. :func:`packed_causal_mask`.
+    """
 
     def __init__(self, cfg: MimoConfig):
         super().__init__()
@@ -111,8 +134,8 @@ class ReferenceLLM(nn.Module):
                                         cfg.llm_ffn, causal=True, eps=cfg.norm_eps)  # fmt: skip
         self.head = nn.Linear(cfg.llm_hidden, cfg.vocab_size, bias=False)
 
-    def forward(self, embeddings: torch.Tensor) -> torch.Tensor:
-        return self.head(self.norm(_run_blocks(self.blocks, embeddings)))
+    def forward(self, embeddings: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        return self.head(self.norm(_run_blocks(self.blocks, embeddings, mask)))
 
 
 def reference_masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -124,8 +147,11 @@ def reference_masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Ten
 class ReferenceMimo(MimoFlow):
     """encoder -> projection -> place at image tokens -> LLM -> masked mean token loss.
 
-    ``forward(input_ids, labels, loss_mask, images=None)`` on the global batch
-    (:class:`MimoFlow`): ``images`` ``[B, P, patch_dim]``, :class:`RaggedImages` or None.
+    ``forward(input_ids, labels, loss_mask, images=None, *, cu_seqlens=None)`` on the
+    global batch (:class:`MimoFlow`): ``images`` ``[B, P, patch_dim]``,
+    :class:`RaggedImages` or None; text ``[B, S]`` rows, or packed ``[T]`` documents
+    bounded by ``cu_seqlens`` (each its own causal sequence; the loss is the masked mean
+    over every token of every document).
     """
 
     def __init__(self, cfg: MimoConfig):
@@ -136,8 +162,20 @@ class ReferenceMimo(MimoFlow):
         self.projection = ReferenceProjection(cfg)
         self.llm = ReferenceLLM(cfg)
 
-    def check_step(self, input_ids, labels, loss_mask, images) -> bool:
-        if isinstance(images, RaggedImages):
+    def check_step(self, input_ids, labels, loss_mask, images, *, cu_seqlens=None) -> bool:
+        if cu_seqlens is not None:
+            if input_ids.dim() != 1:
+                raise ValueError(
+                    f"packed input_ids must be [T] (or [1, T]), got {tuple(input_ids.shape)}"
+                )
+            cu = check_cu_seqlens(cu_seqlens, input_ids.shape[0])
+            ragged = isinstance(images, RaggedImages)
+            check_packed_image_tokens(
+                input_ids, self.image_token_id, cu,
+                num_patches=None if ragged else self.cfg.num_patches,
+                tokens_per_sample=images.tokens_per_sample if ragged else None,
+            )  # fmt: skip
+        elif isinstance(images, RaggedImages):
             check_ragged_image_tokens(input_ids, self.image_token_id, images.tokens_per_sample)
         else:
             check_image_tokens(input_ids, self.image_token_id, self.cfg.num_patches)
@@ -150,8 +188,11 @@ class ReferenceMimo(MimoFlow):
     def embed_text(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.llm.embed(input_ids)
 
-    def mean_token_loss(self, embeddings, labels, loss_mask) -> torch.Tensor:
-        logits = self.llm(embeddings)
+    def mean_token_loss(self, embeddings, labels, loss_mask, *, cu_seqlens=None) -> torch.Tensor:
+        mask = None
+        if cu_seqlens is not None:  # one packed row [1, T, h]: documents kept apart
+            mask = packed_causal_mask(cu_seqlens, embeddings.device)
+        logits = self.llm(embeddings, mask)
         per_token = F.cross_entropy(
             logits.flatten(0, 1).float(), labels.flatten(), reduction="none"
         ).view_as(labels)

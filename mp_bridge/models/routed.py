@@ -26,6 +26,13 @@ holds the whole encoder DP replica, hence every LLM sample of its batch); ragged
 need no extra collective. Numerics: the same products as the gather flow (the text rows
 are the same lookups, the image rows the same rows), so losses and gradients agree with
 it up to summation order.
+
+Packed text (``cu_seqlens``; document ``i`` = sample ``i``): step 2 shards the 1-D
+``[T]`` tensors with ``cu_seqlens`` (each document padded to its CP cut), step 3 embeds the
+local ids as one ``[1, T_pad/c, h]`` row, step 4 passes ``bridge.route`` the packed
+``image_mask [T]`` and the original ``cu_seqlens``, and step 5 gives the LLM the padded
+global ``ShardedBatch.cu_seqlens`` so attention stays inside each document. Uniform
+images: ``n_i`` is document ``i``'s placeholder count.
 """
 
 from __future__ import annotations
@@ -35,7 +42,9 @@ import torch.distributed as dist
 
 from mp_bridge.comm import all_gather_tensor, group_size, scatter_along
 
+from .flow import packed_tokens
 from .images import RaggedImages
+from .packed import check_cu_seqlens, placeholder_counts
 
 __all__ = ["FLOWS", "check_flow", "place_local_rows", "routed_forward"]
 
@@ -66,44 +75,54 @@ def place_local_rows(text: torch.Tensor, rows: torch.Tensor, mask: torch.Tensor)
     return flat.view_as(text)
 
 
-def routed_forward(model, input_ids, labels, loss_mask, images) -> torch.Tensor:
+def routed_forward(model, input_ids, labels, loss_mask, images, *, cu_seqlens=None) -> torch.Tensor:
     """The routed step of a ``ColocatedMimoModel`` (see the module docstring)."""
-    has_images = model.check_step(input_ids, labels, loss_mask, images)
+    if cu_seqlens is not None:
+        input_ids, labels, loss_mask = map(packed_tokens, (input_ids, labels, loss_mask))
+    has_images = model.check_step(input_ids, labels, loss_mask, images, cu_seqlens=cu_seqlens)
+    if cu_seqlens is not None:  # checked above: now a CPU int64 tensor
+        cu_seqlens = check_cu_seqlens(cu_seqlens, input_ids.shape[-1])
     part = model.partition
-    shard = part.shard(None, input_ids=input_ids, labels=labels, loss_mask=loss_mask)
-    local_ids = shard.input_ids  # [b, S/c]
+    shard = part.shard(
+        None, input_ids=input_ids, labels=labels, loss_mask=loss_mask, cu_seqlens=cu_seqlens
+    )
+    local_ids = shard.input_ids  # [b, S/c], packed [T_pad/c]
     is_image = local_ids == model.image_token_id
     if shard.token_mask is not None:  # padding (id 0) is never an image position
         is_image = is_image & shard.token_mask.to(is_image.device)
+    if cu_seqlens is not None:  # one packed row
+        local_ids, is_image = local_ids.unsqueeze(0), is_image.unsqueeze(0)
     embeddings = model.llm.embed_tokens(local_ids)  # [b, S/c, h], TP-replicated
     if part.sequence_parallel and part.tp_size > 1:
         embeddings = scatter_along(embeddings, part.tp_group, 1)  # [b, S/(c·t), h]
         piece = is_image.shape[1] // part.tp_size
         is_image = is_image.narrow(1, part.tp_rank * piece, piece)
     if has_images:
-        x, counts = _image_tokens(model, model.encode(images), images, input_ids)
+        x, counts = _image_tokens(model, model.encode(images), images, input_ids, cu_seqlens)
         rows = model.bridge.route(
             x,
             tokens_per_sample=counts,
             image_mask=input_ids == model.image_token_id,
             partition=part,
+            cu_seqlens=cu_seqlens,
         )
         embeddings = place_local_rows(embeddings, rows, is_image)
     return model.shard_loss(embeddings, shard)  # LLM -> per-token loss -> masked_mean
 
 
-def _image_tokens(model, image: torch.Tensor, images, input_ids: torch.Tensor):
+def _image_tokens(model, image: torch.Tensor, images, input_ids: torch.Tensor, cu_seqlens):
     """``(x [T, h], tokens_per_sample [b_e])`` of this rank's encoder DP batch.
 
     Ragged: the encoder output and its counts. Uniform ``[b_e, p, h]``: the first ``n_i``
-    rows of each sample, ``n_i`` its placeholder count in the LLM batch holding it (one
-    all-gather of the LLM batches' counts over the encoder TP group; see the module).
+    rows of each sample, ``n_i`` its placeholder count in the LLM batch holding it (per
+    row, or per packed document; one all-gather of the LLM batches' counts over the
+    encoder TP group; see the module).
     """
     if isinstance(images, RaggedImages):
         return image, images.tokens_per_sample
     plan = model.bridge.plan
     rank = dist.get_rank()
-    counts = (input_ids == model.image_token_id).sum(1).to(torch.int64)  # [b_l]
+    counts = placeholder_counts(input_ids, model.image_token_id, cu_seqlens)  # [b_l]
     group = model.encoder.tp_group
     members = [rank] if group_size(group) == 1 else dist.get_process_group_ranks(group)
     gathered = all_gather_tensor(counts, group, 0).view(len(members), -1).cpu()
