@@ -11,9 +11,8 @@ DP shard without image tokens, uneven loss mask), a uniform batch (one all-gathe
 placeholder counts picks the used patch rows), and a sequence length that the CP cut
 must pad (15 tokens at cp 2, tp 2 with SP: padded to 16).
 
-The reference model has no packed (THD) input path (``MimoFlow.forward`` takes ``[b, S]``
-rows), so the packed case of ``route`` is covered at the communicator level only
-(``tests/functional/test_route.py``).
+Packed (THD) text in both flows, at the model level: ``test_models_oracle_packed.py``;
+at the communicator level: ``tests/functional/test_route.py``.
 """
 
 from __future__ import annotations
