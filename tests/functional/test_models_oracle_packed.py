@@ -10,7 +10,7 @@ row under a block-diagonal causal mask (itself checked against per-document runs
 ``test_models_oracle`` at LLM CP 1, 2 and 4, with SP off and on (cp 1: the SP cut pads
 the packed total to a multiple of tp; cp 4: each document to a multiple of 8 and the
 total to 16), for ``flow="gather"`` and ``flow="routed"``; a uniform-image packed batch
-on one layout per flow.
+with an empty document on one layout per flow.
 
 Tolerances: those of ``test_models_oracle`` (loss, encoder input gradient and first-step
 parameter gradients ``rel <= 1e-5``, weights ``rel <= 1e-4``; see its docstring for the
@@ -85,12 +85,12 @@ def test_packed_parity_with_one_process(case):
 @world.parametrize("flow", ["gather", "routed"])
 def test_packed_uniform_images_parity(flow):
     # Uniform images: document i takes sample i's first n_i patch rows (routed: one
-    # all-gather of the per-document counts); document 2 is text-only. Documents of
-    # 7..21 tokens: with 2..6-token documents (seed 6) one attn.proj weight moved 1.2e-4
+    # all-gather of the per-document counts); document 2 is empty (0 tokens). Documents
+    # of 7..21 tokens: with 2..6-token documents (seed 6) one attn.proj weight moved 1.2e-4
     # rel after one Adam step while every first-step gradient agreed to 5e-7, the
     # near-eps conditioning that run_parity's docstring describes, not a wiring error.
     batch = synthetic_batch(CFG, 8, seed=6, text_only=[2], uneven_mask=True,
-                            doc_lengths=[9, 13, 3, 11, 7, 21, 15, 12])  # fmt: skip
+                            doc_lengths=[9, 13, 0, 11, 7, 21, 15, 12])  # fmt: skip
     return _check(_parity(flow, batch=batch, **dict(FAN_IN_CP2, sequence_parallel=True)))
 
 
