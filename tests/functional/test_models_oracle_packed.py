@@ -9,14 +9,14 @@ row under a block-diagonal causal mask (itself checked against per-document runs
 ``tests/unit/test_models_packed.py``). Layouts: FAN_IN, FAN_OUT and EQUAL of
 ``test_models_oracle`` at LLM CP 1, 2 and 4, with SP off and on (cp 1: the SP cut pads
 the packed total to a multiple of tp; cp 4: each document to a multiple of 8 and the
-total to 16), for ``flow="gather"`` and ``flow="routed"``; a uniform-image packed batch
-with an empty document on one layout per flow.
+total to 16), and the fused loss, for ``flow="gather"`` and ``flow="routed"``; a
+uniform-image packed batch with an empty document on one layout per flow.
 
 Tolerances: those of ``test_models_oracle`` (loss, encoder input gradient and first-step
 parameter gradients ``rel <= 1e-5``, weights ``rel <= 1e-4``; see its docstring for the
 rounding argument). 2 Adam steps instead of 3 keep the file short (the first-step
 gradients carry the sharp check; the loss must still fall). Measured on gloo, max over
-the 14 ragged cases: loss rel 1.1e-7, input grad 7.9e-7, param grad 9.8e-7, weights
+the 16 ragged cases: loss rel 1.1e-7, input grad 7.9e-7, param grad 9.8e-7, weights
 7.3e-6. Attention without the document bounds (the teeth case) moves the loss by
 3.6e-3..4.5e-3 rel and the first-step parameter gradients by 1.1..1.3 rel.
 """
@@ -50,6 +50,7 @@ PACKED_LAYOUTS = {
     "equal_cp1_sp": dict(LAYOUTS["equal_dp"], sequence_parallel=True),
     "fan_in_8_cp4": LAYOUTS["fan_in_8_cp4"],
     "fan_in_8_cp4_sp": dict(LAYOUTS["fan_in_8_cp4"], sequence_parallel=True),
+    "fan_in_cp2_sp_fused": LAYOUTS["fan_in_cp2_sequence_parallel_fused_loss"],
 }
 CASES = [(flow, name) for flow in ("gather", "routed") for name in PACKED_LAYOUTS]
 

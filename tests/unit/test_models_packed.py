@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mp_bridge.models import MimoConfig, ReferenceMimo, dp_shard, synthetic_batch
+from mp_bridge.models import MimoBatch, MimoConfig, ReferenceMimo, dp_shard, synthetic_batch
 from mp_bridge.models.packed import check_cu_seqlens, placeholder_counts
 from mp_bridge.models.reference import packed_causal_mask
 from mp_bridge.models.step_checks import check_batch
@@ -73,6 +73,14 @@ def test_llm_shard_of_a_plain_batch_is_dp_shard():
     assert shard.cu_seqlens is None
     assert torch.equal(shard.input_ids, dp_shard(batch.input_ids, 1, 2))
     assert torch.equal(shard.loss_mask, batch.loss_mask[2:4])
+
+
+def test_packed_batch_checks_its_bounds():
+    batch = synthetic_batch(CFG, 2, seed=1, doc_lengths=[5, 6])
+    with pytest.raises(ValueError, match="ends at 10 but the packed tensors hold 11"):
+        MimoBatch(batch.images, *batch.text, cu_seqlens=[0, 5, 10])
+    moved = batch.to(torch.device("cpu"))
+    assert moved.cu_seqlens.tolist() == [0, 5, 11] and torch.equal(moved.input_ids, batch.input_ids)
 
 
 def test_packed_batch_rejects_documents_too_short_for_their_images():
