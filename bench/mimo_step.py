@@ -1,6 +1,6 @@
 """One colocated MIMO training step, routed flow vs gather flow, on 8 CPU (gloo) ranks.
 
-    python bench/mimo_step.py [--seq 1024 --hidden 512 --batch 4 --iters 5]
+    python bench/mimo_step.py [--seq 1024 --hidden 384 --batch 4 --iters 5]
 
 Model: ``MimoConfig`` with the LLM at ``--hidden`` (8 heads, FFN 4h, 1 layer, vocab 256),
 a small encoder (hidden 128, 1 layer), sequence ``--seq``; ragged batch of ``--batch``
@@ -212,6 +212,22 @@ def _worker(cfg, batch, iters):
     return [_layout_rows(cfg, batch, llm, sp, iters) for llm in LLMS for sp in (False, True)]
 
 
+def _check_hidden_is_unique(h: int, s: int) -> None:
+    """The memory columns find hidden-wide tensors by their last dim: ``h`` must differ
+    from every other width a tensor of the step can end in (sequence lengths per CP/SP
+    shard, attention's key length, FFN, encoder widths, vocab)."""
+    tp = ENCODER["tp"]
+    others = {s, s // 2, 4 * h, 128, 256, 64, h // 8}
+    for llm in LLMS:
+        others |= {s // llm["cp"], s // (2 * llm["cp"]), s // (llm["cp"] * llm["tp"]), s // tp}
+    if h in others:
+        raise SystemExit(
+            f"--hidden {h} equals another width of the step (one of {sorted(others)}); the "
+            "memory columns could not tell hidden-wide tensors apart: pick another --hidden "
+            "(e.g. 1152 with --seq 4096)"
+        )
+
+
 def _kib(v: int) -> str:
     return f"{v / 1024:.0f}"
 
@@ -228,12 +244,13 @@ def _by_name(d: dict) -> str:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--seq", type=int, default=1024)
-    p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--hidden", type=int, default=384)
     p.add_argument("--batch", type=int, default=4, help="global batch (multiple of 4)")
     p.add_argument("--iters", type=int, default=5, help="timed steps per flow")
     args = p.parse_args()
     warnings.filterwarnings("ignore")  # megatron's optional-dependency notices, per rank
     h, s = args.hidden, args.seq
+    _check_hidden_is_unique(h, s)
     cfg = dataclasses.replace(
         MimoConfig(), patch_dim=64, num_patches=s // 2, enc_hidden=128, enc_heads=8,
         enc_ffn=256, proj_hidden=256, llm_hidden=h, llm_heads=8, llm_ffn=4 * h,
