@@ -5,7 +5,8 @@ packed (odd document lengths), text-only samples included: the rows equal the or
 local image rows and ``partition.shard(full).embeddings[mask]``, ``x.grad`` equals the
 single-process gradient on every encoder rank, collective counts and bytes are exact.
 Also: a sample whose image count differs from its token count (in one replica), or one
-rank passing another number of samples, raises the same error on every rank.
+rank passing another number of samples, raises the same error on every rank; a repeated
+layout reuses the communicator's cached plan.
 """
 
 from __future__ import annotations
@@ -14,9 +15,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import mp_bridge.comm.route as route_module
 from mp_bridge.comm import ColocatedBridgeCommunicator, PartitionAdapter
+from mp_bridge.grid import GridLayout
 from mp_bridge.testing import CollectiveCounter, DistributedWorld
-from tests.functional.route_oracle import H, check_route, grids
+from tests.functional.route_oracle import H, RouteBatch, check_route, grids, ref_local_tokens
 
 world = DistributedWorld(8)
 
@@ -199,3 +202,42 @@ def test_double_backward_is_refused_on_every_rank():
         with pytest.raises(RuntimeError, match=r"route cannot differentiate twice"):
             torch.autograd.grad(y.sum(), x, create_graph=True)
         dist.barrier()
+
+
+@world.case
+def test_a_repeated_layout_reuses_the_cached_plan():
+    # Batches of seeds 7, 8, 7, 8 through one bridge: each output is the oracle's local
+    # image rows, and each rank plans twice (its route group's layout differs by seed).
+    rank = dist.get_rank()
+    src_grid, dest_grid = grids(dict(tp=2, dp=4), dict(tp=2, cp=2, dp=2))
+    s_lay, d_lay = GridLayout.from_grid(src_grid), GridLayout.from_grid(dest_grid)
+    dc = d_lay.coords(rank)
+    part = PartitionAdapter(
+        cp_group=dest_grid.get_pg("cp"), tp_group=dest_grid.get_pg("tp"), sequence_parallel=True
+    )
+    calls, original = [], route_module.plan_route
+
+    def counting(*args, **kwargs):
+        calls.append(args)
+        return original(*args, **kwargs)
+
+    route_module.plan_route = counting
+    try:
+        with ColocatedBridgeCommunicator(src_grid, dest_grid) as bridge:
+            for seed in (7, 8, 7, 8):
+                batch = RouteBatch(8, packed=False, seed=seed)
+                s_samples, d_samples = batch.samples(s_lay, rank), batch.samples(d_lay, rank)
+                mask, _ = batch.image_mask(d_samples)
+                y = bridge.route(
+                    batch.X[batch.token_rows(s_samples)],
+                    tokens_per_sample=[batch.counts[s] for s in s_samples],
+                    image_mask=mask,
+                    partition=part,
+                )
+                lengths = [batch.lengths[s] for s in d_samples]
+                local = ref_local_tokens(lengths, False, 2, dc["cp"], 2, dc["tp"])
+                rows = [batch.global_row(d_samples[i], p) for i, p in (t for t in local if t)]
+                assert torch.equal(y, batch.X[[r for r in rows if r is not None]]), seed
+    finally:
+        route_module.plan_route = original
+    assert len(calls) == 2, len(calls)
