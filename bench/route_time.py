@@ -4,8 +4,11 @@ Layout: encoder ``tp=2, dp=4`` -> LLM ``tp=2, cp=4, dp=1`` (FAN_IN k=4), SP on, 
 fp32, 2 samples per encoder rank, ``S = 1024`` with ``S_img = 256`` image tokens per sample
 at random positions (one seed), the same batch every step (a training loop with a fixed
 layout). ``route`` times are the median over steps of the slowest rank's forward+backward
-(a barrier before each step); ``plan`` times are one process planning rank 0's route
-(``route_needs`` + ``plan_route``) and, when the communicator caches plans, a cache hit.
+(a barrier before each step), and each rank's CPU time (``process_time``: less
+sensitive to a loaded machine's scheduling); ``plan`` times are one process (one thread, like each
+rank) planning rank 0's route (``route_needs`` + ``plan_route``; CPU time, best of 5 means
+of 10) and a cache
+hit of the communicator's plan cache (the key ``route`` builds + ``RouteCache.get``).
 
 Run: ``PYTHONPATH=. python bench/route_time.py`` (report ``uptime``'s load with it).
 """
@@ -20,7 +23,13 @@ import torch.distributed as dist
 
 from mp_bridge.comm import ColocatedBridgeCommunicator, PartitionAdapter, pad_layout
 from mp_bridge.comm.bridge_plan import plan_bridge
-from mp_bridge.comm.route_plan import image_token_shards, plan_route, route_groups, route_needs
+from mp_bridge.comm.route_plan import (
+    RouteCache,
+    image_token_shards,
+    plan_route,
+    route_groups,
+    route_needs,
+)
 from mp_bridge.grid import GridLayout, make_grid
 from mp_bridge.table import format_table
 from mp_bridge.testing import run_distributed
@@ -38,7 +47,7 @@ def _masks(n: int) -> torch.Tensor:
     return masks
 
 
-def _rank_times() -> list[float]:
+def _rank_times() -> list[tuple[float, float]]:
     src_grid = make_grid(**SRC, dim_names=ORDER, create=())
     dest_grid = make_grid(**DEST, dim_names=ORDER, create=("cp", "tp"))
     masks = _masks(B_SRC * SRC["dp"])
@@ -50,35 +59,56 @@ def _rank_times() -> list[float]:
     with ColocatedBridgeCommunicator(src_grid, dest_grid) as bridge:
         for _ in range(STEPS + 2):  # 2 warm-up steps
             dist.barrier()
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             y = bridge.route(x, tokens_per_sample=[S_IMG] * B_SRC, image_mask=masks, partition=part)
             y.sum().backward()
-            times.append(time.perf_counter() - t0)
+            times.append((time.perf_counter() - t0, time.process_time() - c0))
     return times[2:]
 
 
-def _plan_times(reps: int = 20) -> float:
-    """Seconds per plan of rank 0's route (``route_needs`` + ``plan_route``), one process."""
+def _plan_times(reps: int = 10) -> tuple[float, float]:
+    """Seconds per plan of rank 0's route (``route_needs`` + ``plan_route``) and per cache
+    hit (the key ``route`` builds + ``RouteCache.get``), one process."""
+    torch.set_num_threads(1)  # as each rank of run_distributed
     s_lay = GridLayout((SRC["tp"], 1, 1, SRC["dp"]), ORDER)
     d_lay = GridLayout((DEST["tp"], DEST["cp"], 1, DEST["dp"]), ORDER)
     plan = plan_bridge(s_lay, d_lay)
     members = route_groups(plan)[0]
     masks = _masks(B_SRC * SRC["dp"])
     layout = pad_layout(S, DEST["cp"], DEST["tp"], sequence_parallel=True)
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        shards = {0: image_token_shards(masks, layout)}
-        totals = {s: B_SRC * S_IMG for s in range(SRC["dp"])}
-        holds, needs = route_needs(
-            plan, members, pieces=DEST["tp"], src_totals=totals, dest_shards=shards
+    batches = []
+    for _ in range(5):
+        t0 = time.process_time()
+        for _ in range(reps):
+            shards = {0: image_token_shards(masks, layout)}
+            totals = {s: B_SRC * S_IMG for s in range(SRC["dp"])}
+            holds, needs = route_needs(
+                plan, members, pieces=DEST["tp"], src_totals=totals, dest_shards=shards
+            )
+            plan_route(members, 0, holds, needs)
+        batches.append((time.process_time() - t0) / reps)
+    plan_s = min(batches)
+    cache = RouteCache()
+
+    def hit():
+        key = (
+            DEST["tp"],
+            tuple(totals.items()),
+            tuple((d, s.numpy().tobytes()) for d, s in shards.items()),
         )
-        plan_route(members, 0, holds, needs)
-    return (time.perf_counter() - t0) / reps
+        return cache.get(key, lambda: plan_route(members, 0, holds, needs))
+
+    hit()  # the one miss
+    t0 = time.process_time()
+    for _ in range(10 * reps):
+        hit()
+    return plan_s, (time.process_time() - t0) / (10 * reps)
 
 
 def main() -> None:
     per_rank = run_distributed(_rank_times, 8)
-    slowest = [max(step) for step in zip(*per_rank)]
+    slowest = [max(t for t, _ in step) for step in zip(*per_rank)]
+    cpu = [statistics.median(c for _, c in steps) for steps in per_rank]  # per rank
     rows = [("quantity", "median ms", "min ms")]
     rows.append(
         (
@@ -87,8 +117,16 @@ def main() -> None:
             f"{min(slowest) * 1e3:.1f}",
         )
     )
-    plan_s = _plan_times()
-    rows.append(("plan (route_needs + plan_route), 1 process", f"{plan_s * 1e3:.2f}", "-"))
+    rows.append(
+        (
+            "route fwd+bwd CPU time per rank (median over steps, mean over ranks)",
+            f"{statistics.mean(cpu) * 1e3:.1f}",
+            f"{min(cpu) * 1e3:.1f}",
+        )
+    )
+    plan_s, hit_s = _plan_times()
+    rows.append(("plan (route_needs + plan_route), 1 process, CPU", f"{plan_s * 1e3:.2f}", "-"))
+    rows.append(("cache hit (key + RouteCache.get), 1 process, CPU", f"{hit_s * 1e3:.3f}", "-"))
     print("command: PYTHONPATH=. python bench/route_time.py")
     print(
         f"encoder {SRC} -> llm {DEST} sp, h={H} fp32, S={S}, S_img={S_IMG}, {B_SRC} "

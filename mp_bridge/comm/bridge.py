@@ -42,7 +42,7 @@ from .bridge_plan import BridgeDirection, BridgePlan, plan_bridge
 from .partition import PartitionAdapter
 from .primitives import all_gather_tensor, all_reduce_sum, copy_to_group, forbid_double_backward
 from .ragged import bridge_ragged
-from .route import make_route_group, route_image_rows
+from .route import make_route_group, make_world_group, route_image_rows
 from .route_plan import RouteCache
 
 __all__ = ["ColocatedBridgeCommunicator"]
@@ -235,7 +235,8 @@ class ColocatedBridgeCommunicator:
                 self._plan, self._rank, self._cp_group
             )
             self._owned += owned
-            self._world_group = self._make_world_group(world)
+            self._world_group, owned = make_world_group(self._plan, self._rank, world)
+            self._owned += owned
         except BaseException:
             self.destroy()  # do not leak the groups created so far
             raise
@@ -244,20 +245,6 @@ class ColocatedBridgeCommunicator:
         # still handshaking on ("connectFullMesh failed: Connection closed by peer").
         # One world barrier after creation makes every group complete before any use.
         dist.barrier()
-
-    def _make_world_group(self, world: int) -> dist.ProcessGroup | None:
-        """A group of every rank of the grids (``route``'s count check): the default group
-        when the grids cover the world, else a new one (collective, owned)."""
-        ranks = self._plan.src.ranks
-        if len(ranks) == 1:
-            return None
-        if ranks == range(world):
-            return dist.group.WORLD
-        pg = dist.new_group(list(ranks))
-        if self._rank in ranks:
-            self._owned.append(pg)
-            return pg
-        return None
 
     def _dest_cp_group(self, dest_grid: Any) -> dist.ProcessGroup | None:
         """This rank's dest CP group (collective when it must be created; see the class doc).
@@ -316,6 +303,13 @@ class ColocatedBridgeCommunicator:
     def cp_group(self) -> dist.ProcessGroup | None:
         """This rank's dest CP group (``None`` when dest CP = 1 or after ``destroy()``)."""
         return self._cp_group
+
+    @property
+    def world_group(self) -> dist.ProcessGroup | None:
+        """A group of every rank of the grids (the default group when they cover the
+        world; ``None`` for one rank or after ``destroy()``): ``route``'s count check, and
+        :func:`~mp_bridge.comm.check_sample_counts` for a caller's own flow."""
+        return self._world_group
 
     # ------------------------------------------------------------------ execution
     def communicate(self, x: torch.Tensor) -> torch.Tensor:

@@ -14,9 +14,10 @@ One rank's step (the plan is :mod:`mp_bridge.comm.route_plan`):
    total, which places its held range). FAN_OUT: **two** — the world row, then one
    all-gather over the route group of the shard id of each image token of every
    member's LLM batch (padded to the largest LLM batch of the group:
-   ``8·max_n_image`` bytes per member). The issue asked for at most one metadata
-   exchange; FAN_OUT's second is the price of a check that covers every rank (the shard
-   ids cannot be in a fixed-size row, and a size-mismatched collective must never run).
+   ``8·max_n_image`` bytes per member; skipped when that is 0). The issue asked for at
+   most one metadata exchange; FAN_OUT's second is the price of a check that covers
+   every rank (the shard ids cannot be in a fixed-size row, and a size-mismatched
+   collective must never run).
 3. Forward (FAN_IN only; FAN_OUT/EQUAL ranks hold all their rows already): one
    ``all_to_all_single`` with exact row splits: each rank receives exactly the image rows
    of its shard it does not hold.
@@ -52,7 +53,7 @@ from .route_plan import (
 )
 from .sample_counts import check_sample_counts
 
-__all__ = ["make_route_group", "route_image_rows"]
+__all__ = ["make_route_group", "make_world_group", "route_image_rows"]
 
 
 def make_route_group(plan: BridgePlan, rank: int, cp_group: dist.ProcessGroup | None):
@@ -70,6 +71,19 @@ def make_route_group(plan: BridgePlan, rank: int, cp_group: dist.ProcessGroup | 
             mine, members_of = pg, members
             owned.append(pg)
     return mine, members_of, owned
+
+
+def make_world_group(plan: BridgePlan, rank: int, world: int):
+    """``(group, owned)``: a group of every rank of the grids (the count check): the
+    default group when they cover the ``world`` ranks, else a new one (collective: every
+    rank creates it); ``None`` for a one-rank grid or a rank outside it."""
+    ranks = plan.src.ranks
+    if len(ranks) == 1:
+        return None, []
+    if ranks == range(world):
+        return dist.group.WORLD, []
+    pg = dist.new_group(list(ranks))
+    return (pg, [pg]) if rank in ranks else (None, [])
 
 
 def _exchange(rows: torch.Tensor, send: Sequence[torch.Tensor], recv: Sequence[int], group):
@@ -198,15 +212,17 @@ def route_image_rows(
     by_rank = {r.rank: r for r in rows}
     src_totals = {plan.src.coords(m)["dp"]: by_rank[m].encoder_tokens for m in members}
     # ---- metadata 2 (FAN_OUT, route group): every member's LLM batch's shard ids
-    if fan_out and len(members) > 1:
-        width = max(by_rank[m].llm_tokens for m in members)  # the same on every member
+    width = max(by_rank[m].llm_tokens for m in members)  # the same on every member
+    if fan_out and len(members) > 1 and width > 0:
         local = torch.full((width,), -1, dtype=torch.int64)
         local[: len(shards)] = shards
         got = all_gather_tensor(local.to(x.device), group, 0).reshape(len(members), -1).cpu()
         dest_shards = {}
         for m, row in zip(members, got):
-            d = plan.dest.coords(m)["dp"]
-            dest_shards.setdefault(d, row[: by_rank[m].llm_tokens])
+            dest_shards.setdefault(plan.dest.coords(m)["dp"], row[: by_rank[m].llm_tokens])
+    elif fan_out:  # one member, or no image token in any member's LLM batch
+        dest_shards = {plan.dest.coords(m)["dp"]: shards[:0] for m in members}
+        dest_shards[plan.dest.coords(rank)["dp"]] = shards
     else:
         dest_shards = {plan.dest.coords(rank)["dp"]: shards}
     key = (

@@ -183,6 +183,8 @@ def plan_route(
         return table[q, torch.searchsorted(cuts, g, right=True) - 1]
 
     mine = needs[me]
+    needed_by_me = torch.zeros(total, dtype=torch.bool)
+    needed_by_me[mine] = True
     pos = torch.arange(len(mine))  # output row of mine[i] is i
     held_me = held(me, mine)
     from_m = sender(me, mine)
@@ -197,9 +199,11 @@ def plan_route(
         send_x.append(theirs[~held(m, theirs) & (sender(m, theirs) == me)] - start)
         recv_y.append(pos[~held_me & (from_m == m)])
         # backward: encoder m gets g from its (m mod count)-th consumer, counted in order
-        unused_by_m = held(m, mine) & ~torch.isin(mine, theirs)
+        needed_by_m = torch.zeros(total, dtype=torch.bool)
+        needed_by_m[theirs] = True
+        unused_by_m = held(m, mine) & ~needed_by_m[mine]
         bwd_send_y.append(pos[unused_by_m & (m % count[mine] == before[me])])
-        unused_by_me = held(me, theirs) & ~torch.isin(theirs, mine)
+        unused_by_me = held(me, theirs) & ~needed_by_me[theirs]
         bwd_recv_x.append(theirs[unused_by_me & (me % count[theirs] == before[m])] - start)
     kept = pos[held_me]
     return RankRoute(

@@ -159,10 +159,10 @@ def check_route(src: dict, dest: dict, n_samples: int, *, direction: str, sp: bo
         moved = sum(r not in own for r in rows) * row_bytes
         assert fwd.bytes_received("all_to_all") == moved, (fwd.calls, moved)
     if members > 1 and direction == "FAN_OUT":
-        fwd_want = {"all_gather": 2}
         per = len(d_samples)  # the encoder batch is k LLM batches of `per` samples
         blocks = range(s_samples.start, s_samples.stop, per)
         widest = max(sum(batch.counts[b : b + per]) for b in blocks)
+        fwd_want = {"all_gather": 2 if widest else 1}  # nothing to send: no second gather
         meta += (members - 1) * 8 * widest
     assert fwd.bytes_received("all_gather") == meta, (fwd.calls, meta)
     if members > 1:

@@ -241,3 +241,25 @@ def test_a_repeated_layout_reuses_the_cached_plan():
     finally:
         route_module.plan_route = original
     assert len(calls) == 2, len(calls)
+
+
+@world.case
+def test_fan_out_without_image_tokens_sends_no_shard_ids():
+    # Text-only batches everywhere: FAN_OUT's shard-id gather has nothing to carry (every
+    # rank knows it from the count rows), so the count row is the only collective.
+    src_grid, dest_grid = grids(dict(tp=4, dp=2), dict(cp=2, dp=4))
+    part = PartitionAdapter(cp_group=dest_grid.get_pg("cp"), tp_group=dest_grid.get_pg("tp"))
+    x = torch.randn(0, H, requires_grad=True)
+    with ColocatedBridgeCommunicator(src_grid, dest_grid) as bridge:
+        with CollectiveCounter() as fwd:
+            y = bridge.route(
+                x,
+                tokens_per_sample=[0] * 4,
+                image_mask=torch.zeros(2, 6, dtype=torch.bool),
+                partition=part,
+            )
+        assert y.shape == (0, H)
+        assert fwd.counts() == {"all_gather": 1}, fwd.calls
+        assert fwd.bytes_received() == 7 * 8 * 7  # 7 other ranks' 7-int64 count rows
+        y.sum().backward()
+    assert torch.equal(x.grad, torch.zeros(0, H))
