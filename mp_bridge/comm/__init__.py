@@ -4,7 +4,8 @@ Everything other packages use from ``comm`` is exported here (import from
 ``mp_bridge.comm``, not from its modules): the differentiable collectives and their plain
 helpers (``primitives``), the CP cut (``cp_indices``), the packed-sequence mask
 (``cp_mask``), padding to the cut (``cp_padding``), the CP K/V gather (``kv_gather``),
-the bridge (its ``route`` plan in ``route_plan``) and the partition adapter.
+the bridge (its ``route`` plan in ``route_plan``, its per-sample count check in
+``sample_counts``) and the partition adapter.
 """
 
 from .agreement import (
@@ -46,7 +47,15 @@ from .primitives import (
 )
 from .ragged import exchange_rows
 from .ragged_plan import RaggedRoute, route_ragged
-from .route_plan import RankRoute, image_token_shards, plan_route, route_groups, route_needs
+from .route_plan import (
+    RankRoute,
+    RouteCache,
+    image_token_shards,
+    plan_route,
+    route_groups,
+    route_needs,
+)
+from .sample_counts import CountRow, check_sample_counts
 
 __all__ = [
     # differentiable collectives (primitives.py)
@@ -76,6 +85,9 @@ __all__ = [
     "plan_route",
     "route_groups",
     "route_needs",
+    "RouteCache",
+    "CountRow",
+    "check_sample_counts",
     "format_rank_table",
     # context parallelism
     "cp_factor",

@@ -42,7 +42,8 @@ from .bridge_plan import BridgeDirection, BridgePlan, plan_bridge
 from .partition import PartitionAdapter
 from .primitives import all_gather_tensor, all_reduce_sum, copy_to_group, forbid_double_backward
 from .ragged import bridge_ragged
-from .route import make_route_group, route_image_rows
+from .route import make_route_group, make_world_group, route_image_rows
+from .route_plan import RouteCache
 
 __all__ = ["ColocatedBridgeCommunicator"]
 
@@ -150,8 +151,10 @@ class ColocatedBridgeCommunicator:
     grids) must build the communicator with the same arguments, in the same order as its
     other group creations. It validates the layouts (``plan_bridge``) and ``dim_mapping``
     before creating any group, then creates the gather and ``route`` groups (the latter
-    reuse the CP group when equal) with the default backend; it owns those and frees them
-    in ``destroy()``. The dest CP group (needed when dest CP > 1) belongs to the grid:
+    reuse the CP group when equal) and, when the grids do not cover the whole world, a
+    group of all their ranks (``route``'s count check; else the default group is used)
+    with the default backend; it owns those and frees them in ``destroy()``. The dest CP
+    group (needed when dest CP > 1) belongs to the grid:
     ``dest_grid.get_pg('cp')``, created on the grid with ``create_pg('cp')`` if it lacks
     one (``mp_bridge.models.make_mimo_groups`` builds it with every other group up front).
     Only a pure ``GridLayout``, which holds no groups, makes the communicator create (and
@@ -211,6 +214,8 @@ class ColocatedBridgeCommunicator:
         self._cp_group: dist.ProcessGroup | None = None
         self._route_group: dist.ProcessGroup | None = None
         self._route_members: tuple[int, ...] = (self._rank,)
+        self._world_group: dist.ProcessGroup | None = None
+        self._route_cache = RouteCache(maxsize=8)
         self._destroyed = False
 
         try:
@@ -229,6 +234,8 @@ class ColocatedBridgeCommunicator:
             self._route_group, self._route_members, owned = make_route_group(
                 self._plan, self._rank, self._cp_group
             )
+            self._owned += owned
+            self._world_group, owned = make_world_group(self._plan, self._rank, world)
             self._owned += owned
         except BaseException:
             self.destroy()  # do not leak the groups created so far
@@ -296,6 +303,13 @@ class ColocatedBridgeCommunicator:
     def cp_group(self) -> dist.ProcessGroup | None:
         """This rank's dest CP group (``None`` when dest CP = 1 or after ``destroy()``)."""
         return self._cp_group
+
+    @property
+    def world_group(self) -> dist.ProcessGroup | None:
+        """A group of every rank of the grids (the default group when they cover the
+        world; ``None`` for one rank or after ``destroy()``): ``route``'s count check, and
+        :func:`~mp_bridge.comm.check_sample_counts` for a caller's own flow."""
+        return self._world_group
 
     # ------------------------------------------------------------------ execution
     def communicate(self, x: torch.Tensor) -> torch.Tensor:
@@ -404,7 +418,17 @@ class ColocatedBridgeCommunicator:
         replica; sample ``i``'s ``j``-th ``True`` takes its ``j``-th image token.
         ``partition``: the LLM's adapter. Returns ``[n_local, *rest]``, the rows
         ``partition.shard(full).embeddings`` holds at image positions, in shard order.
-        Collectives, bytes, backward and errors: see :mod:`mp_bridge.comm.route`.
+
+        Collectives, forward: one fixed-size (56-byte row) all-gather over every rank of
+        the grids checking the per-sample counts (FAN_IN, EQUAL: the only metadata), FAN_OUT
+        a second all-gather over its route group of its LLM batches' image-token shard ids
+        (the honest price of a count check covering every rank), FAN_IN one
+        ``all_to_all_single`` of exactly the missing rows; backward one
+        ``all_to_all_single``. Must be called on every rank of the grids: a sample whose
+        ``image_mask`` count differs from its ``tokens_per_sample`` entry, or a rank
+        passing a different number of samples, raises the same ``ValueError`` on every
+        rank (naming the first bad sample). Plans are cached (8 layouts). Bytes, backward
+        and errors: see :mod:`mp_bridge.comm.route`.
         """
         if self._destroyed:
             raise RuntimeError("route() after destroy(); build a new communicator")
@@ -418,6 +442,8 @@ class ColocatedBridgeCommunicator:
             rank=self._rank,
             group=self._route_group,
             members=self._route_members,
+            world_group=self._world_group,
+            cache=self._route_cache,
         )
 
     # ------------------------------------------------------------------ lifecycle
@@ -432,6 +458,8 @@ class ColocatedBridgeCommunicator:
         self._gather_group = None
         self._cp_group = None
         self._route_group = None
+        self._world_group = None
+        self._route_cache.clear()
 
     def __enter__(self) -> ColocatedBridgeCommunicator:
         return self

@@ -3,12 +3,21 @@
 One rank's step (the plan is :mod:`mp_bridge.comm.route_plan`):
 
 1. Local validation (``ValueError`` before any collective).
-2. Metadata (route group of size > 1): FAN_IN one all-gather of every member's
-   per-sample token counts (``8·(1 + n_src)`` bytes each); FAN_OUT one all-gather of the
-   counts, the LLM batch's per-sample image counts and the shard id of each of its image
-   tokens (padded to ``T``: ``8·(1 + n_src + B + T)`` bytes each); EQUAL none (every
-   member holds the same batches). Every rank then checks every sample's image count
-   against its token count and raises the same ``ValueError`` naming the first bad one.
+2. Metadata, forward. FAN_IN and EQUAL: **one** all-gather over the bridge's world group
+   (every rank of the grids) of a fixed-size int64 row per rank,
+   ``8·ROW_SIZE = 56`` bytes (:mod:`mp_bridge.comm.sample_counts`): sample numbers,
+   token totals and order-sensitive fingerprints of the per-sample counts. Every rank
+   checks every sample's image count against its token count, and every replica's
+   TP/CP ranks against each other; on a mismatch every rank of the bridge raises the
+   same ``ValueError`` naming the first bad sample (the error path adds one
+   ``all_gather_object``). FAN_IN needs nothing else (the rows carry each member's token
+   total, which places its held range). FAN_OUT: **two** — the world row, then one
+   all-gather over the route group of the shard id of each image token of every
+   member's LLM batch (padded to the largest LLM batch of the group:
+   ``8·max_n_image`` bytes per member; skipped when that is 0). The issue asked for at
+   most one metadata exchange; FAN_OUT's second is the price of a check that covers
+   every rank (the shard ids cannot be in a fixed-size row, and a size-mismatched
+   collective must never run).
 3. Forward (FAN_IN only; FAN_OUT/EQUAL ranks hold all their rows already): one
    ``all_to_all_single`` with exact row splits: each rank receives exactly the image rows
    of its shard it does not hold.
@@ -17,6 +26,10 @@ One rank's step (the plan is :mod:`mp_bridge.comm.route_plan`):
    the full gradient; no CP all-reduce. Double backward is refused
    (``forbid_double_backward``): the backward exchange is not the forward's adjoint
    (it fans each gradient out to every encoder TP replica).
+
+The plan depends only on each member's token total, the shard ids of the LLM batches and
+the SP pieces: the communicator keeps the last 8 plans (:class:`RouteCache`), so steps
+with a repeated layout skip planning.
 """
 
 from __future__ import annotations
@@ -30,9 +43,17 @@ from .bridge_plan import BridgeDirection, BridgePlan
 from .partition import PartitionAdapter
 from .primitives import all_gather_tensor, forbid_double_backward, group_size
 from .ragged import check_tokens_per_sample
-from .route_plan import RankRoute, image_token_shards, plan_route, route_groups, route_needs
+from .route_plan import (
+    RankRoute,
+    RouteCache,
+    image_token_shards,
+    plan_route,
+    route_groups,
+    route_needs,
+)
+from .sample_counts import check_sample_counts
 
-__all__ = ["make_route_group", "route_image_rows"]
+__all__ = ["make_route_group", "make_world_group", "route_image_rows"]
 
 
 def make_route_group(plan: BridgePlan, rank: int, cp_group: dist.ProcessGroup | None):
@@ -50,6 +71,19 @@ def make_route_group(plan: BridgePlan, rank: int, cp_group: dist.ProcessGroup | 
             mine, members_of = pg, members
             owned.append(pg)
     return mine, members_of, owned
+
+
+def make_world_group(plan: BridgePlan, rank: int, world: int):
+    """``(group, owned)``: a group of every rank of the grids (the count check): the
+    default group when they cover the ``world`` ranks, else a new one (collective: every
+    rank creates it); ``None`` for a one-rank grid or a rank outside it."""
+    ranks = plan.src.ranks
+    if len(ranks) == 1:
+        return None, []
+    if ranks == range(world):
+        return dist.group.WORLD, []
+    pg = dist.new_group(list(ranks))
+    return (pg, [pg]) if rank in ranks else (None, [])
 
 
 def _exchange(rows: torch.Tensor, send: Sequence[torch.Tensor], recv: Sequence[int], group):
@@ -144,8 +178,14 @@ def route_image_rows(
     rank: int,
     group: dist.ProcessGroup | None,
     members: tuple[int, ...],
+    world_group: dist.ProcessGroup | None,
+    cache: RouteCache | None = None,
 ) -> torch.Tensor:
-    """One rank's ``route``; see ``ColocatedBridgeCommunicator.route``."""
+    """One rank's ``route``; see ``ColocatedBridgeCommunicator.route``.
+
+    ``group``/``members``: this rank's route group; ``world_group``: every rank of the
+    grids (the count check); ``cache``: the communicator's plans (``None``: plan anew).
+    """
     pieces = _check_inputs(x, image_mask, cu_seqlens, partition, plan, rank)
     counts = check_tokens_per_sample(tokens_per_sample, x.shape[0])
     layout = partition.layout(image_mask.shape[-1], cu_seqlens=cu_seqlens)
@@ -158,60 +198,46 @@ def route_image_rows(
             f"image_mask holds {n_dest} samples but FAN_IN with scale {k} joins {k} equal "
             f"encoder batches; pass the whole LLM DP batch (a multiple of {k} samples)"
         )
-    n_src = n_dest // k if fan_in else n_dest * k if fan_out else n_dest
     shards = image_token_shards(mask, layout)
-    mask_counts = _mask_counts(mask, layout.bounds)
-    s_dp, d_dp = plan.src.coords(rank)["dp"], plan.dest.coords(rank)["dp"]
 
-    # ---- metadata: every member's counts (and, FAN_OUT, its LLM batch's image tokens)
-    header = [len(counts)] + (list(counts) + [-1] * n_src)[:n_src]
-    if fan_out:
-        header += mask_counts + (shards.tolist() + [-1] * x.shape[0])[: x.shape[0]]
-    if len(members) > 1 and direction is not BridgeDirection.EQUAL:
-        local = torch.tensor(header, dtype=torch.int64, device=x.device)
-        rows = all_gather_tensor(local, group, 0).reshape(len(members), -1).cpu().tolist()
-    else:
-        rows = [header] * len(members)
-    src_counts, dest_counts, dest_shards = {}, {}, {}
-    for m, row in zip(members, rows):
-        if row[0] != n_src:
-            raise ValueError(
-                f"rank {m} passed tokens_per_sample with {row[0]} samples, but its encoder DP "
-                f"batch has {n_src} ({direction.name}, scale {k}, {n_dest} LLM samples); pass "
-                f"one count per sample of the encoder DP batch"
-            )
-        s, d = plan.src.coords(m)["dp"], plan.dest.coords(m)["dp"]
-        src_counts.setdefault(s, tuple(row[1 : 1 + n_src]))
-        if fan_out:
-            dest_counts.setdefault(d, row[1 + n_src : 1 + n_src + n_dest])
-            tail = torch.tensor(row[1 + n_src + n_dest :], dtype=torch.long)
-            dest_shards.setdefault(d, tail[: sum(dest_counts[d])])
-    if not fan_out:
-        dest_counts, dest_shards = {d_dp: mask_counts}, {d_dp: shards}
-    _check_counts(src_counts, dest_counts)
-    holds, needs = route_needs(
+    # ---- metadata 1 (every rank of the grids, fixed size): the count check
+    rows = check_sample_counts(
         plan,
-        members,
-        pieces=pieces,
-        src_totals={s: sum(c) for s, c in src_counts.items()},
-        dest_shards=dest_shards,
+        rank,
+        world_group,
+        encoder_counts=counts,
+        llm_counts=_mask_counts(mask, layout.bounds),
+        device=x.device,
     )
-    route = plan_route(members, rank, holds, needs)
-    assert route.x_rows == x.shape[0] and s_dp in src_counts, (route, x.shape)
+    by_rank = {r.rank: r for r in rows}
+    src_totals = {plan.src.coords(m)["dp"]: by_rank[m].encoder_tokens for m in members}
+    # ---- metadata 2 (FAN_OUT, route group): every member's LLM batch's shard ids
+    width = max(by_rank[m].llm_tokens for m in members)  # the same on every member
+    if fan_out and len(members) > 1 and width > 0:
+        local = torch.full((width,), -1, dtype=torch.int64)
+        local[: len(shards)] = shards
+        got = all_gather_tensor(local.to(x.device), group, 0).reshape(len(members), -1).cpu()
+        dest_shards = {}
+        for m, row in zip(members, got):
+            dest_shards.setdefault(plan.dest.coords(m)["dp"], row[: by_rank[m].llm_tokens])
+    elif fan_out:  # one member, or no image token in any member's LLM batch
+        dest_shards = {plan.dest.coords(m)["dp"]: shards[:0] for m in members}
+        dest_shards[plan.dest.coords(rank)["dp"]] = shards
+    else:
+        dest_shards = {plan.dest.coords(rank)["dp"]: shards}
+    key = (
+        pieces,
+        tuple(sorted(src_totals.items())),
+        tuple((d, s.numpy().tobytes()) for d, s in sorted(dest_shards.items())),
+    )
+
+    def make() -> RankRoute:
+        holds, needs = route_needs(
+            plan, members, pieces=pieces, src_totals=src_totals, dest_shards=dest_shards
+        )
+        return plan_route(members, rank, holds, needs)
+
+    route = make() if cache is None else cache.get(key, make)
+    assert route.x_rows == x.shape[0], (route, x.shape)
     exchange = fan_in and len(members) > 1
     return _RouteRows.apply(x, route, group, exchange)
-
-
-def _check_counts(src_counts: dict, dest_counts: dict) -> None:
-    """Raise unless the samples' image counts equal their token counts (group order)."""
-    src = [c for s in sorted(src_counts) for c in src_counts[s]]
-    dest = [c for d in sorted(dest_counts) for c in dest_counts[d]]
-    per_dest = len(dest) // max(len(dest_counts), 1)
-    for i, (a, b) in enumerate(zip(src, dest)):
-        if a != b:
-            replica = sorted(dest_counts)[i // per_dest]
-            raise ValueError(
-                f"sample {i % per_dest} of LLM DP replica {replica} has {b} True entries in "
-                f"image_mask but {a} image tokens in tokens_per_sample; the j-th True position "
-                f"takes the sample's j-th token, so the counts must match"
-            )

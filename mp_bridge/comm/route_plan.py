@@ -28,7 +28,8 @@ agree without exchanging indices.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -36,7 +37,14 @@ import torch
 from .bridge_plan import BridgeDirection, BridgePlan
 from .cp_padding import PaddedLayout
 
-__all__ = ["RankRoute", "image_token_shards", "plan_route", "route_groups", "route_needs"]
+__all__ = [
+    "RankRoute",
+    "RouteCache",
+    "image_token_shards",
+    "plan_route",
+    "route_groups",
+    "route_needs",
+]
 
 
 @dataclass(frozen=True)
@@ -130,12 +138,16 @@ def route_needs(
     return holds, needs
 
 
-def _choose(mask: torch.Tensor, pick: int) -> torch.Tensor:
-    """Per column ``g`` of bool ``[M, G]``: the row of the ``pick mod count``-th True."""
-    count = mask.sum(0)
-    order = mask.long().cumsum(0) - 1
-    want = pick % count.clamp(min=1)
-    return torch.argmax((mask & (order == want)).int(), dim=0)
+def _sender_table(holds: Sequence[tuple[int, int]], total: int):
+    """``(cuts, table)``: ``g`` in ``[cuts[i], cuts[i+1])`` has one holder set; for
+    receiver ``q``, ``table[q, i]`` is holder number ``q mod |holders|`` (-1: none)."""
+    cuts = sorted({0, total, *(min(max(v, 0), total) for ab in holds for v in ab)})
+    table = torch.full((len(holds), max(len(cuts) - 1, 1)), -1, dtype=torch.long)
+    for i, (u, v) in enumerate(zip(cuts[:-1], cuts[1:])):
+        holders = [m for m, (a, b) in enumerate(holds) if a <= u and v <= b]
+        for q in range(len(holds)):
+            table[q, i] = holders[q % len(holders)] if holders else -1
+    return torch.tensor(cuts, dtype=torch.long), table
 
 
 def plan_route(
@@ -147,26 +159,35 @@ def plan_route(
     """``rank``'s :class:`RankRoute` given every member's held range and needed tokens.
 
     ``holds[m]``: ``(start, stop)`` of the ``g`` member ``m`` holds (its x rows, in
-    order); ``needs[m]``: ascending ``g`` of its local shard's image tokens.
+    order); ``needs[m]``: ascending ``g`` of its local shard's image tokens. Cost: ``O(G)``
+    plus, per other member, a few passes over both members' needs (no ``[members, G]``
+    matrix): holder sets are constant between range ends, and a token's consumers are
+    ranked by one running count over the members.
     """
     members = tuple(members)
-    me = members.index(rank)
+    me, n_members = members.index(rank), len(members)
+    needs = [torch.as_tensor(n, dtype=torch.long).reshape(-1).cpu() for n in needs]
     total = max([b for _, b in holds] + [int(n.max()) + 1 for n in needs if len(n)] + [0])
-    n_members = len(members)
-    H = torch.zeros(n_members, total, dtype=torch.bool)
-    N = torch.zeros(n_members, total, dtype=torch.bool)
-    for m, ((a, b), need) in enumerate(zip(holds, needs)):
-        H[m, a:b] = True
-        N[m, need] = True
-    y_pos = N.long().cumsum(1) - 1  # output row of g on each member
+    count = torch.zeros(total, dtype=torch.long)  # members needing g
+    before = []  # before[m][i]: members ahead of m needing needs[m][i]
+    for need in needs:
+        before.append(count[need])
+        count[need] += 1
+    cuts, table = _sender_table(holds, total)
     start = holds[me][0]
-    sender = [_choose(H, p) for p in range(n_members)]  # sender[q][g] for receiver q
-    consumer = [_choose(N, p) for p in range(n_members)]  # consumer[e][g] for encoder e
-    arange = torch.arange(total)
 
-    def where(mask: torch.Tensor) -> torch.Tensor:
-        return arange[mask]
+    def held(m: int, g: torch.Tensor) -> torch.Tensor:
+        return (g >= holds[m][0]) & (g < holds[m][1])
 
+    def sender(q: int, g: torch.Tensor) -> torch.Tensor:
+        return table[q, torch.searchsorted(cuts, g, right=True) - 1]
+
+    mine = needs[me]
+    needed_by_me = torch.zeros(total, dtype=torch.bool)
+    needed_by_me[mine] = True
+    pos = torch.arange(len(mine))  # output row of mine[i] is i
+    held_me = held(me, mine)
+    from_m = sender(me, mine)
     empty = torch.zeros(0, dtype=torch.long)
     send_x, recv_y, bwd_send_y, bwd_recv_x = [], [], [], []
     for m in range(n_members):
@@ -174,22 +195,51 @@ def plan_route(
             for lst in (send_x, recv_y, bwd_send_y, bwd_recv_x):
                 lst.append(empty)
             continue
-        g = where(N[m] & ~H[m] & (sender[m] == me))
-        send_x.append(g - start)
-        recv_y.append(y_pos[me, where(N[me] & ~H[me] & (sender[me] == m))])
-        bwd_send_y.append(y_pos[me, where(N[me] & H[m] & ~N[m] & (consumer[m] == me))])
-        bwd_recv_x.append(where(N[m] & H[me] & ~N[me] & (consumer[me] == m)) - start)
-    kept = where(N[me] & H[me])
+        theirs = needs[m]
+        send_x.append(theirs[~held(m, theirs) & (sender(m, theirs) == me)] - start)
+        recv_y.append(pos[~held_me & (from_m == m)])
+        # backward: encoder m gets g from its (m mod count)-th consumer, counted in order
+        needed_by_m = torch.zeros(total, dtype=torch.bool)
+        needed_by_m[theirs] = True
+        unused_by_m = held(m, mine) & ~needed_by_m[mine]
+        bwd_send_y.append(pos[unused_by_m & (m % count[mine] == before[me])])
+        unused_by_me = held(me, theirs) & ~needed_by_me[theirs]
+        bwd_recv_x.append(theirs[unused_by_me & (me % count[theirs] == before[m])] - start)
+    kept = pos[held_me]
     return RankRoute(
         members=members,
-        n_local=int(N[me].sum()),
+        n_local=len(mine),
         x_rows=holds[me][1] - start,
-        keep_y=y_pos[me, kept],
-        keep_x=kept - start,
+        keep_y=kept,
+        keep_x=mine[held_me] - start,
         send_x=tuple(send_x),
         recv_y=tuple(recv_y),
-        bwd_keep_y=y_pos[me, kept],
-        bwd_keep_x=kept - start,
+        bwd_keep_y=kept,
+        bwd_keep_x=mine[held_me] - start,
         bwd_send_y=tuple(bwd_send_y),
         bwd_recv_x=tuple(bwd_recv_x),
     )
+
+
+class RouteCache:
+    """A small LRU of :class:`RankRoute` (the communicator's: repeated steps with the same
+    layout skip planning). ``get(key, make)``: the cached route, else ``make()`` stored."""
+
+    def __init__(self, maxsize: int = 8) -> None:
+        self.maxsize = maxsize
+        self._routes: OrderedDict[object, RankRoute] = OrderedDict()
+
+    def get(self, key: object, make: Callable[[], RankRoute]) -> RankRoute:
+        route = self._routes.get(key)
+        if route is None:
+            route = self._routes[key] = make()
+            while len(self._routes) > self.maxsize:
+                self._routes.popitem(last=False)
+        self._routes.move_to_end(key)
+        return route
+
+    def __len__(self) -> int:
+        return len(self._routes)
+
+    def clear(self) -> None:
+        self._routes.clear()

@@ -145,20 +145,26 @@ def check_route(src: dict, dest: dict, n_samples: int, *, direction: str, sp: bo
     assert torch.equal(x.grad, batch.W[batch.token_rows(s_samples)]), "x.grad != W"
 
     # Budget and exact bytes: rows of the shard this rank does not hold (forward), the
-    # gradients of its own tokens it did not consume (backward), plus the metadata.
+    # gradients of its own tokens it did not consume (backward), plus the metadata: one
+    # count row per rank of the world (7 int64: rank, encoder samples, LLM samples, encoder
+    # tokens, LLM image tokens, two fingerprints) and, FAN_OUT, the shard id of each image
+    # token of every member's LLM batch, padded to the group's largest LLM batch.
+    world = dist.get_world_size()
     own = range(batch.token_rows(s_samples).start, batch.token_rows(s_samples).stop)
     members = src["tp"] if direction == "FAN_OUT" else tp * cp
-    fwd_want, bwd_want = {}, {}
+    meta = (world - 1) * 8 * 7
+    fwd_want, bwd_want = {"all_gather": 1}, {}
     if members > 1 and direction == "FAN_IN":
-        n_src = len(s_samples)
         fwd_want = {"all_gather": 1, "all_to_all": 1}
-        assert fwd.bytes_received("all_gather") == (members - 1) * 8 * (1 + n_src)
         moved = sum(r not in own for r in rows) * row_bytes
         assert fwd.bytes_received("all_to_all") == moved, (fwd.calls, moved)
     if members > 1 and direction == "FAN_OUT":
-        fwd_want = {"all_gather": 1}
-        meta = 1 + len(s_samples) + len(d_samples) + len(own)
-        assert fwd.bytes_received("all_gather") == (members - 1) * 8 * meta
+        per = len(d_samples)  # the encoder batch is k LLM batches of `per` samples
+        blocks = range(s_samples.start, s_samples.stop, per)
+        widest = max(sum(batch.counts[b : b + per]) for b in blocks)
+        fwd_want = {"all_gather": 2 if widest else 1}  # nothing to send: no second gather
+        meta += (members - 1) * 8 * widest
+    assert fwd.bytes_received("all_gather") == meta, (fwd.calls, meta)
     if members > 1:
         bwd_want = {"all_to_all": 1}
         not_mine = sum(r not in set(rows) for r in own) * row_bytes
