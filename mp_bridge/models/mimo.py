@@ -52,7 +52,7 @@ from .groups import MimoGroups, grid_group, make_mimo_groups
 from .images import RaggedImages
 from .llm import TPLLM
 from .routed import check_flow, routed_forward
-from .step_checks import check_step
+from .step_checks import agree_image_counts, check_step
 
 __all__ = ["ColocatedMimoModel"]
 
@@ -202,7 +202,12 @@ class ColocatedMimoModel(MimoFlow):
         (and, packed, on each LLM DP replica's ``cu_seqlens``)."""
         if self._destroyed:
             raise RuntimeError("forward() after destroy(); build a new ColocatedMimoModel")
-        return self._check_step(input_ids, labels, loss_mask, images, cu_seqlens)
+        has_images = self._check_step(input_ids, labels, loss_mask, images, cu_seqlens)
+        gather = self.flow == "gather" and hasattr(self.bridge, "world_group")
+        if gather and has_images and isinstance(images, RaggedImages):
+            # route checks the counts itself; the gather flow asks every rank here.
+            agree_image_counts(self.bridge, input_ids, images, self.image_token_id, cu_seqlens)
+        return has_images
 
     def bridge_images(self, image, images):
         """Encoder DP batch -> LLM DP batch: ``[b_e, p, h] -> [b_l, p, h]``, or ragged

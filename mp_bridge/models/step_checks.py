@@ -23,13 +23,13 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from mp_bridge.comm import check_agreement, run_checked
+from mp_bridge.comm import check_agreement, check_sample_counts, run_checked
 
 from .images import RaggedImages
-from .packed import check_cu_seqlens, check_packed_image_tokens
+from .packed import check_cu_seqlens, check_packed_image_tokens, placeholder_counts
 from .placement import check_image_tokens
 
-__all__ = ["check_batch", "check_step"]
+__all__ = ["agree_image_counts", "check_batch", "check_step"]
 
 IGNORE_INDEX = -100  # the LLM's cross-entropy default: labels may take it
 
@@ -156,3 +156,28 @@ def check_step(
 
         run_checked(where, list(groups), replica_outcome, device=device, always=True)
     return images is not None
+
+
+def agree_image_counts(
+    bridge, input_ids: torch.Tensor, images: RaggedImages, image_token_id: int, cu_seqlens=None
+) -> None:
+    """Every sample's placeholders equal its image tokens, agreed over the bridge's ranks.
+
+    The gather flow's counterpart of ``route``'s count check: this rank's encoder batch
+    names each sample's tokens (``images.tokens_per_sample``), its LLM batch
+    (``input_ids`` ``[b, S]``, or packed ``[T]`` with ``cu_seqlens``) each sample's
+    placeholders. A mismatch in one LLM DP replica would otherwise raise in that replica
+    only (at placement) and strand the others in the loss's all-reduce; here every rank
+    raises the same ``ValueError`` naming the sample. Collectives: one 56-byte-per-rank
+    all-gather over ``bridge.world_group`` (:func:`~mp_bridge.comm.check_sample_counts`).
+    """
+    cu = None if cu_seqlens is None else check_cu_seqlens(cu_seqlens, input_ids.shape[-1])
+    check_sample_counts(
+        bridge.plan,
+        dist.get_rank(),
+        bridge.world_group,
+        encoder_counts=images.tokens_per_sample.tolist(),
+        llm_counts=placeholder_counts(input_ids, image_token_id, cu).tolist(),
+        device=input_ids.device,
+        where="ColocatedMimoModel.forward",
+    )

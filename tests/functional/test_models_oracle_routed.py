@@ -98,21 +98,27 @@ def test_routed_text_only_step_matches_reference_and_skips_encoder():
     check_text_only_step(*_routed_model())
 
 
-@world.case
-def test_routed_placeholder_count_mismatch_raises_on_every_rank():
+@world.parametrize("flow", ["routed", "gather"])
+def test_placeholder_count_mismatch_in_one_replica_raises_on_every_rank(flow):
+    # Sample 1 of LLM DP replica 0 (global sample 1) one placeholder short; replica 1
+    # (ranks 4-7) is fine, yet must raise too: otherwise it would wait in the loss's
+    # all-reduce for ranks that already failed. Routed: route's count check; gather: the
+    # model's (both one fixed-size all-gather over every rank of the bridge).
     reference, enc, llm, model = _routed_model()
+    model.flow = flow
     try:
         batch = _ragged_batch().to(current_device())
         ids = batch.input_ids.clone()
-        # Sample 0 of each LLM DP replica (global 0 and 4) one placeholder short: the route
-        # check covers a route group (one replica here), so both replicas get a bad sample.
-        for i in (0, 4):
-            ids[i, (ids[i] == CFG.image_token_id).nonzero()[0, 0]] = 1
+        assert int((ids[1] == CFG.image_token_id).sum()) > 0  # sample 1 has an image
+        ids[1, (ids[1] == CFG.image_token_id).nonzero()[0, 0]] = 1
         d, e = dist.get_rank() // 4, dist.get_rank() // 2  # LLM / encoder dp coordinates
         rows = slice(4 * d, 4 * d + 4)
         images = batch.encoder_shard(e, 4)
-        with pytest.raises(ValueError, match=f"sample 0 of LLM DP replica {d} has"):
+        with pytest.raises(
+            ValueError, match=r"sample 1 of LLM DP replica 0 has .* \(global sample 1;"
+        ):
             model(ids[rows], batch.labels[rows], batch.loss_mask[rows], images)
+        dist.barrier()  # every rank got here: nobody is stranded
     finally:
         destroy_colocated_mimo(model, enc, llm)
 
