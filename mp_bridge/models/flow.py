@@ -56,16 +56,25 @@ class MimoFlow(nn.Module):
         sample order). ``images``: ``[b, p, patch_dim]``, :class:`RaggedImages` (the
         colocated model: this rank's encoder DP shard), or ``None`` (text only).
         """
-        if cu_seqlens is not None:
-            input_ids, labels, loss_mask = map(packed_tokens, (input_ids, labels, loss_mask))
-        has_images = self.check_step(input_ids, labels, loss_mask, images, cu_seqlens=cu_seqlens)
-        if cu_seqlens is not None:  # checked above: now a CPU int64 tensor
-            cu_seqlens = check_cu_seqlens(cu_seqlens, input_ids.shape[-1])
+        input_ids, labels, loss_mask, cu_seqlens, has_images = self.checked_inputs(
+            input_ids, labels, loss_mask, images, cu_seqlens
+        )
         image, counts = None, None
         if has_images:
             image, counts = self.bridge_images(self.encode(images), images)
         embeddings = self.place(input_ids, image, counts, cu_seqlens=cu_seqlens)
         return self.mean_token_loss(embeddings, labels, loss_mask, cu_seqlens=cu_seqlens)
+
+    def checked_inputs(self, input_ids, labels, loss_mask, images, cu_seqlens):
+        """Every flow's prologue: packed tensors made 1-D, :meth:`check_step`, and
+        ``cu_seqlens`` as a CPU int64 tensor. Returns ``(input_ids, labels, loss_mask,
+        cu_seqlens, has_images)``."""
+        if cu_seqlens is not None:
+            input_ids, labels, loss_mask = map(packed_tokens, (input_ids, labels, loss_mask))
+        has_images = self.check_step(input_ids, labels, loss_mask, images, cu_seqlens=cu_seqlens)
+        if cu_seqlens is not None:  # checked above: now a CPU int64 tensor
+            cu_seqlens = check_cu_seqlens(cu_seqlens, input_ids.shape[-1])
+        return input_ids, labels, loss_mask, cu_seqlens, has_images
 
     # ---------------------------------------------------------------- stages
     def check_step(

@@ -70,7 +70,7 @@ def placeholder_counts(
 
 def rows_per_document(image: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """Flat ``[sum(counts), h]``: the first ``counts[i]`` rows of uniform ``image [b, p, h]``'s
-    sample ``i``, in sample order (the rows a packed batch's placeholders take; unused
+    sample ``i``, in sample order (the rows a packed batch or the routed flow places; unused
     patch rows are left out and get a zero gradient)."""
     keep = torch.arange(image.shape[1], device=counts.device)[None, :] < counts[:, None]
     return image[keep.to(image.device)]

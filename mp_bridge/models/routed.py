@@ -42,9 +42,8 @@ import torch.distributed as dist
 
 from mp_bridge.comm import all_gather_tensor, group_size, scatter_along
 
-from .flow import packed_tokens
 from .images import RaggedImages
-from .packed import check_cu_seqlens, placeholder_counts
+from .packed import placeholder_counts, rows_per_document
 
 __all__ = ["FLOWS", "check_flow", "place_local_rows", "routed_forward"]
 
@@ -77,11 +76,9 @@ def place_local_rows(text: torch.Tensor, rows: torch.Tensor, mask: torch.Tensor)
 
 def routed_forward(model, input_ids, labels, loss_mask, images, *, cu_seqlens=None) -> torch.Tensor:
     """The routed step of a ``ColocatedMimoModel`` (see the module docstring)."""
-    if cu_seqlens is not None:
-        input_ids, labels, loss_mask = map(packed_tokens, (input_ids, labels, loss_mask))
-    has_images = model.check_step(input_ids, labels, loss_mask, images, cu_seqlens=cu_seqlens)
-    if cu_seqlens is not None:  # checked above: now a CPU int64 tensor
-        cu_seqlens = check_cu_seqlens(cu_seqlens, input_ids.shape[-1])
+    input_ids, labels, loss_mask, cu_seqlens, has_images = model.checked_inputs(
+        input_ids, labels, loss_mask, images, cu_seqlens
+    )
     part = model.partition
     shard = part.shard(
         None, input_ids=input_ids, labels=labels, loss_mask=loss_mask, cu_seqlens=cu_seqlens
@@ -130,5 +127,4 @@ def _image_tokens(model, image: torch.Tensor, images, input_ids: torch.Tensor, c
     b_e, b_l = image.shape[0], counts.shape[0]
     first = plan.src.coords(rank)["dp"] * b_e  # global index of this encoder batch's sample 0
     n = torch.stack([per_replica[g // b_l][g % b_l] for g in range(first, first + b_e)])
-    keep = torch.arange(image.shape[1])[None, :] < n[:, None]  # [b_e, p]
-    return image[keep.to(image.device)], n
+    return rows_per_document(image, n), n
