@@ -1,14 +1,13 @@
-"""Autograd-aware collectives, the colocated bridge, and sequence partitioning.
+"""Floor 2: autograd-aware collectives, the colocated bridge, and sequence partitioning.
 
-Everything other packages use from ``comm`` is exported here (import from
-``mp_bridge.comm``, not from its modules): the differentiable collectives and their plain
-helpers (``primitives``), the CP cut (``cp_indices``), the packed-sequence mask
-(``cp_mask``), padding to the cut (``cp_padding``), the CP K/V gather (``kv_gather``),
-the bridge (its ``route`` plan in ``route_plan``, its per-sample count check in
-``sample_counts``) and the partition adapter.
+Three wings, each a subpackage: ``collectives`` (differentiable collectives and plain
+helpers, the deterministic all-reduce, the CP K/V gather), ``bridge`` (plans, the
+communicator, ragged and routed variants, the per-sample count check) and ``sequence``
+(the CP cut, padding to the cut, the packed mask, the partition adapter). Everything other
+packages use is exported here: import from ``mp_bridge.comm``, not from its modules.
 """
 
-from .agreement import (
+from mp_bridge.checks.agreement import (
     AgreementError,
     check_agreement,
     check_group_arg,
@@ -16,22 +15,22 @@ from .agreement import (
     fingerprint,
     run_checked,
 )
-from .bridge import ColocatedBridgeCommunicator
-from .bridge_plan import BridgeDirection, BridgePlan, format_rank_table, plan_bridge
-from .cp_indices import (
-    cp_factor,
-    cp_gather_order,
-    cp_shard_indices,
-    cp_shard_indices_packed,
-    normalize_cu_seqlens,
-    seq_len_divisor,
+from mp_bridge.comm.bridge.communicator import ColocatedBridgeCommunicator
+from mp_bridge.comm.bridge.counts import CountRow, check_sample_counts
+from mp_bridge.comm.bridge.plan import BridgeDirection, BridgePlan, format_rank_table, plan_bridge
+from mp_bridge.comm.bridge.ragged import exchange_rows
+from mp_bridge.comm.bridge.ragged_plan import RaggedRoute, route_ragged
+from mp_bridge.comm.bridge.route_plan import (
+    RankRoute,
+    RouteCache,
+    image_token_shards,
+    plan_route,
+    route_groups,
+    route_needs,
 )
-from .cp_mask import packed_sequence_mask
-from .cp_padding import PaddedLayout, pad_layout
-from .deterministic import deterministic_all_reduce
-from .kv_gather import GatherKV, ReduceScatterKV, gather_kv
-from .partition import PAD_LABEL, PartitionAdapter, ShardedBatch
-from .primitives import (
+from mp_bridge.comm.collectives.deterministic import deterministic_all_reduce
+from mp_bridge.comm.collectives.kv_gather import GatherKV, ReduceScatterKV, gather_kv
+from mp_bridge.comm.collectives.primitives import (
     all_gather_tensor,
     all_reduce_sum,
     copy_to_group,
@@ -45,17 +44,17 @@ from .primitives import (
     reduce_scatter_tensor,
     scatter_along,
 )
-from .ragged import exchange_rows
-from .ragged_plan import RaggedRoute, route_ragged
-from .route_plan import (
-    RankRoute,
-    RouteCache,
-    image_token_shards,
-    plan_route,
-    route_groups,
-    route_needs,
+from mp_bridge.comm.sequence.cut import (
+    cp_factor,
+    cp_gather_order,
+    cp_shard_indices,
+    cp_shard_indices_packed,
+    normalize_cu_seqlens,
+    seq_len_divisor,
 )
-from .sample_counts import CountRow, check_sample_counts
+from mp_bridge.comm.sequence.mask import packed_sequence_mask
+from mp_bridge.comm.sequence.padding import PaddedLayout, pad_layout
+from mp_bridge.comm.sequence.partition import PAD_LABEL, PartitionAdapter, ShardedBatch
 
 __all__ = [
     # differentiable collectives (primitives.py)

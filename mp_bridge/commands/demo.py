@@ -23,11 +23,10 @@ import sys
 import time
 
 from mp_bridge.comm import plan_bridge, seq_len_divisor
+from mp_bridge.commands.layout_flag import layout_from_flag
 from mp_bridge.grid import GridLayout
 from mp_bridge.table import format_table
 from mp_bridge.testing import under_torchrun
-
-from .layout_flag import layout_from_flag
 
 __all__ = ["add_arguments", "format_parity_table", "run"]
 

@@ -10,8 +10,7 @@ from __future__ import annotations
 import argparse
 
 from mp_bridge.comm import format_rank_table, plan_bridge
-
-from .layout_flag import layout_from_flag
+from mp_bridge.commands.layout_flag import layout_from_flag
 
 __all__ = ["add_arguments", "run"]
 

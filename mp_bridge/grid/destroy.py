@@ -17,7 +17,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from .megatron_compat import grid_destroy
+from mp_bridge.grid.megatron_compat import grid_destroy
 
 __all__ = ["destroy_grid"]
 

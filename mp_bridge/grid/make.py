@@ -8,8 +8,9 @@ from collections.abc import Sequence
 import torch.distributed as dist
 from megatron.core.hyper_comm_grid import HyperCommGrid
 
-from .layout import GridLayout
-from .spec import AXIS_NAMES
+from mp_bridge.checks import check_agreement
+from mp_bridge.grid.layout import GridLayout
+from mp_bridge.grid.spec import AXIS_NAMES
 
 __all__ = ["make_grid"]
 
@@ -96,9 +97,6 @@ def make_grid(
     for axes in to_create:
         layout.groups(axes)  # validates names before any collective
     # Group creation is collective over the world: ranks given different grids would hang.
-    # (Imported here: mp_bridge.comm imports mp_bridge.grid.)
-    from mp_bridge.comm import check_agreement
-
     check_agreement(
         "make_grid",
         dist.group.WORLD,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from .layout import GridLayout
+from mp_bridge.grid.layout import GridLayout
 
 __all__ = ["AXIS_NAMES", "parse_layout_spec"]
 

@@ -1,17 +1,24 @@
 """Vocab-parallel embedding / LM head / losses, token reductions, CP attention."""
 
-from .cp_attention import context_parallel_attention
-from .embedding import VocabParallelEmbedding
-from .fused import fused_linear_cross_entropy, fused_linear_logprobs
-from .lm_head import VocabParallelLMHead
-from .losses import (
+from mp_bridge.layers.cp_attention import context_parallel_attention
+from mp_bridge.layers.embedding import VocabParallelEmbedding
+from mp_bridge.layers.lm_head import VocabParallelLMHead
+from mp_bridge.layers.loss.fused import fused_linear_cross_entropy, fused_linear_logprobs
+from mp_bridge.layers.loss.vocab_parallel import (
     vocab_parallel_cross_entropy,
     vocab_parallel_entropy,
     vocab_parallel_logprobs,
 )
-from .param_shards import ShardSpec, gather_shard, load_shard_, mark_sharded, shard_of, shard_spec
-from .reductions import masked_count, masked_mean, masked_sum
-from .vocab_shards import (
+from mp_bridge.layers.param_shards import (
+    ShardSpec,
+    gather_shard,
+    load_shard_,
+    mark_sharded,
+    shard_of,
+    shard_spec,
+)
+from mp_bridge.layers.reductions import masked_count, masked_mean, masked_sum
+from mp_bridge.layers.vocab_shards import (
     VocabShard,
     padded_vocab_size,
     vocab_shard_ranges,

@@ -31,10 +31,9 @@ from mp_bridge.comm import (
     reduce_from_group,
     reduce_scatter_along,
 )
-
-from .loss_checks import check_bool
-from .param_shards import load_shard_, mark_sharded
-from .vocab_shards import VocabShard, vocab_shards
+from mp_bridge.layers.loss.checks import check_bool
+from mp_bridge.layers.param_shards import load_shard_, mark_sharded
+from mp_bridge.layers.vocab_shards import VocabShard, vocab_shards
 
 __all__ = ["VocabParallelEmbedding", "VocabShardModule"]
 

@@ -24,10 +24,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from mp_bridge.comm import check_agreement, copy_to_group, gather_along
-
-from .embedding import VocabParallelEmbedding, VocabShardModule, token_dim
-from .loss_checks import check_bool
-from .param_shards import load_shard_
+from mp_bridge.layers.embedding import VocabParallelEmbedding, VocabShardModule, token_dim
+from mp_bridge.layers.loss.checks import check_bool
+from mp_bridge.layers.param_shards import load_shard_
 
 __all__ = ["VocabParallelLMHead"]
 

@@ -25,8 +25,7 @@ import torch
 import torch.distributed as dist
 
 from mp_bridge.comm import all_gather_tensor, group_rank, group_size
-
-from .vocab_shards import VocabShard
+from mp_bridge.layers.vocab_shards import VocabShard
 
 __all__ = [
     "ShardSpec",

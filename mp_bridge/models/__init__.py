@@ -1,17 +1,22 @@
 """Small reference models (TP encoder, projection, CP/TP LLM) and the colocated MIMO wrapper."""
 
-from .build import build_colocated_mimo, destroy_colocated_mimo
-from .config import MimoConfig
-from .data import MimoBatch, TextShard, dp_shard, synthetic_batch
-from .encoder import TPEncoder, TPProjection
-from .groups import MimoGroups, make_mimo_groups
-from .images import RaggedImages
-from .llm import TPLLM
-from .mimo import ColocatedMimoModel
-from .oracle import ParityReport, run_parity
-from .placement import place_image_embeddings, place_image_tokens
-from .reference import ReferenceEncoder, ReferenceLLM, ReferenceMimo, ReferenceProjection
-from .sharding import gather_full_state, load_full_state
+from mp_bridge.models.colocated.build import build_colocated_mimo, destroy_colocated_mimo
+from mp_bridge.models.colocated.groups import MimoGroups, make_mimo_groups
+from mp_bridge.models.colocated.mimo import ColocatedMimoModel
+from mp_bridge.models.data.batch import MimoBatch, TextShard, dp_shard, synthetic_batch
+from mp_bridge.models.data.config import MimoConfig
+from mp_bridge.models.data.images import RaggedImages
+from mp_bridge.models.data.placement import place_image_embeddings, place_image_tokens
+from mp_bridge.models.oracle import ParityReport, run_parity
+from mp_bridge.models.parallel.encoder import TPEncoder, TPProjection
+from mp_bridge.models.parallel.llm import TPLLM
+from mp_bridge.models.parallel.sharding import gather_full_state, load_full_state
+from mp_bridge.models.reference.model import (
+    ReferenceEncoder,
+    ReferenceLLM,
+    ReferenceMimo,
+    ReferenceProjection,
+)
 
 __all__ = [
     "MimoConfig",

@@ -31,13 +31,12 @@ import torch
 import torch.distributed as dist
 
 from mp_bridge.grid import AXIS_NAMES, GridLayout, make_grid
-
-from .build import build_colocated_mimo, destroy_colocated_mimo
-from .config import MimoConfig
-from .data import MimoBatch, synthetic_batch
-from .images import RaggedImages
-from .reference import ReferenceMimo
-from .sharding import gather_full_state
+from mp_bridge.models.colocated.build import build_colocated_mimo, destroy_colocated_mimo
+from mp_bridge.models.data.batch import MimoBatch, synthetic_batch
+from mp_bridge.models.data.config import MimoConfig
+from mp_bridge.models.data.images import RaggedImages
+from mp_bridge.models.parallel.sharding import gather_full_state
+from mp_bridge.models.reference.model import ReferenceMimo
 
 __all__ = ["ParityReport", "run_parity"]
 

@@ -1,8 +1,13 @@
 """Multi-process test kit: ``run_distributed``, one-world test suites, collective counting."""
 
-from .collectives import CollectiveCall, CollectiveCounter
-from .launcher import DistributedError, current_device, run_distributed, under_torchrun
-from .world import DistributedWorld, world_backend
+from mp_bridge.testing.collectives import CollectiveCall, CollectiveCounter
+from mp_bridge.testing.launcher import (
+    DistributedError,
+    current_device,
+    run_distributed,
+    under_torchrun,
+)
+from mp_bridge.testing.world import DistributedWorld, world_backend
 
 __all__ = [
     "CollectiveCall",

@@ -53,8 +53,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .case_progress import CaseProgress, Outcome
-from .launcher import (
+from mp_bridge.testing.case_progress import CaseProgress, Outcome
+from mp_bridge.testing.launcher import (
     DEFAULT_TIMEOUT_S,
     DistributedError,
     _severity,

@@ -256,7 +256,7 @@ def test_model_too_many_image_tokens_on_one_rank():
 
 # ------------------------------------------------------------------------ the exchange
 def _count_gathers(calls: list):
-    import mp_bridge.comm.agreement as agreement
+    import mp_bridge.checks.agreement as agreement
 
     raw = agreement._raw_all_gather
 

@@ -10,7 +10,7 @@ import re
 
 import pytest
 
-import mp_bridge.models.mimo as mimo_module
+import mp_bridge.models.colocated.mimo as mimo_module
 from mp_bridge.cli import main
 
 

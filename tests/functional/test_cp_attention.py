@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from mp_bridge.comm import PartitionAdapter, gather_along, reduce_scatter_along
-from mp_bridge.comm.primitives import copy_to_group, reduce_from_group
+from mp_bridge.comm.collectives.primitives import copy_to_group, reduce_from_group
 from mp_bridge.layers import context_parallel_attention
 from mp_bridge.testing import CollectiveCounter, DistributedWorld, current_device
 from tests.oracles import cu_of, rand, ref_cut, reference_attention, tp_cp_groups

@@ -19,7 +19,7 @@ from mp_bridge.layers import (
     vocab_shard_ranges,
     vocab_shard_size,
 )
-from mp_bridge.layers.losses import invariant_cross_entropy, invariant_logprobs
+from mp_bridge.layers.loss.vocab_parallel import invariant_cross_entropy, invariant_logprobs
 from mp_bridge.testing import CollectiveCounter, DistributedWorld, current_device
 from tests.loss_refs import Checks
 from tests.oracles import gather_rows, rank_in, tp_group, tp_member, vocab_cut

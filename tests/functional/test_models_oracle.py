@@ -32,8 +32,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import mp_bridge.comm.bridge as bridge_module
-import mp_bridge.models.mimo as mimo_module
+import mp_bridge.comm.bridge.communicator as bridge_module
+import mp_bridge.models.colocated.mimo as mimo_module
 from mp_bridge.grid import make_grid
 from mp_bridge.models import (
     ColocatedMimoModel,

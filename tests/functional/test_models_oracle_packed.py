@@ -26,7 +26,7 @@ from __future__ import annotations
 import pytest
 import torch.distributed as dist
 
-import mp_bridge.models.llm as llm_module
+import mp_bridge.models.parallel.llm as llm_module
 from mp_bridge.models import run_parity, synthetic_batch
 from mp_bridge.testing import DistributedWorld, current_device
 from tests.functional.test_models_oracle import (

@@ -16,7 +16,7 @@ tests/functional/test_models_oracle_ragged.py``.
 
 from __future__ import annotations
 
-import mp_bridge.models.mimo as mimo_module
+import mp_bridge.models.colocated.mimo as mimo_module
 from mp_bridge.models import synthetic_batch
 from mp_bridge.testing import DistributedWorld
 from tests.functional.test_models_oracle import (

@@ -23,7 +23,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import mp_bridge.models.routed as routed_module
+import mp_bridge.models.colocated.routed as routed_module
 from mp_bridge.grid import make_grid
 from mp_bridge.models import (
     ReferenceMimo,
@@ -144,7 +144,7 @@ def test_routed_oracle_catches_rows_placed_in_the_wrong_order():
 
 
 def test_flow_is_checked():
-    from mp_bridge.models.routed import check_flow
+    from mp_bridge.models.colocated.routed import check_flow
 
     assert check_flow("routed") == "routed" and check_flow("gather") == "gather"
     with pytest.raises(ValueError, match="flow='scatter'"):

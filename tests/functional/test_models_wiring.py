@@ -32,7 +32,7 @@ from mp_bridge.models import (
     run_parity,
     synthetic_batch,
 )
-from mp_bridge.models.sharding import load_full_state
+from mp_bridge.models.parallel.sharding import load_full_state
 from mp_bridge.testing import DistributedWorld, current_device
 
 world = DistributedWorld(4, timeout_s=120)

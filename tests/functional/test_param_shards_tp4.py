@@ -14,7 +14,7 @@ from torch import nn
 
 from mp_bridge.layers import VocabParallelEmbedding, VocabParallelLMHead, VocabShard
 from mp_bridge.models import gather_full_state, load_full_state
-from mp_bridge.models.tp_blocks import column_linear, parallel_config, row_linear
+from mp_bridge.models.parallel.tp_blocks import column_linear, parallel_config, row_linear
 from mp_bridge.testing import DistributedWorld
 
 world = DistributedWorld(4, timeout_s=120)

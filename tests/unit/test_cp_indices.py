@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mp_bridge.comm import cp_shard_indices, cp_shard_indices_packed
-from mp_bridge.comm.cp_indices import cp_factor, cp_gather_order
+from mp_bridge.comm.sequence.cut import cp_factor, cp_gather_order
 
 
 def _ids(t: torch.Tensor) -> list[int]:

@@ -15,7 +15,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mp_bridge.comm.cp_padding import pad_layout
+from mp_bridge.comm.sequence.padding import pad_layout
 from tests.functional.route_oracle import ref_local_tokens
 
 

@@ -23,7 +23,7 @@ from mp_bridge.models import (
     place_image_embeddings,
     synthetic_batch,
 )
-from mp_bridge.models.sharding import gather_full_state, load_full_state, mark_sharded
+from mp_bridge.models.parallel.sharding import gather_full_state, load_full_state, mark_sharded
 
 CFG = MimoConfig()
 

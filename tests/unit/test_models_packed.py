@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from mp_bridge.models import MimoBatch, MimoConfig, ReferenceMimo, dp_shard, synthetic_batch
-from mp_bridge.models.packed import check_cu_seqlens, placeholder_counts
-from mp_bridge.models.reference import packed_causal_mask
-from mp_bridge.models.step_checks import check_batch
+from mp_bridge.models.colocated.step_checks import check_batch
+from mp_bridge.models.data.packed import check_cu_seqlens, placeholder_counts
+from mp_bridge.models.reference.model import packed_causal_mask
 
 CFG = MimoConfig()
 I = CFG.image_token_id  # noqa: E741

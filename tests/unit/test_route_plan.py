@@ -16,14 +16,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mp_bridge.comm.bridge_plan import BridgeDirection, plan_bridge
-from mp_bridge.comm.cp_padding import pad_layout
-from mp_bridge.comm.route_plan import (
+from mp_bridge.comm.bridge.plan import BridgeDirection, plan_bridge
+from mp_bridge.comm.bridge.route_plan import (
     image_token_shards,
     plan_route,
     route_groups,
     route_needs,
 )
+from mp_bridge.comm.sequence.padding import pad_layout
 from mp_bridge.grid import GridLayout
 from tests.functional.route_oracle import ref_local_tokens
 

@@ -15,8 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mp_bridge.comm.bridge_plan import plan_bridge
-from mp_bridge.comm.sample_counts import (
+from mp_bridge.comm.bridge.counts import (
     PRIME,
     check_sample_counts,
     count_mismatch_message,
@@ -24,6 +23,7 @@ from mp_bridge.comm.sample_counts import (
     counts_agree,
     counts_fingerprint,
 )
+from mp_bridge.comm.bridge.plan import plan_bridge
 from mp_bridge.grid import GridLayout
 
 ORDER = ("tp", "cp", "pp", "dp")

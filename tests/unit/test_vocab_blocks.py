@@ -8,16 +8,16 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from mp_bridge.layers import VocabShard, fused_linear_logprobs
-from mp_bridge.layers.loss_blocks import (
+from mp_bridge.layers.loss.blocks import (
     TOKEN_TILE,
     BlockLayout,
     check_block_aligned,
     num_real_blocks,
     target_slots,
 )
-from mp_bridge.layers.loss_grad import softmax_grad_blocks_
-from mp_bridge.layers.loss_math import LossSpec, block_stats_, combine_stats
-from mp_bridge.layers.loss_tree import fold_tree, local_pieces, max_pieces, stream_fold
+from mp_bridge.layers.loss.formulas import LossSpec, block_stats_, combine_stats
+from mp_bridge.layers.loss.grad import softmax_grad_blocks_
+from mp_bridge.layers.loss.tree import fold_tree, local_pieces, max_pieces, stream_fold
 
 
 def _expr(a: str, b: str) -> str:

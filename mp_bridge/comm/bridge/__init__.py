@@ -1,0 +1,56 @@
+"""The colocated bridge: pure plans (dense, ragged, routed), the communicator that executes
+them, and the per-sample count check.
+"""
+
+from .communicator import ColocatedBridgeCommunicator
+from .counts import (
+    ROW_SIZE,
+    CountRow,
+    check_sample_counts,
+    count_mismatch_message,
+    count_row,
+    counts_agree,
+    counts_fingerprint,
+)
+from .plan import BridgeDirection, BridgePlan, format_rank_table, plan_bridge
+from .ragged import bridge_ragged, check_tokens_per_sample, exchange_rows
+from .ragged_plan import RaggedRoute, check_member_headers, route_ragged
+from .route import make_route_group, make_world_group, route_image_rows
+from .route_plan import (
+    RankRoute,
+    RouteCache,
+    image_token_shards,
+    plan_route,
+    route_groups,
+    route_needs,
+)
+
+__all__ = [
+    "ColocatedBridgeCommunicator",
+    "ROW_SIZE",
+    "CountRow",
+    "check_sample_counts",
+    "count_mismatch_message",
+    "count_row",
+    "counts_agree",
+    "counts_fingerprint",
+    "BridgeDirection",
+    "BridgePlan",
+    "format_rank_table",
+    "plan_bridge",
+    "bridge_ragged",
+    "check_tokens_per_sample",
+    "exchange_rows",
+    "RaggedRoute",
+    "check_member_headers",
+    "route_ragged",
+    "make_route_group",
+    "make_world_group",
+    "route_image_rows",
+    "RankRoute",
+    "RouteCache",
+    "image_token_shards",
+    "plan_route",
+    "route_groups",
+    "route_needs",
+]

@@ -1,0 +1,270 @@
+"""Ragged bridge execution: exact-bytes token exchange and its autograd Functions.
+
+``bridge_ragged`` runs one rank's :class:`~mp_bridge.comm.bridge.ragged_plan.RaggedRoute`:
+
+=========  ==============================================  ===================================
+direction  forward                                         backward (adjoint)
+=========  ==============================================  ===================================
+FAN_IN     header all-gather, then ``_GatherRows``         [CP all-reduce] ``_NarrowRows``
+FAN_OUT    ``_NarrowRows`` (local copy of own slot)        [CP all-reduce] ``_GatherRows``
+EQUAL      copy                                            [CP all-reduce]
+=========  ==============================================  ===================================
+
+Collective: ``all_to_all_single`` with split sizes. Every member sends its rows to every
+member and receives exactly each member's rows (its own come back locally), so the bytes
+received are exactly the other slots' tokens, no padding to the largest member; gloo and
+NCCL both support uneven splits, whereas gloo's ``all_gather`` needs equal sizes.
+
+Counts: FAN_IN first all-gathers a fixed-size int64 header per member (samples, tokens,
+row numel, element size), so a member passing a different number of samples (or another
+row shape) raises the same ``ValueError`` on every rank of the group instead of hanging.
+The per-sample counts then ride in the token exchange as an ``8·n``-byte prefix of each
+message (the exchange moves bytes), so FAN_IN forward is two collectives: one small header
+all-gather (``4·8`` bytes per member) and one token exchange. FAN_OUT computes every slot's
+size from its local counts: no forward collective, one exchange backward.
+
+The CP all-reduce (dest CP > 1) is ``copy_to_group`` applied after the direction step, so
+backward sums the incoming gradient over the dest CP group first (see ``bridge.py``).
+Each Function's backward applies its adjoint Function (gather-keep <-> narrow), so
+``backward(create_graph=True)`` records the backward collective too.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from mp_bridge.comm.bridge.plan import BridgeDirection, BridgePlan
+from mp_bridge.comm.bridge.ragged_plan import check_member_headers, route_ragged
+from mp_bridge.comm.collectives.primitives import (
+    all_gather_tensor,
+    copy_to_group,
+    group_rank,
+    group_size,
+)
+
+__all__ = ["bridge_ragged", "check_tokens_per_sample", "exchange_rows"]
+
+HEADER_FIELDS = ("samples", "tokens", "row numel", "element size")
+
+
+def check_tokens_per_sample(tokens_per_sample: object, num_tokens: int) -> tuple[int, ...]:
+    """Validate ``tokens_per_sample`` (local, no collective) and return it as ints.
+
+    Accepts a 1-D integer tensor or a sequence of ints, each >= 0, summing to ``num_tokens``
+    (the first dim of ``x``). Raises ``ValueError`` naming the value and the fix.
+    """
+    if isinstance(tokens_per_sample, torch.Tensor):
+        t = tokens_per_sample
+        if t.dim() != 1:
+            raise ValueError(
+                f"tokens_per_sample has shape {tuple(t.shape)} ({t.dim()} dims); pass a 1-D "
+                f"tensor with one token count per sample of this rank's batch"
+            )
+        if t.dtype == torch.bool or t.is_floating_point() or t.is_complex():
+            raise ValueError(
+                f"tokens_per_sample has dtype {t.dtype}; pass an integer tensor (e.g. "
+                f"torch.int64) of per-sample token counts"
+            )
+        values = t.tolist()
+    elif isinstance(tokens_per_sample, Sequence) and not isinstance(tokens_per_sample, str):
+        values = list(tokens_per_sample)
+        bad = [v for v in values if isinstance(v, bool) or not isinstance(v, int)]
+        if bad:
+            raise ValueError(
+                f"tokens_per_sample={values} has non-int entries {bad[:4]}; pass a flat "
+                f"sequence (or 1-D integer tensor) of per-sample token counts"
+            )
+    else:
+        raise TypeError(
+            f"tokens_per_sample must be a 1-D integer tensor or a sequence of ints, got "
+            f"{type(tokens_per_sample).__name__}"
+        )
+    negative = [v for v in values if v < 0]
+    if negative:
+        raise ValueError(
+            f"tokens_per_sample={_short(values)} has negative counts {negative[:4]}; each "
+            f"sample's token count must be >= 0 (0 for a text-only sample)"
+        )
+    if sum(values) != num_tokens:
+        raise ValueError(
+            f"tokens_per_sample={_short(values)} sums to {sum(values)} but x has {num_tokens} "
+            f"tokens (its first dim); pass one count per sample summing to x.shape[0]"
+        )
+    return tuple(int(v) for v in values)
+
+
+def _short(values: list[int]) -> str:
+    return str(values) if len(values) <= 16 else f"[{len(values)} counts: {values[:8]}...]"
+
+
+# ------------------------------------------------------- plain (non-autograd) exchange
+def exchange_rows(
+    x: torch.Tensor,
+    group: dist.ProcessGroup | None,
+    slot_rows: Sequence[int],
+    counts: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Send all of ``x`` ``[r, *rest]`` to every member; return every member's rows.
+
+    ``slot_rows``: rows of each member in group rank order (``x.shape[0]`` at this rank's
+    own position). Returns ``y`` ``[sum(slot_rows), *rest]``, member ``m``'s rows at its
+    slot range, and, when ``counts`` (int64 ``[n]``, the same ``n`` on every member) is
+    given, the members' counts ``[k, n]`` (else ``None``). One ``all_to_all_single``; this
+    rank receives exactly the other members' rows (plus ``8·n`` bytes each with counts).
+    """
+    k = len(slot_rows)
+    if k != group_size(group) or slot_rows[group_rank(group)] != x.shape[0]:
+        raise ValueError(
+            f"slot_rows={list(slot_rows)} must hold one row count per group member "
+            f"({group_size(group)}), with x.shape[0]={x.shape[0]} at this rank's position "
+            f"{group_rank(group)}"
+        )
+    if k == 1:  # a single process (group None or of size 1): nothing to exchange
+        return x.clone(), None if counts is None else counts.reshape(1, -1).clone()
+    rest = tuple(x.shape[1:])
+    y = x.new_empty((sum(slot_rows), *rest))
+    if counts is None:
+        dist.all_to_all_single(
+            y, torch.cat([x] * k), list(slot_rows), [x.shape[0]] * k, group=group
+        )
+        return y, None
+    # Counts and tokens in one message of bytes: [counts (8n bytes) | tokens], written
+    # once per member straight into the send buffer (no intermediate message copy).
+    row_bytes = math.prod(rest) * x.element_size()
+    head = counts.to(device=x.device, dtype=torch.int64).reshape(-1).view(torch.uint8)
+    width = head.numel() + x.numel() * x.element_size()
+    send = torch.empty(k, width, dtype=torch.uint8, device=x.device)
+    send[:, : head.numel()] = head
+    send[:, head.numel() :] = _as_bytes(x)
+    recv = [head.numel() + r * row_bytes for r in slot_rows]
+    buf = torch.empty(sum(recv), dtype=torch.uint8, device=x.device)
+    dist.all_to_all_single(buf, send.reshape(-1), recv, [send.shape[1]] * k, group=group)
+    y_bytes = _as_bytes(y)  # a view: writing it fills y
+    heads, start, out = [], 0, 0
+    for size in recv:
+        heads.append(buf[start : start + head.numel()])
+        n_bytes = size - head.numel()
+        y_bytes[out : out + n_bytes].copy_(buf[start + head.numel() : start + size])
+        start, out = start + size, out + n_bytes
+    received = torch.cat(heads).view(torch.int64).reshape(k, counts.numel())
+    return y, received
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().reshape(-1).view(torch.uint8)
+
+
+def _exchange_headers(
+    x: torch.Tensor, n_samples: int, group: dist.ProcessGroup | None, k: int
+) -> list[list[int]]:
+    """All-gather one fixed-size int64 header per member (``HEADER_FIELDS``)."""
+    header = torch.tensor(
+        [n_samples, x.shape[0], math.prod(x.shape[1:]), x.element_size()],
+        dtype=torch.int64,
+        device=x.device,
+    )
+    return all_gather_tensor(header, group, 0).reshape(k, len(HEADER_FIELDS)).tolist()
+
+
+def _check_rows(members: Sequence[int], headers: list[list[int]]) -> None:
+    rows = {(h[2], h[3]) for h in headers}
+    if len(rows) > 1:
+        per_rank = ", ".join(
+            f"rank {r}: {h[2]} elements x {h[3]} bytes" for r, h in zip(members, headers)
+        )
+        raise ValueError(
+            f"the ranks of gather group {list(members)} passed tokens of different row "
+            f"sizes in x ({per_rank}); every member's x must be [T, *rest] with the same "
+            f"rest and dtype"
+        )
+
+
+# ----------------------------------------------------------------- autograd ops
+class _GatherRows(torch.autograd.Function):
+    """Forward: ``exchange_rows`` (every member's rows, slot order; optional counts).
+    Backward: ``_NarrowRows`` — keep this rank's slot of the (group-replicated) gradient."""
+
+    @staticmethod
+    def forward(ctx, x, group, slot, slot_rows, counts):
+        ctx.group, ctx.slot, ctx.slot_rows = group, slot, slot_rows
+        y, received = exchange_rows(x, group, slot_rows, counts)
+        if received is None:
+            received = torch.empty(0, dtype=torch.int64, device=x.device)
+        ctx.mark_non_differentiable(received)
+        return y, received
+
+    @staticmethod
+    def backward(ctx, grad, _grad_counts):
+        grad_x = _NarrowRows.apply(grad, ctx.group, ctx.slot, ctx.slot_rows)
+        return grad_x, None, None, None, None
+
+
+class _NarrowRows(torch.autograd.Function):
+    """Forward: a copy of this rank's slot rows of ``x`` (no communication).
+    Backward: ``_GatherRows`` — every member's slot gradient, slot order."""
+
+    @staticmethod
+    def forward(ctx, x, group, slot, slot_rows):
+        ctx.group, ctx.slot, ctx.slot_rows = group, slot, slot_rows
+        start = sum(slot_rows[:slot])
+        # A copy, not a view: the output must not alias the caller's input.
+        return x[start : start + slot_rows[slot]].clone(memory_format=torch.contiguous_format)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad_x, _ = _GatherRows.apply(grad, ctx.group, ctx.slot, ctx.slot_rows, None)
+        return grad_x, None, None, None
+
+
+def bridge_ragged(
+    x: torch.Tensor,
+    tokens_per_sample: object,
+    *,
+    plan: BridgePlan,
+    rank: int,
+    gather_group: dist.ProcessGroup | None,
+    cp_group: dist.ProcessGroup | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One rank's ragged bridge step; see ``ColocatedBridgeCommunicator.communicate_ragged``.
+
+    Returns ``(y, dest_tokens_per_sample)``: ``y`` ``[T_dest, *rest]`` (never aliasing
+    ``x``), ``dest_tokens_per_sample`` a CPU int64 tensor ``[B_dest_local]``.
+    """
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    if rank not in plan.src.ranks:
+        raise ValueError(
+            f"rank {rank} is outside the bridged grids {plan.src!r}; call "
+            f"communicate_ragged() only on ranks {list(plan.src.ranks)}"
+        )
+    if x.dim() < 1:
+        raise ValueError(
+            f"x has shape {tuple(x.shape)}; pass the flat tokens [T, *rest] (e.g. [T, h])"
+        )
+    counts = check_tokens_per_sample(tokens_per_sample, x.shape[0])
+    k, slot, direction = plan.scale, plan.slot_of(rank), plan.direction
+    if direction is BridgeDirection.FAN_IN:
+        members = plan.gather_group_of(rank)
+        headers = _exchange_headers(x, len(counts), gather_group, k)
+        # Every member sees the same headers, so every member raises the same error.
+        check_member_headers(members, [h[0] for h in headers])
+        _check_rows(members, headers)
+        slot_tokens = tuple(h[1] for h in headers)
+        own = torch.tensor(counts, dtype=torch.int64)
+        y, received = _GatherRows.apply(x, gather_group, slot, slot_tokens, own)
+        route = route_ragged(plan, rank, [tuple(c) for c in received.tolist()])
+        assert route.slot_tokens == slot_tokens, (route, slot_tokens)
+    else:
+        # FAN_OUT members are one src DP replica: they all hold these counts.
+        route = route_ragged(plan, rank, [counts] * k)
+        if direction is BridgeDirection.FAN_OUT:
+            y = _NarrowRows.apply(x, gather_group, slot, route.slot_tokens)
+        else:
+            y = x.clone(memory_format=torch.contiguous_format)
+    # Identity forward; backward all-reduces the gradient over dest CP (before the step).
+    y = copy_to_group(y, cp_group)
+    return y, torch.tensor(route.dest_counts, dtype=torch.int64)

@@ -1,0 +1,245 @@
+"""Who sends which image-token rows to whom in ``route``: pure (no process group).
+
+``ColocatedBridgeCommunicator.route`` sends every image token from an encoder rank that
+holds it straight to the LLM shard(s) that consume it. Everything happens inside one
+**route group**: the ranks of one LLM DP replica for FAN_IN and EQUAL (they hold the
+``k`` encoder replicas feeding it), the ranks of one encoder DP replica for FAN_OUT (they
+hold the ``k`` LLM replicas it feeds); the nesting of the layouts makes these sets equal.
+
+Tokens are named by their index ``g`` in the route group's **batch**: the samples of the
+group in order (FAN_IN the LLM batch, FAN_OUT the encoder batch), their image tokens
+sample-major. Member ``m`` *holds* a contiguous range of ``g`` (its encoder batch) and
+*needs* the image tokens of its local shard: with the load-balanced CP cut and the SP
+split, a shard's tokens are in ascending ``g`` order, so a shard is fully described by the
+shard id (``cp_rank·pieces + sp_piece``) of every image token (:func:`image_token_shards`).
+
+Choices (deterministic, the same on every rank; ``p(r)``: position in the group):
+
+- forward, receiver ``q`` and token ``g``: ``q`` itself if it holds ``g``, else holder
+  number ``p(q) mod |holders|`` (holders in group order).
+- backward, encoder ``e`` and token ``g``: ``e`` itself if it consumed ``g`` (LLM TP
+  replicas without SP consumed the same row and count once), else consumer number
+  ``p(e) mod |consumers|``. Every holder gets every row's gradient (encoder TP replicas
+  end with the same gradient).
+
+Messages list their rows in ascending ``g`` in both directions, so sender and receiver
+agree without exchanging indices.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from mp_bridge.comm.bridge.plan import BridgeDirection, BridgePlan
+from mp_bridge.comm.sequence.padding import PaddedLayout
+
+__all__ = [
+    "RankRoute",
+    "RouteCache",
+    "image_token_shards",
+    "plan_route",
+    "route_groups",
+    "route_needs",
+]
+
+
+@dataclass(frozen=True)
+class RankRoute:
+    """One rank's ``route`` step (LongTensor indices; ``[...]`` per group member).
+
+    - ``n_local``: output rows (image tokens of the local shard); ``x_rows``: input rows.
+    - forward: ``keep_y``/``keep_x`` own rows; ``send_x[m]`` x rows for member ``m``;
+      ``recv_y[m]`` output positions that ``m``'s rows fill, in message order.
+    - backward: ``bwd_keep_y``/``bwd_keep_x``; ``bwd_send_y[m]`` output-gradient rows for
+      ``m``; ``bwd_recv_x[m]`` the x rows ``m``'s gradient rows fill.
+    """
+
+    members: tuple[int, ...]
+    n_local: int
+    x_rows: int
+    keep_y: torch.Tensor
+    keep_x: torch.Tensor
+    send_x: tuple[torch.Tensor, ...]
+    recv_y: tuple[torch.Tensor, ...]
+    bwd_keep_y: torch.Tensor
+    bwd_keep_x: torch.Tensor
+    bwd_send_y: tuple[torch.Tensor, ...]
+    bwd_recv_x: tuple[torch.Tensor, ...]
+
+    def fwd_rows(self) -> tuple[list[int], list[int]]:
+        """Rows sent to / received from each member in the forward exchange."""
+        return [len(s) for s in self.send_x], [len(r) for r in self.recv_y]
+
+    def bwd_rows(self) -> tuple[list[int], list[int]]:
+        """Rows sent to / received from each member in the backward exchange."""
+        return [len(s) for s in self.bwd_send_y], [len(r) for r in self.bwd_recv_x]
+
+
+def image_token_shards(image_mask: torch.Tensor, layout: PaddedLayout) -> torch.Tensor:
+    """Shard id (``cp_rank·pieces + sp_piece``) of every image token, sample-major.
+
+    ``image_mask``: bool ``[B, S]`` (plain, ``layout.seq_len == S``) or ``[T]`` (packed,
+    ``layout.bounds`` its documents). Returns LongTensor ``[n_image]`` on the CPU.
+    """
+    mask = image_mask.detach().to("cpu", torch.bool)
+    shard = layout.shard_of_position()[layout.kept_positions()]  # [S] original order
+    if mask.dim() == 2:
+        return shard.expand_as(mask)[mask]
+    return shard[mask]
+
+
+def route_groups(plan: BridgePlan) -> tuple[tuple[int, ...], ...]:
+    """The route groups (ascending ranks): one per LLM DP replica (FAN_IN, EQUAL) or per
+    encoder DP replica (FAN_OUT)."""
+    layout, axis = (
+        (plan.src, "dp") if plan.direction is BridgeDirection.FAN_OUT else (plan.dest, "dp")
+    )
+    groups: dict[int, list[int]] = {}
+    for r in layout.ranks:
+        groups.setdefault(layout.coords(r)[axis], []).append(r)
+    return tuple(tuple(sorted(g)) for _, g in sorted(groups.items()))
+
+
+def route_needs(
+    plan: BridgePlan,
+    members: Sequence[int],
+    *,
+    pieces: int,
+    src_totals: dict[int, int],
+    dest_shards: dict[int, torch.Tensor],
+) -> tuple[list[tuple[int, int]], list[torch.Tensor]]:
+    """Each member's held ``g`` range and needed ``g`` (ascending) in its route group.
+
+    ``src_totals``: image tokens of each encoder DP replica of the group (by src dp);
+    ``dest_shards``: :func:`image_token_shards` of each LLM DP replica (by dest dp);
+    ``pieces``: SP pieces per CP shard (the LLM tp with SP, else 1).
+    """
+    fan_out = plan.direction is BridgeDirection.FAN_OUT
+    src_dps, dest_dps = sorted(src_totals), sorted(dest_shards)
+    src_start, dest_start, total = {}, {}, 0
+    for d in src_dps:
+        src_start[d] = 0 if fan_out else total
+        total += 0 if fan_out else src_totals[d]
+    total = 0
+    for d in dest_dps:
+        dest_start[d] = total if fan_out else 0
+        total += len(dest_shards[d]) if fan_out else 0
+    holds, needs = [], []
+    for m in members:
+        s, d = plan.src.coords(m)["dp"], plan.dest.coords(m)
+        size = sum(len(v) for v in dest_shards.values()) if fan_out else src_totals[s]
+        holds.append((src_start[s], src_start[s] + size))
+        shard = d.get("cp", 0) * pieces + (d["tp"] if pieces > 1 else 0)
+        needs.append(dest_start[d["dp"]] + torch.nonzero(dest_shards[d["dp"]] == shard).reshape(-1))
+    return holds, needs
+
+
+def _sender_table(holds: Sequence[tuple[int, int]], total: int):
+    """``(cuts, table)``: ``g`` in ``[cuts[i], cuts[i+1])`` has one holder set; for
+    receiver ``q``, ``table[q, i]`` is holder number ``q mod |holders|`` (-1: none)."""
+    cuts = sorted({0, total, *(min(max(v, 0), total) for ab in holds for v in ab)})
+    table = torch.full((len(holds), max(len(cuts) - 1, 1)), -1, dtype=torch.long)
+    for i, (u, v) in enumerate(zip(cuts[:-1], cuts[1:])):
+        holders = [m for m, (a, b) in enumerate(holds) if a <= u and v <= b]
+        for q in range(len(holds)):
+            table[q, i] = holders[q % len(holders)] if holders else -1
+    return torch.tensor(cuts, dtype=torch.long), table
+
+
+def plan_route(
+    members: Sequence[int],
+    rank: int,
+    holds: Sequence[tuple[int, int]],
+    needs: Sequence[torch.Tensor],
+) -> RankRoute:
+    """``rank``'s :class:`RankRoute` given every member's held range and needed tokens.
+
+    ``holds[m]``: ``(start, stop)`` of the ``g`` member ``m`` holds (its x rows, in
+    order); ``needs[m]``: ascending ``g`` of its local shard's image tokens. Cost: ``O(G)``
+    plus, per other member, a few passes over both members' needs (no ``[members, G]``
+    matrix): holder sets are constant between range ends, and a token's consumers are
+    ranked by one running count over the members.
+    """
+    members = tuple(members)
+    me, n_members = members.index(rank), len(members)
+    needs = [torch.as_tensor(n, dtype=torch.long).reshape(-1).cpu() for n in needs]
+    total = max([b for _, b in holds] + [int(n.max()) + 1 for n in needs if len(n)] + [0])
+    count = torch.zeros(total, dtype=torch.long)  # members needing g
+    before = []  # before[m][i]: members ahead of m needing needs[m][i]
+    for need in needs:
+        before.append(count[need])
+        count[need] += 1
+    cuts, table = _sender_table(holds, total)
+    start = holds[me][0]
+
+    def held(m: int, g: torch.Tensor) -> torch.Tensor:
+        return (g >= holds[m][0]) & (g < holds[m][1])
+
+    def sender(q: int, g: torch.Tensor) -> torch.Tensor:
+        return table[q, torch.searchsorted(cuts, g, right=True) - 1]
+
+    mine = needs[me]
+    needed_by_me = torch.zeros(total, dtype=torch.bool)
+    needed_by_me[mine] = True
+    pos = torch.arange(len(mine))  # output row of mine[i] is i
+    held_me = held(me, mine)
+    from_m = sender(me, mine)
+    empty = torch.zeros(0, dtype=torch.long)
+    send_x, recv_y, bwd_send_y, bwd_recv_x = [], [], [], []
+    for m in range(n_members):
+        if m == me:
+            for lst in (send_x, recv_y, bwd_send_y, bwd_recv_x):
+                lst.append(empty)
+            continue
+        theirs = needs[m]
+        send_x.append(theirs[~held(m, theirs) & (sender(m, theirs) == me)] - start)
+        recv_y.append(pos[~held_me & (from_m == m)])
+        # backward: encoder m gets g from its (m mod count)-th consumer, counted in order
+        needed_by_m = torch.zeros(total, dtype=torch.bool)
+        needed_by_m[theirs] = True
+        unused_by_m = held(m, mine) & ~needed_by_m[mine]
+        bwd_send_y.append(pos[unused_by_m & (m % count[mine] == before[me])])
+        unused_by_me = held(me, theirs) & ~needed_by_me[theirs]
+        bwd_recv_x.append(theirs[unused_by_me & (me % count[theirs] == before[m])] - start)
+    kept = pos[held_me]
+    return RankRoute(
+        members=members,
+        n_local=len(mine),
+        x_rows=holds[me][1] - start,
+        keep_y=kept,
+        keep_x=mine[held_me] - start,
+        send_x=tuple(send_x),
+        recv_y=tuple(recv_y),
+        bwd_keep_y=kept,
+        bwd_keep_x=mine[held_me] - start,
+        bwd_send_y=tuple(bwd_send_y),
+        bwd_recv_x=tuple(bwd_recv_x),
+    )
+
+
+class RouteCache:
+    """A small LRU of :class:`RankRoute` (the communicator's: repeated steps with the same
+    layout skip planning). ``get(key, make)``: the cached route, else ``make()`` stored."""
+
+    def __init__(self, maxsize: int = 8) -> None:
+        self.maxsize = maxsize
+        self._routes: OrderedDict[object, RankRoute] = OrderedDict()
+
+    def get(self, key: object, make: Callable[[], RankRoute]) -> RankRoute:
+        route = self._routes.get(key)
+        if route is None:
+            route = self._routes[key] = make()
+            while len(self._routes) > self.maxsize:
+                self._routes.popitem(last=False)
+        self._routes.move_to_end(key)
+        return route
+
+    def __len__(self) -> int:
+        return len(self._routes)
+
+    def clear(self) -> None:
+        self._routes.clear()

@@ -1,0 +1,30 @@
+"""Sequence partitioning: the load-balanced CP cut, padding to the cut, the packed mask and
+the partition adapter.
+"""
+
+from .cut import (
+    cp_factor,
+    cp_gather_order,
+    cp_shard_indices,
+    cp_shard_indices_packed,
+    normalize_cu_seqlens,
+    seq_len_divisor,
+)
+from .mask import packed_sequence_mask
+from .padding import PaddedLayout, pad_layout
+from .partition import PAD_LABEL, PartitionAdapter, ShardedBatch
+
+__all__ = [
+    "cp_factor",
+    "cp_gather_order",
+    "cp_shard_indices",
+    "cp_shard_indices_packed",
+    "normalize_cu_seqlens",
+    "seq_len_divisor",
+    "packed_sequence_mask",
+    "PaddedLayout",
+    "pad_layout",
+    "PAD_LABEL",
+    "PartitionAdapter",
+    "ShardedBatch",
+]

@@ -1,0 +1,51 @@
+"""Which (local query, gathered key) pairs of a packed CP batch share a sequence (pure).
+
+With packed (THD) input, CP rank ``r`` holds the tokens ``cp_shard_indices_packed(cu, cp,
+r)`` and, after the K/V all-gather, every key in the order ``cp_gather_order(S, cp,
+cu_seqlens=cu)``. Attention must not cross sequences, so a query sees a key only when
+both belong to the same packed sequence.
+
+Example, ``cu_seqlens=[0, 4, 8]``, ``cp=2``, rank 0 holds tokens ``[0, 3, 4, 7]`` and the
+keys arrive as ``[0, 3, 4, 7, 1, 2, 5, 6]`` (sequences ``[0, 0, 1, 1, 0, 0, 1, 1]``)::
+
+    query 0 (seq 0) -> [1, 1, 0, 0, 1, 1, 0, 0]
+    query 4 (seq 1) -> [0, 0, 1, 1, 0, 0, 1, 1]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from mp_bridge.comm.sequence.cut import (
+    cp_gather_order,
+    cp_shard_indices_packed,
+    normalize_cu_seqlens,
+    seq_len_divisor,
+)
+
+__all__ = ["packed_sequence_mask"]
+
+
+def packed_sequence_mask(
+    cu_seqlens: Sequence[int] | torch.Tensor,
+    cp_size: int,
+    cp_rank: int,
+    *,
+    seq_len: int | None = None,
+    device: torch.device | str | None = None,
+) -> torch.Tensor:
+    """Bool ``[S / cp, S]``: ``True`` where local query ``i`` and gathered key ``j`` share a
+    sequence.
+
+    Rows follow the local token order (``cp_shard_indices_packed``), columns the gathered
+    key order (``cp_gather_order``); ``S = cu_seqlens[-1]``, which must equal ``seq_len``
+    when given. Every sequence length must be divisible by ``seq_len_divisor(cp_size)``.
+    """
+    bounds = normalize_cu_seqlens(cu_seqlens, seq_len_divisor(cp_size), total=seq_len)
+    lengths = torch.tensor([e - a for a, e in zip(bounds[:-1], bounds[1:])])
+    seq_of = torch.repeat_interleave(torch.arange(len(lengths)), lengths)
+    q_seq = seq_of[cp_shard_indices_packed(bounds, cp_size, cp_rank)]
+    k_seq = seq_of[cp_gather_order(bounds[-1], cp_size, cu_seqlens=bounds)]
+    return (q_seq[:, None] == k_seq[None, :]).to(device)

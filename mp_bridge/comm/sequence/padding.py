@@ -1,0 +1,129 @@
+"""Pad sequences of any length to the CP/SP cut, and undo it (pure: no process group).
+
+The load-balanced CP cut (:mod:`mp_bridge.comm.sequence.cut`) needs every (per-document)
+length divisible by ``2·cp`` and, with sequence parallelism, the sequence (the packed
+total) divisible by ``2·cp·tp``. :func:`pad_layout` describes the smallest padded layout
+that satisfies it; the padding tokens sit **at the end** of each sequence / document, so
+the original tokens keep their order:
+
+- plain ``[b, S]``: every row is padded from ``S`` to ``ceil(S / f)·f`` with
+  ``f = seq_len_divisor(cp, tp, sequence_parallel=sp)``: at most ``f − 1`` tokens per row.
+- packed (``cu_seqlens``): every document of length ``L`` is padded to
+  ``ceil(L / (2·cp))·2·cp`` (at most ``2·cp − 1`` tokens per document, ``cp − ½`` on
+  average); with SP a last padding-only document of fewer than ``2·cp·tp`` tokens (a
+  multiple of ``2·cp``) completes the total. ``cp = 1`` without SP never pads.
+
+Example, ``cp = 2``, ``cu_seqlens = [0, 3, 8]``: documents 3 and 5 become 4 and 8,
+``padded_bounds == (0, 4, 12)``, and ``source_index() == [0, 1, 2, -1, 3, 4, 5, 6, 7, -1,
+-1, -1]`` (``-1`` marks padding).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from mp_bridge.comm.sequence.cut import (
+    cp_shard_indices,
+    cp_shard_indices_packed,
+    normalize_cu_seqlens,
+    seq_len_divisor,
+)
+
+__all__ = ["PaddedLayout", "pad_layout"]
+
+
+def _round_up(n: int, f: int) -> int:
+    return -(-n // f) * f
+
+
+@dataclass(frozen=True)
+class PaddedLayout:
+    """A sequence layout before and after padding to the CP/SP cut.
+
+    - ``seq_len`` / ``padded_len``: tokens per row (plain) or packed total, before / after.
+    - ``bounds`` / ``padded_bounds``: cumulative document lengths before / after (packed),
+      else ``None``. ``padded_bounds`` may end with one padding-only document (SP).
+    - ``cp``, ``pieces``: CP size and SP pieces per CP shard (``tp`` with SP, else 1).
+    """
+
+    seq_len: int
+    padded_len: int
+    bounds: tuple[int, ...] | None
+    padded_bounds: tuple[int, ...] | None
+    cp: int
+    pieces: int
+
+    @property
+    def padding(self) -> int:
+        """Padding tokens per row (plain) or in the packed sequence."""
+        return self.padded_len - self.seq_len
+
+    def source_index(self, device: torch.device | str | None = None) -> torch.Tensor:
+        """LongTensor ``[padded_len]``: the original index of each padded position, ``-1``
+        for padding."""
+        if self.bounds is None:
+            src = torch.full((self.padded_len,), -1, dtype=torch.long, device=device)
+            src[: self.seq_len] = torch.arange(self.seq_len, device=device)
+            return src
+        src = torch.full((self.padded_len,), -1, dtype=torch.long, device=device)
+        for a, b, pa in zip(self.bounds[:-1], self.bounds[1:], self.padded_bounds):
+            src[pa : pa + b - a] = torch.arange(a, b, device=device)
+        return src
+
+    def kept_positions(self, device: torch.device | str | None = None) -> torch.Tensor:
+        """LongTensor ``[seq_len]``: the padded position of each original token, in order."""
+        return torch.nonzero(self.source_index(device) >= 0).reshape(-1)
+
+    def local_positions(
+        self, cp_rank: int, device: torch.device | str | None = None
+    ) -> torch.Tensor:
+        """Padded positions CP rank ``cp_rank`` keeps, in its local order (the CP cut)."""
+        if self.padded_bounds is None:
+            return cp_shard_indices(self.padded_len, self.cp, cp_rank, device=device)
+        return cp_shard_indices_packed(self.padded_bounds, self.cp, cp_rank, device=device)
+
+    def shard_of_position(self, device: torch.device | str | None = None) -> torch.Tensor:
+        """LongTensor ``[padded_len]``: the shard ``cp_rank·pieces + piece`` holding each
+        padded position (``piece``: the SP piece of the CP-local sequence, 0 without SP)."""
+        shard = torch.empty(self.padded_len, dtype=torch.long, device=device)
+        local_len = self.padded_len // self.cp
+        piece = torch.arange(local_len, device=device) // max(local_len // self.pieces, 1)
+        for c in range(self.cp):
+            shard[self.local_positions(c, device)] = c * self.pieces + piece
+        return shard
+
+
+def pad_layout(
+    seq_len: int,
+    cp_size: int,
+    tp_size: int = 1,
+    *,
+    sequence_parallel: bool = False,
+    cu_seqlens: Sequence[int] | torch.Tensor | None = None,
+) -> PaddedLayout:
+    """The padded layout of a sequence of ``seq_len`` tokens (see the module docstring).
+
+    ``cu_seqlens``: the packed documents' cumulative lengths (any lengths; the last entry
+    must equal ``seq_len``). ``sequence_parallel`` with ``tp_size > 1`` also makes the
+    padded (total) length a multiple of ``tp`` pieces per CP shard.
+    """
+    sp = sequence_parallel and tp_size > 1
+    pieces = tp_size if sp else 1
+    total_factor = seq_len_divisor(cp_size, tp_size, sequence_parallel=sp)
+    if cu_seqlens is None:
+        padded = _round_up(seq_len, total_factor)
+        return PaddedLayout(seq_len, padded, None, None, cp_size, pieces)
+    bounds = normalize_cu_seqlens(cu_seqlens, 1, total=seq_len)
+    doc_factor = seq_len_divisor(cp_size)
+    padded_bounds = [0]
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        padded_bounds.append(padded_bounds[-1] + _round_up(b - a, doc_factor))
+    tail = _round_up(padded_bounds[-1], total_factor) - padded_bounds[-1]
+    if tail:  # a multiple of doc_factor, as both totals are
+        padded_bounds.append(padded_bounds[-1] + tail)
+    return PaddedLayout(
+        seq_len, padded_bounds[-1], tuple(bounds), tuple(padded_bounds), cp_size, pieces
+    )

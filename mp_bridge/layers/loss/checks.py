@@ -1,0 +1,242 @@
+"""Input validation of every loss (materialized and fused), run before any collective.
+
+Each check raises ``TypeError`` / ``ValueError`` naming the argument, the value and the
+fix; ``forbid_double_backward`` is the one refusal of ``create_graph=True`` the losses'
+autograd Functions share.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from mp_bridge.comm import check_agreement, check_group_arg, group_rank, group_size
+from mp_bridge.layers.vocab_shards import VocabShard
+
+__all__ = [
+    "REDUCTIONS",
+    "check_bool",
+    "check_tp_agreement",
+    "check_chunk_size",
+    "check_float",
+    "check_fused_inputs",
+    "check_logits",
+    "check_loss_args",
+    "check_reduction",
+    "check_options",
+    "check_shard",
+    "check_target",
+    "check_temperature",
+    "check_vocab_size",
+    "forbid_double_backward",
+]
+
+REDUCTIONS = ("mean", "sum", "none")
+
+
+def check_bool(name: str, value: object) -> bool:
+    """``TypeError`` unless ``value`` is a real bool (``"no"`` would be truthy)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, got {value!r}")
+    return value
+
+
+def check_vocab_size(vocab_size: object, padded: int, v_local: int, tp_size: int) -> int:
+    """Validate ``vocab_size`` (``None`` = no padding) against the padded vocab; return it."""
+    if vocab_size is None:
+        return padded
+    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int):
+        raise TypeError(f"vocab_size must be an int or None, got {vocab_size!r}")
+    if not 1 <= vocab_size <= padded:
+        raise ValueError(
+            f"vocab_size={vocab_size} must be in [1, {padded}]: the shard holds V_local="
+            f"{v_local} rows on each of {tp_size} TP ranks (padded vocab {padded}); pass the "
+            "true vocab size, or shard with vocab_shard_ranges(vocab_size, tp_size)"
+        )
+    return vocab_size
+
+
+def check_shard(v_local: int, vocab_size: object, tp_group: dist.ProcessGroup | None) -> VocabShard:
+    """This rank's :class:`VocabShard` of ``v_local`` rows; ``vocab_size`` validated."""
+    check_group_arg("tp_group", tp_group)
+    tp = group_size(tp_group)
+    vocab = check_vocab_size(vocab_size, v_local * tp, v_local, tp)
+    return VocabShard.of_rank(tp, v_local, rank=group_rank(tp_group), vocab_size=vocab)
+
+
+def check_logits(
+    logits: object, tp_group: dist.ProcessGroup | None, vocab_size: object
+) -> VocabShard:
+    """Validate vocab-parallel ``logits [..., V_local]`` and ``vocab_size``; return the shard."""
+    if not isinstance(logits, torch.Tensor):
+        raise TypeError(f"logits must be a torch.Tensor, got {type(logits).__name__}")
+    if not logits.is_floating_point():
+        raise TypeError(f"logits must be a floating tensor, got dtype={logits.dtype}")
+    if logits.dim() < 1 or logits.shape[-1] < 1:
+        raise ValueError(
+            f"logits must be [..., V_local] with V_local >= 1, got {tuple(logits.shape)}"
+        )
+    return check_shard(logits.shape[-1], vocab_size, tp_group)
+
+
+def check_fused_inputs(hidden: object, weight: object, chunk_size: object) -> None:
+    """``hidden [..., H]`` and ``weight [V_local, H]`` floating, same H, dtype and device."""
+    for name, x in (("hidden", hidden), ("weight", weight)):
+        if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+            raise TypeError(f"{name} must be a floating torch.Tensor, got {type(x).__name__}")
+    if hidden.dim() < 1 or weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(
+            f"need hidden [..., H] and weight [V_local, H] with the same H, got hidden "
+            f"{tuple(hidden.shape)} and weight {tuple(weight.shape)}"
+        )
+    if hidden.dtype != weight.dtype or hidden.device != weight.device:
+        raise TypeError(
+            f"hidden ({hidden.dtype}, {hidden.device}) and weight ({weight.dtype}, "
+            f"{weight.device}) must share dtype and device; cast one, e.g. "
+            "hidden.to(weight.dtype) (the loss accumulates in fp32 either way)"
+        )
+    check_chunk_size(chunk_size)
+
+
+def check_chunk_size(chunk_size: object) -> None:
+    """``None`` or a positive int."""
+    if chunk_size is not None and (
+        isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1
+    ):
+        raise ValueError(f"chunk_size={chunk_size!r} must be a positive int or None")
+
+
+def check_reduction(reduction: object) -> str:
+    """One of ``REDUCTIONS``."""
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction={reduction!r} must be one of {REDUCTIONS}")
+    return reduction
+
+
+def check_target(
+    target: object,
+    shape: tuple[int, ...],
+    vocab_size: int,
+    ignore_index: int | None,
+    *,
+    shape_of: str = "",
+) -> torch.Tensor:
+    """Validate class ids (one host sync) and return them as ``torch.long``.
+
+    Any integer dtype is accepted (int32 / uint8 ids are common); the kernels index with
+    int64. ``target`` must have ``shape`` (``shape_of`` says where that shape comes from)
+    and hold ids in ``[0, vocab_size)`` or ``ignore_index``.
+    """
+    if not isinstance(target, torch.Tensor):
+        raise TypeError(f"target must be a torch.Tensor, got {type(target).__name__}")
+    if target.is_floating_point() or target.is_complex() or target.dtype == torch.bool:
+        raise TypeError(
+            f"target must hold integer class ids, got dtype={target.dtype}; "
+            "pass class indices (e.g. target.long()), not probabilities or a mask"
+        )
+    if tuple(target.shape) != tuple(shape):
+        raise ValueError(f"target shape {tuple(target.shape)} must equal {shape_of}{tuple(shape)}")
+    target = target.long()
+    bad = (target < 0) | (target >= vocab_size)
+    if ignore_index is not None:
+        bad &= target != ignore_index
+    if bool(bad.any()):  # a wrong id would otherwise be a silent wrong loss
+        allowed = f" or ignore_index={ignore_index}" if ignore_index is not None else ""
+        raise ValueError(
+            f"target holds id {int(target[bad].flatten()[0])} outside [0, {vocab_size})"
+            f"{allowed}; fix the labels, or pass the true vocab_size"
+        )
+    return target
+
+
+def check_float(name: str, value: object, *, low: float, high: float, open_low: bool) -> float:
+    """A float in ``(low, high]`` / ``[low, high]``, else ValueError/TypeError."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a float, got {value!r}")
+    ok = (value > low if open_low else value >= low) and value <= high
+    if not ok:
+        bracket = "(" if open_low else "["
+        raise ValueError(f"{name}={value!r} must be a float in {bracket}{low}, {high}]")
+    return float(value)
+
+
+def check_loss_args(ignore_index: object, label_smoothing: object) -> tuple[int, float]:
+    """``ignore_index`` an int, ``label_smoothing`` a float in ``[0, 1]``."""
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+        raise TypeError(f"ignore_index must be an int (default -100), got {ignore_index!r}")
+    eps = check_float("label_smoothing", label_smoothing, low=0.0, high=1.0, open_low=False)
+    return ignore_index, eps
+
+
+def check_temperature(temperature: object) -> float:
+    """A finite float > 0 (1.0 = no scaling)."""
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
+        raise TypeError(f"temperature must be a float, got {temperature!r}")
+    if not 0.0 < temperature < float("inf"):  # also rejects nan
+        raise ValueError(f"temperature={temperature!r} must be a finite float > 0 (1.0 = none)")
+    return float(temperature)
+
+
+def check_options(
+    *,
+    softcap: object = None,
+    z_loss_weight: object = 0.0,
+    ignore_index: object = None,
+    flags: dict[str, object] | None = None,
+) -> tuple[float | None, float, int | None]:
+    """The RL-head options: ``softcap`` None or a finite float > 0, ``z_loss_weight`` a
+    finite float >= 0, ``ignore_index`` None or an int, every ``flags`` value a bool."""
+    if softcap is not None:
+        if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
+            raise TypeError(f"softcap must be a float or None, got {softcap!r}")
+        if not 0.0 < softcap < float("inf"):
+            raise ValueError(f"softcap={softcap!r} must be a finite float > 0 (None = no cap)")
+        softcap = float(softcap)
+    if isinstance(z_loss_weight, bool) or not isinstance(z_loss_weight, (int, float)):
+        raise TypeError(f"z_loss_weight must be a float, got {z_loss_weight!r}")
+    if not 0.0 <= z_loss_weight < float("inf"):
+        raise ValueError(f"z_loss_weight={z_loss_weight!r} must be a finite float >= 0 (0 = none)")
+    if ignore_index is not None and (
+        isinstance(ignore_index, bool) or not isinstance(ignore_index, int)
+    ):
+        raise TypeError(f"ignore_index must be an int or None, got {ignore_index!r}")
+    for name, flag in (flags or {}).items():
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be a bool, got {flag!r}")
+    return softcap, float(z_loss_weight), ignore_index
+
+
+def check_tp_agreement(
+    where: str,
+    tp_group: dist.ProcessGroup | None,
+    inputs: dict[str, torch.Tensor],
+    settings: dict[str, object],
+    identical: dict[str, torch.Tensor | None],
+) -> None:
+    """The TP ranks agree on the inputs' shapes and dtypes, the ``settings`` (chunking,
+    vocab, loss spec), and hold bit-identical ``identical`` tensors (targets, fused hidden
+    states); else the same ``AgreementError`` on every rank. One tiny all-gather over
+    ``tp_group`` under ``MP_BRIDGE_CHECK=1`` (``mp_bridge.comm.check_agreement``)."""
+    fields: dict[str, object] = {}
+    for name, t in inputs.items():
+        fields[f"{name}.shape"] = tuple(t.shape)
+        fields[f"{name}.dtype"] = t.dtype
+    fields.update(settings)
+    device = next(iter(inputs.values())).device
+    same = {k: t for k, t in identical.items() if t is not None}
+    check_agreement(where, tp_group, fields, identical=same, device=device)
+
+
+def forbid_double_backward(name: str) -> None:
+    """Raise in a ``backward`` run with ``create_graph=True`` (grad mode on).
+
+    The losses' backward formulas reuse statistics saved in forward as constants, so a
+    graph built through them would give a silently wrong second derivative.
+    """
+    if torch.is_grad_enabled():
+        raise RuntimeError(
+            f"{name} cannot differentiate twice: backward(create_graph=True) is not "
+            "supported (its backward treats forward statistics as constants, so a second "
+            "derivative would be wrong); take higher derivatives through torch ops on "
+            "materialized full logits instead"
+        )

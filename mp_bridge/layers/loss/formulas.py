@@ -1,0 +1,300 @@
+"""Loss math with no collectives: the spec, the logit transform, row statistics, their
+merge and the values (the gradient formula: ``loss_grad``).
+
+Logits are first transformed (``transform_logits_``): ``z = softcap(x) / T`` with
+``softcap(x) = c tanh(x / c)`` (Gemma's order: cap, then temperature); fp32 throughout.
+Both per-token losses are one affine form of the global statistics of ``z`` over the true
+vocab of ``V`` ids: ``lse = log sum_c exp(z_c)``, ``tl = z_target``, ``sz = sum_c z_c``::
+
+    value = a * lse + b * tl + c * sz + zw * lse**2
+    d value / d z = (a + 2 zw lse) p + b onehot + c
+
+- cross-entropy (``F.cross_entropy(label_smoothing=eps)``): ``a = 1, b = -(1 - eps),
+  c = -eps / V``, plus the z-loss ``zw * lse**2`` (``z_loss_weight``; absent when 0);
+- log-prob ``log_softmax(z)[target]``: ``a = -1, b = 1, c = 0``;
+- optionally the entropy ``H = -sum_c p_c log p_c`` of the same ``p = softmax(z)``, with
+  ``d H / d z = -p (log p + H)``.
+
+Tokens at ``ignore_index`` get value 0 (and entropy 0) and gradient 0.
+
+Row statistics are one fp32 ``[S, ...]`` tensor, ``STATS`` in that order: row max ``m``,
+``s = sum exp(z - m)``, the target logit (0 where the target is elsewhere), the sum of
+the true logits and, with entropy only (``S = 5``), ``u = sum exp(z - m) (z - m)``, so
+``H = log s - u / s``. Partial statistics of disjoint vocab ranges merge by the online
+log-sum-exp (``merge_stats``); ``stats_values`` turns merged ones into values.
+
+``-inf`` logits (vocabulary masks) are exact zeros of every sum: a row or block whose
+logits are all ``-inf`` shifts by 0 instead of its max (``exp(-inf - -inf)`` would be
+nan), so it is the merge identity ``(-inf, 0, 0, 0[, 0])``. A row whose whole true vocab
+is ``-inf`` has no distribution (nan), as in torch.
+
+Batched block form ``[T, K, TOKEN_TILE, B]`` (tile, real local block, row, column): every
+op is element-wise, a reduction over the last dim, or one indexed element per row, so the
+bits of a row depend on that row alone, never on T or K (which vary with the chunk and the
+TP size): ATen reduces each row whole with the same inner kernel whatever the number of
+rows (its threads split rows, never a row), and element-wise results do not depend on
+where a kernel's vector body ends (checked for exp with 1-3 threads on this build,
+``tests/unit/test_vocab_blocks.py``; tanh of the soft-cap and log of the entropy by the
+bitwise TP / chunk / batch tests of ``tests/functional/test_rl_head_options.py``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from mp_bridge.layers.loss.blocks import TOKEN_TILE, BlockLayout, TargetSlots
+
+__all__ = [
+    "STATS",
+    "LossSpec",
+    "RowValues",
+    "block_stats_",
+    "combine_stats",
+    "entropy_of",
+    "exp_shift_",
+    "merge_stats",
+    "row_stats_",
+    "safe_shift",
+    "softcap_",
+    "stats_values",
+    "transform_logits_",
+]
+
+STATS = ("max", "sumexp", "target", "sum", "xexp")
+_INF = float("inf")
+
+
+@dataclass(frozen=True)
+class LossSpec:
+    """Which per-token quantities to compute, and their constants."""
+
+    kind: str  # "ce" | "logprob"
+    vocab_size: int
+    ignore_index: int | None = None
+    label_smoothing: float = 0.0
+    temperature: float = 1.0
+    softcap: float | None = None
+    z_loss_weight: float = 0.0
+    entropy: bool = False  # also the per-token entropy (a second output)
+
+    @classmethod
+    def cross_entropy(
+        cls,
+        vocab_size: int,
+        ignore_index: int | None,
+        label_smoothing: float,
+        *,
+        temperature: float = 1.0,
+        softcap: float | None = None,
+        z_loss_weight: float = 0.0,
+    ) -> LossSpec:
+        return cls(
+            "ce",
+            vocab_size,
+            ignore_index,
+            float(label_smoothing),
+            float(temperature),
+            softcap,
+            float(z_loss_weight),
+        )
+
+    @classmethod
+    def logprob(
+        cls,
+        vocab_size: int,
+        temperature: float,
+        *,
+        ignore_index: int | None = None,
+        softcap: float | None = None,
+        entropy: bool = False,
+    ) -> LossSpec:
+        return cls(
+            "logprob", vocab_size, ignore_index, 0.0, float(temperature), softcap, 0.0, entropy
+        )
+
+    @property
+    def coefficients(self) -> tuple[float, float, float]:
+        """``(a, b, c)`` of the affine form in the module docstring."""
+        if self.kind == "ce":
+            eps = self.label_smoothing
+            return 1.0, -(1.0 - eps), -eps / self.vocab_size
+        return -1.0, 1.0, 0.0
+
+    @property
+    def with_sum(self) -> bool:
+        """Whether the value needs ``sz``, the sum of the logits."""
+        return self.coefficients[2] != 0.0
+
+    @property
+    def num_stats(self) -> int:
+        """``S``: statistics per row (5 with entropy)."""
+        return 5 if self.entropy else 4
+
+    @property
+    def plain(self) -> bool:
+        """No z-loss and no entropy: the gradient is the affine form alone."""
+        return self.z_loss_weight == 0.0 and not self.entropy
+
+    def token_weight(self, target: torch.Tensor) -> torch.Tensor:
+        """fp32 per-token factor of ``d value / d logits``: ``1 / T``, 0 on ignored tokens."""
+        w = torch.full(
+            target.shape, 1.0 / self.temperature, dtype=torch.float32, device=target.device
+        )
+        if self.ignore_index is not None:
+            w = w.masked_fill(target == self.ignore_index, 0.0)
+        return w
+
+
+# ------------------------------------------------------------------ logit transform
+def softcap_(z: torch.Tensor, cap: float) -> torch.Tensor:
+    """``z <- cap * tanh(z / cap)`` in place; returns ``d/dz = 1 - tanh(z / cap)**2``.
+
+    ``-inf`` becomes ``-cap`` (a soft cap keeps no hard mask), with derivative 0.
+    """
+    t = z.div_(cap).tanh_()
+    deriv = torch.mul(t, t).neg_().add_(1.0)
+    t.mul_(cap)
+    return deriv
+
+
+def transform_logits_(z: torch.Tensor, spec: LossSpec) -> torch.Tensor | None:
+    """``z <- softcap(z) / T`` in place; returns the soft-cap derivative (``None``: no cap).
+
+    ``1 / T`` is part of the per-token factor (``LossSpec.token_weight``), not of it.
+    """
+    deriv = softcap_(z, spec.softcap) if spec.softcap is not None else None
+    if spec.temperature != 1.0:
+        z.div_(spec.temperature)
+    return deriv
+
+
+# ------------------------------------------------------------------ statistics
+def safe_shift(m: torch.Tensor) -> torch.Tensor:
+    """The shift of ``exp(z - shift)``: ``m``, or 0 where ``m = -inf`` (then ``exp`` = 0)."""
+    return m.masked_fill(m == -_INF, 0.0)
+
+
+def merge_stats(stats: torch.Tensor, dim: int) -> torch.Tensor:
+    """Online log-sum-exp merge of the partials along ``dim`` of ``stats [S, ...]``.
+
+    Partials lie in vocab order along ``dim``; the result drops ``dim``. An all-padding
+    (or all ``-inf``) partial ``(-inf, 0, 0, 0[, 0])`` is an exact no-op.
+    """
+    d = dim - 1  # the dim inside one statistic
+    m = stats[0].amax(dim=d)
+    diff = stats[0] - safe_shift(m).unsqueeze(d)
+    scale = torch.exp(diff)
+    out = [m, (stats[1] * scale).sum(dim=d), stats[2].sum(dim=d), stats[3].sum(dim=d)]
+    if stats.shape[0] == 5:  # u_i shifted by m_i -> by m: scale * (u_i + (m_i - m) s_i)
+        moved = torch.where(stats[1] > 0, diff * stats[1], 0.0)
+        out.append(((stats[4] + moved) * scale).sum(dim=d))
+    return torch.stack(out)
+
+
+def combine_stats(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """``merge_stats`` of two ``[S, ...]`` partials (``x`` left of ``y`` in vocab order)."""
+    return merge_stats(torch.stack([x, y], dim=1), 1)
+
+
+def entropy_of(s: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """``H = log s - u / s`` from ``s = sum exp(z - m)``, ``u = sum exp(z - m) (z - m)``."""
+    return torch.log(s) - u / s
+
+
+@dataclass(frozen=True)
+class RowValues:
+    """Per-token results from merged statistics (``stats_values``), unmasked."""
+
+    value: torch.Tensor  # includes the z-loss
+    lse: torch.Tensor
+    entropy: torch.Tensor | None = None
+    z_loss: torch.Tensor | None = None
+
+
+def stats_values(root: torch.Tensor, spec: LossSpec) -> RowValues:
+    """Values, lse, entropy and z-loss per token from merged ``[S, ...]`` stats (unmasked)."""
+    a, b, c = spec.coefficients
+    lse = root[0] + torch.log(root[1])
+    value = lse * a + root[2] * b
+    if c != 0.0:
+        value = value + root[3] * c
+    z_loss = None
+    if spec.z_loss_weight != 0.0:
+        z_loss = lse * lse * spec.z_loss_weight
+        value = value + z_loss
+    entropy = entropy_of(root[1], root[4]) if spec.entropy else None
+    return RowValues(value, lse, entropy, z_loss)
+
+
+def _xexp(e: torch.Tensor) -> torch.Tensor:
+    """``sum exp(x) x`` over the last dim from ``e = exp(x)`` (``0 log 0 = 0`` at ``-inf``)."""
+    return torch.special.xlogy(e, e).sum(dim=-1)
+
+
+def row_stats_(
+    z: torch.Tensor, col: torch.Tensor, valid: int, with_sum: bool, with_entropy: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[S, C]`` statistics of transformed fp32 logits ``z [C, V_local]`` and the row max.
+
+    ``valid`` true columns (the rest is padding, set to -inf); ``col`` the local target
+    column or -1. ``z`` is left holding ``exp(z - m)`` (no second ``[C, V_local]``
+    buffer); a shard of padding only gives the merge identity and ``z = 0``.
+    """
+    if valid < z.shape[1]:
+        z[:, valid:] = -_INF
+    tl = torch.where(col >= 0, z.gather(1, col.clamp(min=0).unsqueeze(1)).squeeze(1), 0.0)
+    sz = z[:, :valid].sum(dim=1) if with_sum and valid else torch.zeros_like(tl)
+    if valid:
+        m = z.amax(dim=1)
+        s = z.sub_(safe_shift(m).unsqueeze(1)).exp_().sum(dim=1)
+    else:
+        m, s = torch.full_like(tl, -_INF), torch.zeros_like(tl)
+        z.zero_()
+    parts = [m, s, tl, sz]
+    if with_entropy:
+        parts.append(_xexp(z))
+    return torch.stack(parts), m
+
+
+def exp_shift_(z: torch.Tensor, layout: BlockLayout) -> torch.Tensor:
+    """Mask the padding columns of ``z [T, K, TOKEN_TILE, B]`` to -inf, then ``z <- exp(z -
+    m)`` in place, ``m [T, K, TOKEN_TILE]`` the max of each block row (returned; ``-inf``
+    for an all ``-inf`` block row, which then holds zeros)."""
+    k = z.shape[1]
+    if k and layout.tail < layout.block:
+        z[:, k - 1, :, layout.tail :] = -_INF
+    m = z.amax(dim=-1)
+    z.sub_(safe_shift(m).unsqueeze(-1)).exp_()  # padding columns: exp(-inf) = 0
+    return m
+
+
+def block_stats_(
+    z: torch.Tensor,
+    layout: BlockLayout,
+    slots: TargetSlots,
+    with_sum: bool,
+    with_entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[S, T, K, TOKEN_TILE]`` statistics of every (tile, block) row, and ``m``.
+
+    ``z`` (transformed fp32 logits) is left holding ``exp(z - m)`` (``exp_shift_``). With
+    ``K == 0`` the partials are all zero and are never folded (no pieces).
+    """
+    t, k = z.shape[:2]
+    stats = z.new_zeros((5 if with_entropy else 4, t, k, TOKEN_TILE))
+    if k == 0:
+        return stats, stats[0]
+    tile, blk, row, col = slots.index
+    stats[2].index_put_((tile, blk, row), z[tile, blk, row, col])
+    if with_sum:
+        tail = layout.tail
+        stats[3, :, : k - 1] = z[:, : k - 1].sum(dim=-1)
+        stats[3, :, k - 1] = z[:, k - 1, :, :tail].sum(dim=-1)
+    m = exp_shift_(z, layout)
+    stats[0] = m
+    stats[1] = z.sum(dim=-1)
+    if with_entropy:
+        stats[4] = _xexp(z)
+    return stats, m

@@ -1,0 +1,292 @@
+"""Per-chunk kernels of the fused LM-head loss: the ``ChunkEngine`` protocol and two engines.
+
+An engine turns one token chunk ``h [C, H]`` of the TP-replicated hidden states and the
+local weight shard ``W [V_local, H]`` into per-token ``(value, lse)`` (``forward_chunk``),
+and a chunk's logits plus per-token factors into the full ``d loss / d h`` rows and this
+rank's ``d loss / d W`` (``grad_chunk``, accumulated in fp32). Only the chunk's logits
+(``C x V_local`` fp32; the invariant engine's real blocks, zero-padded to whole tiles) are
+ever alive, plus, in the invariant engine, O(log blocks) ``[TOKEN_TILE, H]`` fp32 partials.
+Collectives (``loss_reduce``): the default engine merges stats with one all-gather and
+all-reduces ``d h``; the invariant engine folds both in the canonical tree.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple, Protocol
+
+import torch
+import torch.distributed as dist
+
+from mp_bridge.layers.loss.blocks import (
+    TOKEN_TILE,
+    BlockLayout,
+    fold_blocks,
+    shard_columns,
+    target_slots,
+)
+from mp_bridge.layers.loss.formulas import (
+    LossSpec,
+    block_stats_,
+    combine_stats,
+    exp_shift_,
+    merge_stats,
+    row_stats_,
+    stats_values,
+    transform_logits_,
+)
+from mp_bridge.layers.loss.grad import softmax_grad_blocks_, softmax_grad_rows_
+from mp_bridge.layers.loss.reduce import all_reduce_sum_, gather_fold, gather_merge_stats
+from mp_bridge.layers.loss.tree import stream_fold
+from mp_bridge.layers.vocab_shards import VocabShard
+
+__all__ = ["ChunkEngine", "ChunkResult", "ChunkState", "DefaultEngine", "InvariantEngine"]
+
+
+class ChunkState(NamedTuple):
+    """A chunk's logits kept from ``forward_chunk`` / ``recompute`` for ``grad_chunk``.
+
+    ``logits`` holds ``exp(z - row_max)`` when ``row_max`` is set, else the transformed
+    fp32 logits ``z``; ``tiles`` is the invariant engine's ``[T, TOKEN_TILE, H]`` copy of
+    ``h`` (``None`` in the default engine); ``deriv`` the soft-cap derivative (or ``None``).
+    """
+
+    logits: torch.Tensor
+    row_max: torch.Tensor | None
+    tiles: torch.Tensor | None = None
+    deriv: torch.Tensor | None = None
+
+
+class ChunkResult(NamedTuple):
+    state: ChunkState
+    value: torch.Tensor  # [C] fp32 per-token value (ignored tokens not yet zeroed)
+    lse: torch.Tensor  # [C] fp32 log-sum-exp of the logits
+    entropy: torch.Tensor | None = None  # [C] fp32, with spec.entropy
+
+
+class ChunkEngine(Protocol):
+    """What the chunk driver (``fused``) needs from an engine."""
+
+    def forward_chunk(self, h: torch.Tensor, t: torch.Tensor) -> ChunkResult:
+        """Values and lse of chunk ``h [C, H]`` with targets ``t [C]`` (collectives)."""
+
+    def recompute(self, h: torch.Tensor) -> ChunkState:
+        """The chunk's logits again (backward of ``reduction="none"``); no collective."""
+
+    def grad_chunk(
+        self,
+        state: ChunkState,
+        h: torch.Tensor,
+        t: torch.Tensor,
+        lse: torch.Tensor,
+        w: torch.Tensor,
+        gw: torch.Tensor | None,
+        *,
+        entropy: torch.Tensor | None = None,
+        w_ent: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """``d loss / d h [C, H]`` fp32 for per-token factors ``w [C]`` (and ``w_ent [C]``
+        of the entropy, with ``spec.entropy``); ``gw += d W``."""
+
+
+def _accumulate_weight_grad(gw: torch.Tensor, g: torch.Tensor, h: torch.Tensor) -> None:
+    """``gw += g^T @ h`` with ``gw`` fp32 whatever the dtype of ``g``/``h``."""
+    if g.dtype == torch.float32:
+        gw.addmm_(g.t(), h)
+    else:
+        gw.add_(torch.mm(g.t(), h).float())
+
+
+@dataclass(frozen=True, eq=False)
+class DefaultEngine:
+    """Whole shard per chunk: ``z = h @ W^T`` is one ``[C, V_local]`` matmul."""
+
+    weight: torch.Tensor
+    tp_group: dist.ProcessGroup | None
+    shard: VocabShard
+    spec: LossSpec
+
+    def _logits(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        z = torch.mm(h, self.weight.t())  # (C, H) @ (H, V_local)
+        z = z if z.dtype == torch.float32 else z.float()
+        deriv = transform_logits_(z, self.spec)
+        if deriv is not None:
+            deriv[:, self.shard.num_real :] = 0.0  # padding columns (the weight's padding rows)
+        return z, deriv
+
+    def forward_chunk(self, h: torch.Tensor, t: torch.Tensor) -> ChunkResult:
+        z, deriv = self._logits(h)
+        col = shard_columns(t, self.shard)
+        spec = self.spec
+        stats, m = row_stats_(z, col, self.shard.num_real, spec.with_sum, spec.entropy)
+        rv = stats_values(gather_merge_stats(stats, self.tp_group), spec)  # z <- exp(z - m)
+        return ChunkResult(ChunkState(z, m, None, deriv), rv.value, rv.lse, rv.entropy)
+
+    def recompute(self, h: torch.Tensor) -> ChunkState:
+        z, deriv = self._logits(h)
+        return ChunkState(z, None, None, deriv)
+
+    def grad_chunk(
+        self, state, h, t, lse, w, gw: torch.Tensor | None, *, entropy=None, w_ent=None
+    ) -> torch.Tensor:
+        z, m = state.logits, state.row_max
+        valid = self.shard.num_real
+        if m is None:  # raw logits (backward recompute): softmax = exp(z - lse)
+            if valid < z.shape[1]:
+                z[:, valid:] = float("-inf")
+            p = z.sub_(lse.unsqueeze(1)).exp_()
+        else:  # exp(z - m) from forward: softmax = exp(z - m) * exp(m - lse)
+            p = z.mul_(torch.exp(m - lse).unsqueeze(1))
+        col = shard_columns(t, self.shard)
+        g = softmax_grad_rows_(p, col, w, self.spec, valid, lse=lse, entropy=entropy, w_ent=w_ent)
+        if state.deriv is not None:
+            g.mul_(state.deriv)
+        g = g.to(h.dtype)
+        if gw is not None:
+            _accumulate_weight_grad(gw, g, h)
+        gh = torch.mm(g, self.weight)  # (C, V_local) @ (V_local, H): this shard's part
+        gh = gh if gh.dtype == torch.float32 else gh.float()
+        return all_reduce_sum_(gh, self.tp_group)
+
+
+def _add_(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return x.add_(y)
+
+
+#: Blocks per batched ``d hidden`` product: a ``[_GROUP, TOKEN_TILE, H]`` fp32 buffer each.
+_GROUP = 8
+
+
+@dataclass(frozen=True, eq=False)
+class InvariantEngine:
+    """Fixed ``[TOKEN_TILE, H] x [H, VOCAB_BLOCK]`` matmuls, batched block math, tree folds.
+
+    A chunk of ``C`` tokens is ``T = ceil(C / TOKEN_TILE)`` tiles (the last one zero
+    padded); its logits are one fp32 ``[T, K, TOKEN_TILE, VOCAB_BLOCK]`` batch over the
+    ``K`` real local blocks, filled by one ``bmm`` per tile over its ``K`` blocks; the
+    hidden gradient uses ``[TOKEN_TILE, B] x [B, H]`` and the weight gradient ``[B,
+    TOKEN_TILE] x [TOKEN_TILE, H]`` (tiles added in token order), batched the same way.
+    Each batch entry is the fixed-shape product of one (tile, block) (``bmm`` gives the
+    bits of one ``mm`` per block on this build, checked; and the batch splits over
+    threads, where one small ``mm`` per block would split each tiny product). Chunks must
+    start on a multiple of ``TOKEN_TILE`` so tiles are the same for every chunk size.
+
+    Cost: the FLOPs of the default engine, in fixed small matmuls; about 10 batched block
+    kernels per chunk, not per (tile, block). The hidden gradient adds ``K - 1`` adds of
+    ``[TOKEN_TILE, H]`` per tile in tree order, ``P`` ``[chunk, H]`` subtree results and,
+    at TP > 1, an all-gather in place of an all-reduce. Timings: ``bench/RESULTS.md``.
+    """
+
+    weight: torch.Tensor
+    tp_group: dist.ProcessGroup | None
+    layout: BlockLayout
+    spec: LossSpec
+
+    def _tiles(self, h: torch.Tensor) -> torch.Tensor:
+        """``[T, TOKEN_TILE, H]`` copy of ``h`` (zero rows: the fixed shape, never a result).
+
+        Always a fresh buffer, so every matmul operand starts at an offset that depends
+        on nothing but the tile index (not on where the chunk sits in the caller's tensor).
+        """
+        n, hd = h.shape
+        hb = h.new_zeros((-(-n // TOKEN_TILE), TOKEN_TILE, hd))
+        hb.view(-1, hd)[:n] = h
+        return hb
+
+    def _w_blocks(self) -> torch.Tensor:
+        """``[K, B, H]``: the real local blocks of the weight."""
+        k, b = self.layout.num_local, self.layout.block
+        return self.weight[: k * b].reshape(k, b, self.weight.shape[1])
+
+    def _logits(self, hb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        tiles, k, b = hb.shape[0], self.layout.num_local, self.layout.block
+        z = torch.empty((tiles, k, TOKEN_TILE, b), dtype=torch.float32, device=hb.device)
+        wt = self._w_blocks().transpose(1, 2)  # [K, H, B]
+        low = None if hb.dtype == torch.float32 else hb.new_empty((k, TOKEN_TILE, b))
+        for i in range(tiles if k else 0):
+            hi = hb[i].expand(k, TOKEN_TILE, hb.shape[2])  # one tile against every block
+            if low is None:
+                torch.bmm(hi, wt, out=z[i])  # K x (TOKEN_TILE, H) @ (H, B)
+            else:
+                z[i].copy_(torch.bmm(hi, wt, out=low))
+        deriv = transform_logits_(z, self.spec)
+        if deriv is not None and k and self.layout.tail < b:
+            deriv[:, k - 1, :, self.layout.tail :] = 0.0  # padding columns
+        return z, deriv
+
+    def _slots(self, t: torch.Tensor, tiles: int):
+        padded = t.new_full((tiles * TOKEN_TILE,), -1)
+        padded[: t.shape[0]] = t
+        return target_slots(padded, self.layout)
+
+    def recompute(self, h: torch.Tensor) -> ChunkState:
+        hb = self._tiles(h)
+        z, deriv = self._logits(hb)
+        return ChunkState(z, exp_shift_(z, self.layout), hb, deriv)
+
+    def forward_chunk(self, h: torch.Tensor, t: torch.Tensor) -> ChunkResult:
+        hb = self._tiles(h)
+        z, deriv = self._logits(hb)
+        tiles, lay, spec = hb.shape[0], self.layout, self.spec
+        stats, m = block_stats_(z, lay, self._slots(t, tiles), spec.with_sum, spec.entropy)
+        pieces = fold_blocks(stats, 2, lay, merge_stats)  # z <- exp(z - m) above
+        shape = (spec.num_stats, tiles, TOKEN_TILE)
+        root = gather_fold(pieces, lay, self.tp_group, combine_stats, shape, h.device)
+        rv = stats_values(root, spec)
+        n = h.shape[0]
+        entropy = None if rv.entropy is None else rv.entropy.reshape(-1)[:n]
+        return ChunkResult(
+            ChunkState(z, m, hb, deriv), rv.value.reshape(-1)[:n], rv.lse.reshape(-1)[:n], entropy
+        )
+
+    def grad_chunk(
+        self, state, h, t, lse, w, gw: torch.Tensor | None, *, entropy=None, w_ent=None
+    ) -> torch.Tensor:
+        e, m, hb, deriv = state
+        lay, b = self.layout, self.layout.block
+        tiles, n, hd = hb.shape[0], h.shape[0], h.shape[1]
+        rows = tiles * TOKEN_TILE
+
+        def by_tile(v):  # [C] -> [tiles, TOKEN_TILE], padded rows 0
+            return None if v is None else torch.cat([v, v.new_zeros(rows - n)]).view(tiles, -1)
+
+        g = softmax_grad_blocks_(
+            e,
+            m,
+            by_tile(lse),
+            by_tile(w),
+            self._slots(t, tiles),
+            lay,
+            self.spec,
+            entropy=by_tile(entropy),
+            w_ent=by_tile(w_ent),
+        )
+        if deriv is not None:
+            g.mul_(deriv)
+        g = g if h.dtype == torch.float32 else g.to(h.dtype)
+        k = lay.num_local
+        wb = self._w_blocks()  # [K, B, H]
+        gw_blocks = None if gw is None else gw[: k * b].view(k, b, hd)
+
+        def leaves(i: int):
+            # A generator over groups of blocks: the fold keeps O(log K) partials alive.
+            gi, hi = g[i], hb[i].expand(k, TOKEN_TILE, hd)
+            if gw_blocks is not None and k:  # tiles in token order: d W sums tile by tile
+                if h.dtype == torch.float32:
+                    gw_blocks.baddbmm_(gi.transpose(1, 2), hi)  # K x (B, TILE) @ (TILE, H)
+                else:
+                    gw_blocks.add_(torch.bmm(gi.transpose(1, 2), hi).float())
+            for j0 in range(0, k, _GROUP):
+                part = torch.bmm(gi[j0 : j0 + _GROUP], wb[j0 : j0 + _GROUP])  # (TILE, B) @ (B, H)
+                part = part if part.dtype == torch.float32 else part.float()
+                for j in range(part.shape[0]):
+                    yield lay.first + j0 + j, part[j]
+
+        # Tile by tile (partials stay O(log K) x one tile); pieces stacked over tiles.
+        per_tile = [stream_fold(leaves(i), _add_) for i in range(tiles)]
+        pieces = [
+            (piece, torch.stack([tile[p][1] for tile in per_tile]))
+            for p, (piece, _) in enumerate(per_tile[0])
+        ]
+        root = gather_fold(pieces, lay, self.tp_group, _add_, (tiles, TOKEN_TILE, hd), h.device)
+        return root.reshape(-1, hd)[:n]

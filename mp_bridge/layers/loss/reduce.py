@@ -1,0 +1,93 @@
+"""The TP reductions of the losses: the only loss code that issues collectives.
+
+Every collective of the loss paths is here, over ``tp_group`` (none when TP = 1):
+
+========================  ==============================  ==================================
+path                      statistics (forward)            ``d hidden`` (fused paths)
+========================  ==============================  ==================================
+materialized default      ``all_reduce_max_`` ``[...]``,  --
+                          then ``all_reduce_sum_``
+                          ``[..., 2 to 4]`` per call
+fused default             ``gather_merge_stats``          ``all_reduce_sum_`` ``[C, H]``
+                          ``[tp, S, C]`` per chunk        per chunk
+invariant (both)          ``gather_fold``                 ``gather_fold``
+                          ``[P, S, tiles, TOKEN_TILE]``   ``[P, tiles, TOKEN_TILE, H]``
+                          per call (materialized) or      per chunk
+                          per chunk (fused)
+========================  ==============================  ==================================
+
+All fp32 (the materialized default path: fp64 for fp64 logits). ``S`` = 4 statistics per
+row, 5 with ``return_entropy`` (``loss_math.STATS``): the entropy widens the one stats
+exchange and adds no collective; z-loss, soft-cap and temperature add nothing. No loss issues a
+collective in backward except the fused ``reduction="none"`` / log-prob paths, which
+recompute chunks and reduce ``d hidden`` there. ``P`` is the most canonical subtrees a
+rank holds (1 for power-of-two aligned shards). The invariant paths never all-reduce: an
+all-reduce's summation order depends on TP, so every rank folds the gathered subtree
+partials in the canonical tree order (``loss_tree``).
+
+The two default statistics reductions stay distinct on purpose: the materialized path
+shifts by the global max first (MAX then SUM, Megatron's scheme, two small collectives);
+the fused path merges per-rank ``(m, s, tl, sz)`` partials by the online log-sum-exp after
+one all-gather. The math is the same but the rounding differs, so unifying them would
+change the bits of one default path (the recorded numerics hashes forbid that).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from mp_bridge.comm import all_gather_tensor, group_size
+from mp_bridge.layers.loss.blocks import BlockLayout
+from mp_bridge.layers.loss.formulas import merge_stats
+from mp_bridge.layers.loss.tree import Piece, fold_tree
+
+__all__ = ["all_reduce_max_", "all_reduce_sum_", "gather_fold", "gather_merge_stats"]
+
+
+def all_reduce_max_(x: torch.Tensor, tp_group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Element-wise max of ``x`` over ``tp_group``, in place."""
+    if group_size(tp_group) > 1:
+        dist.all_reduce(x, op=dist.ReduceOp.MAX, group=tp_group)
+    return x
+
+
+def all_reduce_sum_(x: torch.Tensor, tp_group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Element-wise sum of ``x`` over ``tp_group`` (order depends on TP), in place."""
+    if group_size(tp_group) > 1:
+        dist.all_reduce(x, op=dist.ReduceOp.SUM, group=tp_group)
+    return x
+
+
+def gather_merge_stats(stats: torch.Tensor, tp_group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Global ``[S, C]`` statistics from every rank's ``[S, C]`` (one all-gather, rank order)."""
+    if group_size(tp_group) == 1:
+        return stats
+    gathered = all_gather_tensor(stats.unsqueeze(0), tp_group, 0)  # (tp, 4, C)
+    return merge_stats(gathered.transpose(0, 1), 1)
+
+
+def gather_fold(
+    pieces: list[tuple[Piece, torch.Tensor]],
+    layout: BlockLayout,
+    tp_group: dist.ProcessGroup | None,
+    combine: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    shape: tuple[int, ...],
+    device: torch.device,
+) -> torch.Tensor:
+    """Root of the canonical tree from every rank's subtree partials (fp32, ``shape``).
+
+    One all-gather of ``[P, *shape]`` over ``tp_group`` (none when TP = 1), ``P`` = the
+    most pieces a rank holds; every rank then folds all pieces in the same tree order.
+    """
+    if layout.tp_size == 1:
+        return fold_tree(dict(pieces), layout.num_real, combine)
+    p_max, tp = layout.max_pieces, layout.tp_size
+    packed = torch.zeros((p_max, *shape), dtype=torch.float32, device=device)
+    for p, (_, value) in enumerate(pieces):
+        packed[p] = value
+    gathered = all_gather_tensor(packed, tp_group, 0).view(tp, p_max, *shape)
+    owned = {piece: gathered[r, p] for r in range(tp) for p, piece in enumerate(layout.pieces(r))}
+    return fold_tree(owned, layout.num_real, combine)

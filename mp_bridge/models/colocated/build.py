@@ -1,0 +1,64 @@
+"""Build a :class:`ColocatedMimoModel` on two grids from a single-process reference model.
+
+Wiring (every rank of the world calls these with the same arguments: group creation and
+destruction are collective)::
+
+    enc_grid = make_grid(tp=2, dp=4)
+    llm_grid = make_grid(tp=2, cp=2, dp=2)
+    mimo = build_colocated_mimo(reference, enc_grid, llm_grid)  # make_mimo_groups inside
+    ...
+    destroy_colocated_mimo(mimo, enc_grid, llm_grid)  # MimoGroups.destroy inside
+
+Or in two explicit steps: ``groups = make_mimo_groups(enc_grid, llm_grid)``, then
+``ColocatedMimoModel.from_groups(reference, groups)``, and ``groups.destroy()`` at the end.
+"""
+
+from __future__ import annotations
+
+import torch
+from megatron.core.hyper_comm_grid import HyperCommGrid
+
+from mp_bridge.grid import destroy_grid
+from mp_bridge.models.colocated.mimo import ColocatedMimoModel
+from mp_bridge.models.reference.model import ReferenceMimo
+
+__all__ = ["build_colocated_mimo", "destroy_colocated_mimo"]
+
+
+def build_colocated_mimo(
+    reference: ReferenceMimo,
+    encoder_grid: HyperCommGrid,
+    llm_grid: HyperCommGrid,
+    *,
+    sequence_parallel: bool = False,
+    fused_loss: bool = False,
+    device: torch.device | None = None,
+    flow: str = "gather",
+) -> ColocatedMimoModel:
+    """Shard ``reference`` into encoder (``tp``/``dp``) and LLM (``tp``/``cp``/``dp``) grids.
+
+    Every group comes from ``make_mimo_groups(encoder_grid, llm_grid)`` (groups the grids
+    lack are created on them; one bridge). Release them with :func:`destroy_colocated_mimo`.
+    ``flow``: ``"gather"`` or ``"routed"`` (see :class:`ColocatedMimoModel`).
+    """
+    return ColocatedMimoModel.from_full(
+        reference, encoder_grid, llm_grid, sequence_parallel=sequence_parallel,
+        fused_loss=fused_loss, device=device, flow=flow,
+    )  # fmt: skip
+
+
+def destroy_colocated_mimo(model: ColocatedMimoModel, *grids: HyperCommGrid) -> None:
+    """Free what built the model's groups, mirroring their creation.
+
+    A model from :func:`build_colocated_mimo` / ``from_groups``: ``model.groups.destroy()``
+    (the bridge, then both grids' groups). A model wired by hand: ``model.bridge.destroy()``.
+    Then the groups of ``grids`` (idempotent: grids already freed are skipped).
+    Collective: every rank calls it with the same grids, like the group creations.
+    """
+    model.destroy()
+    if model.groups is not None:
+        model.groups.destroy()
+    else:
+        model.bridge.destroy()
+    for grid in grids:
+        destroy_grid(grid)

@@ -1,0 +1,102 @@
+"""TP vision encoder and projection (megatron-core parallel linears, explicit ``tp_group``).
+
+Both run on the encoder's DP shard with batch-first ``[b, p, h]`` tensors at the module
+boundary, or on ragged images (:class:`RaggedImages`: flat ``[T, h]`` tokens, attention
+inside each image through a block-diagonal mask, so the math is the reference's);
+outputs are TP-replicated (each MLP/attention ends in a row-parallel linear, whose
+forward all-reduces over TP). Collectives per forward: 2 TP all-reduces per block plus 1
+for the projection; the same count in backward (megatron's *f* before each column
+linear). Gradients of replicated parameters (patch embedding, norms) are identical on
+every TP rank; every parameter gradient is partial over the encoder DP group (summed by
+the MIMO model's gradient sync).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from mp_bridge.comm import group_size
+from mp_bridge.models.colocated.groups import check_group
+from mp_bridge.models.data.config import MimoConfig
+from mp_bridge.models.data.images import RaggedImages
+from mp_bridge.models.parallel.sharding import FullStateMixin
+from mp_bridge.models.parallel.tp_blocks import TPMLP, make_blocks, make_norm, parallel_config
+
+__all__ = ["TPEncoder", "TPProjection", "bidirectional_attention"]
+
+
+def bidirectional_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Non-causal attention on local heads, ``[b, s, heads, d]``; ``mask`` ``[s, s]`` bool
+    (True: may attend) or None for full attention. No collectives."""
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2)
+
+
+class TPEncoder(FullStateMixin, nn.Module):
+    """``images [b, p, patch_dim] -> [b, p, enc_hidden]``, or ragged images (flat
+    ``[T, patch_dim]`` tokens) ``-> [T, enc_hidden]``; TP-replicated output.
+
+    Parameter names equal :class:`ReferenceEncoder`'s, so :meth:`from_full` /
+    :meth:`to_full` round-trip a single-process model's ``state_dict``.
+    """
+
+    def __init__(
+        self,
+        cfg: MimoConfig,
+        *,
+        tp_group: dist.ProcessGroup | None = None,
+        device: torch.device | None = None,
+    ):
+        super().__init__()
+        check_group(tp_group, "tp_group")
+        cfg.check_tp(encoder_tp=group_size(tp_group))
+        self.cfg, self.tp_group = cfg, tp_group
+        config = parallel_config(tp_group)
+        self.patch_embed = nn.Linear(cfg.patch_dim, cfg.enc_hidden)  # replicated over TP
+        self.blocks = make_blocks(
+            cfg.enc_layers, cfg.enc_hidden, cfg.enc_heads, cfg.enc_ffn, eps=cfg.norm_eps,
+            tp_group=tp_group, config=config, core=bidirectional_attention, device=device,
+        )  # fmt: skip
+        self.norm = make_norm(cfg.enc_hidden, cfg.norm_eps, device=device)
+
+    def forward(self, images: torch.Tensor | RaggedImages) -> torch.Tensor:
+        if isinstance(images, RaggedImages):
+            # One sequence of T tokens (batch 1), attention kept inside each image.
+            x, mask = images.tokens.unsqueeze(1), images.attention_mask()
+        else:
+            x, mask = images.transpose(0, 1), None  # blocks are sequence-first
+        if x.dim() != 3 or x.shape[-1] != self.cfg.patch_dim:
+            raise ValueError(
+                f"images must be [batch, patches, patch_dim={self.cfg.patch_dim}] or "
+                f"RaggedImages of [T, patch_dim] tokens; got {tuple(x.shape)} (seq-first)"
+            )
+        x = self.patch_embed(x)
+        for block in self.blocks:
+            x = block(x, mask=mask)
+        x = self.norm(x)
+        return x.squeeze(1) if mask is not None else x.transpose(0, 1)
+
+
+class TPProjection(FullStateMixin, TPMLP):
+    """``[.., enc_hidden] -> [.., llm_hidden]``: column ``fc1``, GELU, row ``fc2`` in the
+    encoder's TP group; input and output TP-replicated."""
+
+    def __init__(
+        self,
+        cfg: MimoConfig,
+        *,
+        tp_group: dist.ProcessGroup | None = None,
+        device: torch.device | None = None,  # no device-specific layer; kept for from_full
+    ):
+        check_group(tp_group, "tp_group")
+        cfg.check_tp(encoder_tp=group_size(tp_group))
+        super().__init__(
+            cfg.enc_hidden, cfg.proj_hidden, cfg.llm_hidden,
+            tp_group=tp_group, config=parallel_config(tp_group),
+        )  # fmt: skip
+        self.tp_group = tp_group
