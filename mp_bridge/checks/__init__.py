@@ -11,6 +11,21 @@ from .agreement import (
     fingerprint,
     run_checked,
 )
+from .autograd import forbid_double_backward
+from .validate import (
+    check_bool,
+    check_choice,
+    check_device,
+    check_dtype,
+    check_float,
+    check_group,
+    check_groups,
+    check_int,
+    check_ints,
+    check_positive_float,
+    check_tensor,
+    is_int,
+)
 
 __all__ = [
     "MAX_FIELDS",
@@ -20,4 +35,17 @@ __all__ = [
     "checks_enabled",
     "fingerprint",
     "run_checked",
+    "forbid_double_backward",
+    "check_bool",
+    "check_choice",
+    "check_device",
+    "check_dtype",
+    "check_float",
+    "check_group",
+    "check_groups",
+    "check_int",
+    "check_ints",
+    "check_positive_float",
+    "check_tensor",
+    "is_int",
 ]
