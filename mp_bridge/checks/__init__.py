@@ -2,6 +2,7 @@
 
 Imports torch only, never another ``mp_bridge`` package."""
 
+from .agree import AgreementSpec, agree
 from .agreement import (
     MAX_FIELDS,
     AgreementError,
@@ -28,6 +29,8 @@ from .validate import (
 )
 
 __all__ = [
+    "AgreementSpec",
+    "agree",
     "MAX_FIELDS",
     "AgreementError",
     "check_agreement",
