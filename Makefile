@@ -17,7 +17,7 @@ TRITON_SPEC ?= triton==3.9.0
 VENV_LATEST := .venv-mcore019
 BIN_LATEST := $(VENV_LATEST)/bin
 
-.PHONY: install install-megatron-latest test test-megatron-latest demo plan lint bench clean
+.PHONY: install install-megatron-latest test test-megatron-latest demo plan lint bench clean gpu-wheels
 
 $(BIN)/.installed: setup.py
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -68,6 +68,30 @@ plan: install
 bench: install
 	$(BIN)/python bench/bridge.py
 	$(BIN)/python bench/lm_head.py
+
+# Wheels for the GPU runbook (bench/gpu_check.py), which installs them offline on the device
+# machine (Python 3.12, torch and triton already there: never downloaded here). megatron-core
+# ships a cp312 manylinux wheel (a C++ helper); the others are pure Python. The folder is
+# git-ignored: the device call names it in `carry`, and the working tree plus it must stay
+# under the device tool's 64 MiB.
+GPU_WHEELS := .gpu-wheels
+GPU_WHEEL_SPECS ?= megatron-core==$(MCORE_LATEST) liger-kernel==0.8.5 cut-cross-entropy==25.1.1 einops==0.8.2
+GPU_CARRY_LIMIT_MIB := 64
+
+gpu-wheels:
+	rm -rf $(GPU_WHEELS) && mkdir -p $(GPU_WHEELS)
+	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+	  --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 \
+	  --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+	  -d $(GPU_WHEELS) $(GPU_WHEEL_SPECS)
+	$(PYTHON) -m pip wheel -q --no-deps -w $(GPU_WHEELS) .
+	ls -l $(GPU_WHEELS)
+	@wheels=$$(du -cb $(GPU_WHEELS)/*.whl | tail -1 | cut -f1); \
+	tree=$$(git ls-files -z --cached --others --exclude-standard | xargs -0 du -cb 2>/dev/null \
+	  | grep total$$ | cut -f1 | paste -sd+ | bc); \
+	echo "wheels $$((wheels / 1024)) KiB + working tree $$((tree / 1024)) KiB = \
+	$$(((wheels + tree) / 1048576)) MiB (device carry limit $(GPU_CARRY_LIMIT_MIB) MiB)"; \
+	test $$((wheels + tree)) -lt $$(($(GPU_CARRY_LIMIT_MIB) * 1048576))
 
 clean:
 	rm -rf $(VENV) $(VENV_LATEST) *.egg-info .pytest_cache

@@ -1,0 +1,257 @@
+"""Stage (d) of the GPU runbook: LM-head loss fwd+bwd time and peak memory, one GPU, TP 1.
+
+``hidden [N, H]`` and ``weight [V, H]`` in bf16 (N x H x V = 8192 x 4096 x {131072,
+262144} by default), one ``mean`` cross-entropy and its backward to both. Methods:
+
+- ``materialized``: ``F.linear`` bf16 logits ``[N, V]``, ``F.cross_entropy`` on them in fp32;
+- ``megatron``: the same logits, megatron-core's ``vocab_parallel_cross_entropy`` (a
+  one-rank process group: it all-reduces even at TP 1);
+- ``ours_default``: ``fused_linear_cross_entropy`` with its defaults (bf16 upcast once,
+  fp32-accumulated logits, ``logits_precision="fp32"``);
+- ``ours_invariant``: the same with ``invariant=True``;
+- ``ours_input``: the same with ``logits_precision="input"`` (bf16 matmuls; shown for
+  reference, no target attached);
+- ``liger``: Liger-Kernel's ``liger_fused_linear_cross_entropy(input, weight, target)``;
+- ``cce``: Cut Cross-Entropy's ``linear_cross_entropy(e, c, targets)``.
+
+Each method first runs once untimed (Triton compiles and autotunes there), then the
+methods run in turn, the starting method rotating per round, as many rounds as the time
+budget allows (``--rounds`` at most); time is the best round (CUDA synchronized wall
+clock), peak memory the worst: ``max_memory_allocated`` during the call minus
+``memory_allocated`` before it (the leaves and their ``.grad`` are freed before each
+call, so the gradients count). A method that fails (missing package, out of memory) is
+reported with its error and left out of later rounds. Never asserts on time.
+
+    python bench/gpu/speed.py --out OUT/speed.md --json OUT/speed.json --budget 240
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+import warnings
+from importlib import metadata
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from mp_bridge.layers import fused_linear_cross_entropy
+
+METHODS = (
+    "materialized",
+    "megatron",
+    "ours_default",
+    "ours_invariant",
+    "ours_input",
+    "liger",
+    "cce",
+)
+
+
+def _megatron(h, w, t):
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy as mcore_ce
+
+    logits = F.linear(h, w).unsqueeze(1)  # [s, b=1, V]
+    try:
+        loss = mcore_ce(logits, t.unsqueeze(1), 0.0, tp_group=dist.group.WORLD)
+    except TypeError:  # megatron-core without tp_group: its global TP group
+        from megatron.core import parallel_state
+
+        if not parallel_state.model_parallel_is_initialized():
+            parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
+        loss = mcore_ce(logits, t.unsqueeze(1), 0.0)
+    return loss.mean()
+
+
+def _liger(h, w, t):
+    from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+
+    return liger_fused_linear_cross_entropy(h, w, t)
+
+
+def _cce(h, w, t):
+    from cut_cross_entropy import linear_cross_entropy
+
+    return linear_cross_entropy(h, w, t)
+
+
+LOSSES = {
+    "materialized": lambda h, w, t: F.cross_entropy(F.linear(h, w).float(), t),
+    "megatron": _megatron,
+    "ours_default": lambda h, w, t: fused_linear_cross_entropy(h, w, t),
+    "ours_invariant": lambda h, w, t: fused_linear_cross_entropy(h, w, t, invariant=True),
+    "ours_input": lambda h, w, t: fused_linear_cross_entropy(h, w, t, logits_precision="input"),
+    "liger": _liger,
+    "cce": _cce,
+}
+
+
+def _init_world(device: torch.device) -> None:
+    """A one-rank world (file store, no port) for megatron-core's all-reduces."""
+    if dist.is_initialized():
+        return
+    store = os.path.join(tempfile.mkdtemp(prefix="gpu_check_"), "store")
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, init_method=f"file://{store}", rank=0, world_size=1)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _one(method: str, h: torch.Tensor, w: torch.Tensor, t: torch.Tensor):
+    """``(seconds, peak extra bytes or None)`` of one fwd+bwd of ``method``."""
+    dev = h.device
+    h.grad = w.grad = None
+    _sync(dev)
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(dev)
+        before = torch.cuda.memory_allocated(dev)
+    start = time.perf_counter()
+    LOSSES[method](h, w, t).backward()
+    _sync(dev)
+    seconds = time.perf_counter() - start
+    peak = torch.cuda.max_memory_allocated(dev) - before if dev.type == "cuda" else None
+    h.grad = w.grad = None
+    return seconds, peak
+
+
+def _error(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}".splitlines()[0][:160]
+
+
+def bench_shape(args, vocab: int, methods, deadline: float) -> dict:
+    """``{method: {"seconds", "peak", "runs", "error"}}`` for one vocab size."""
+    dev = torch.device(args.device)
+    g = torch.Generator().manual_seed(vocab)
+    dtype = getattr(torch, args.dtype)
+    h = torch.randn(args.n, args.hidden, generator=g).to(dev, dtype).requires_grad_()
+    w = (torch.randn(vocab, args.hidden, generator=g) * args.hidden**-0.5).to(dev, dtype)
+    w.requires_grad_()
+    t = torch.randint(0, vocab, (args.n,), generator=g).to(dev)
+    res = {m: {"seconds": None, "peak": None, "runs": 0, "error": None} for m in methods}
+    warm = {}
+    for m in methods:  # warm-up: compile / autotune, and the cost of one round
+        try:
+            warm[m] = _one(m, h, w, t)[0]
+        except Exception as exc:  # noqa: BLE001 - reported in the table
+            res[m]["error"] = _error(exc)
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()
+    live = [m for m in methods if res[m]["error"] is None]
+    round_s = sum(warm.get(m, 0.0) for m in live)
+    for r in range(args.rounds if live else 0):
+        if r and time.perf_counter() + 1.2 * round_s > deadline:
+            break
+        for m in live[r % len(live) :] + live[: r % len(live)]:
+            if res[m]["error"] is not None:
+                continue
+            try:
+                s, peak = _one(m, h, w, t)
+            except Exception as exc:  # noqa: BLE001 - reported in the table
+                res[m]["error"] = _error(exc)
+                continue
+            cur = res[m]
+            cur["seconds"] = s if cur["seconds"] is None else min(cur["seconds"], s)
+            if peak is not None:
+                cur["peak"] = peak if cur["peak"] is None else max(cur["peak"], peak)
+            cur["runs"] += 1
+    del h, w, t
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+    return res
+
+
+def _version(dist_name: str) -> str:
+    try:
+        return metadata.version(dist_name)
+    except metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def shape_report(args, vocab: int, res: dict) -> str:
+    from report import Measure, markdown_table, speed_verdicts, verdict_lines
+
+    base = res.get("ours_default", {})
+    rows = []
+    for m, r in res.items():
+        s, peak = r["seconds"], r["peak"]
+        rel_t = s / base["seconds"] if s and base.get("seconds") else None
+        rel_m = peak / base["peak"] if peak and base.get("peak") else None
+        rows.append(
+            (
+                m,
+                None if s is None else f"{s * 1e3:.1f}",
+                None if rel_t is None else f"{rel_t:.2f}",
+                None if peak is None else f"{peak / 2**30:.2f}",
+                None if rel_m is None else f"{rel_m:.2f}",
+                r["runs"],
+                r["error"] or "",
+            )
+        )
+    header = ("method", "fwd+bwd ms", "x ours_default", "peak GiB", "x ours_default")
+    table = markdown_table((*header, "timed runs", "error"), rows)
+    measured = {
+        m: Measure(r["seconds"], r["peak"] or 0) for m, r in res.items() if r["seconds"] is not None
+    }
+    return (
+        f"#### N x H x V = {args.n} x {args.hidden} x {vocab}, {args.dtype}, TP 1\n\n"
+        f"{table}\n\nTargets (issue 24):\n\n{verdict_lines(speed_verdicts(measured))}\n"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    warnings.filterwarnings("ignore")  # megatron's apex / Transformer Engine notes
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--n", type=int, default=8192)
+    p.add_argument("--hidden", type=int, default=4096)
+    p.add_argument("--vocab", type=int, nargs="+", default=[131072, 262144])
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    p.add_argument("--rounds", type=int, default=5, help="timed rounds at most; best kept")
+    p.add_argument("--budget", type=float, default=240.0, help="seconds for every shape")
+    p.add_argument("--out", required=True, help="markdown file to write")
+    p.add_argument("--json", help="raw results as JSON")
+    args = p.parse_args(argv)
+    os.environ.setdefault("MP_BRIDGE_CHECK", "0")  # time the losses, not the debug checks
+    start = time.perf_counter()
+    dev = torch.device(args.device)
+    if "megatron" in args.methods:
+        _init_world(dev)
+    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "CPU"
+    versions = ", ".join(
+        f"{d} {_version(d)}"
+        for d in ("torch", "triton", "megatron-core", "liger-kernel", "cut-cross-entropy")
+    )
+    head = (
+        "### LM-head loss: speed and memory (stage d)\n\n"
+        f"command: `{' '.join([os.path.basename(sys.executable), *sys.argv])}`\n\n"
+        f"{name}; {versions}. Time: best of the timed runs (methods in turn, first method "
+        "rotating); peak: worst extra bytes over the call, gradients included.\n"
+    )
+    print(head, flush=True)
+    parts, raw = [head], {}
+    for i, vocab in enumerate(args.vocab):
+        left = args.budget - (time.perf_counter() - start)
+        deadline = time.perf_counter() + left / (len(args.vocab) - i)
+        res = bench_shape(args, vocab, args.methods, deadline)
+        raw[vocab] = res
+        parts.append(shape_report(args, vocab, res))
+        print(parts[-1], flush=True)
+        with open(args.out, "w") as f:  # after each shape: a killed stage keeps the first
+            f.write("\n".join(parts))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"device": name, "versions": versions, "results": raw}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

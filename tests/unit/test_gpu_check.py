@@ -1,0 +1,135 @@
+"""The GPU runbook's CPU path and its pure helpers (bench/gpu_check.py, bench/gpu/).
+
+The runbook itself needs a GPU; here: without CUDA it prints one line and exits 0, and
+its table, verdict, budget and wheel helpers give the literal results below.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+GPU = REPO / "bench" / "gpu"
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(f"gpu_runbook_{name}", GPU / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+report = _load("report")
+wheels = _load("wheels")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU path needs a machine without CUDA")
+def test_without_cuda_one_line_and_exit_0(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "gpu_check.py"), str(tmp_path / "out")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert len(lines) == 1, proc.stdout
+    assert lines[0].startswith("gpu_check: no CUDA device on this machine")
+    assert "nothing was run" in lines[0]
+    assert (tmp_path / "out" / "gpu_check.md").read_text() == lines[0] + "\n"
+
+
+def test_markdown_table_literal():
+    text = report.markdown_table(("method", "ms"), [("liger", "1.5"), ("a|b", None)])
+    assert text == "| method | ms |\n|---|---|\n| liger | 1.5 |\n| a\\|b | n/a |"
+
+
+def test_markdown_table_row_width_is_checked():
+    with pytest.raises(ValueError, match=r"rows \[1\] do not have 2 cells"):
+        report.markdown_table(("a", "b"), [("1", "2"), ("3",)])
+
+
+def _rows(ours_s: float, ours_gib: float, inv_s: float):
+    gib = 2**30
+    return {
+        "liger": report.Measure(1.0, 10 * gib),
+        "cce": report.Measure(0.8, 8 * gib),
+        "ours_default": report.Measure(ours_s, int(ours_gib * gib)),
+        "ours_invariant": report.Measure(inv_s, 0),
+    }
+
+
+def test_verdicts_against_the_faster_of_liger_and_cce():
+    # CCE (0.8 s) is the faster: 0.85 / 0.8 = 1.0625 <= 1.1, 8 / 8 GiB, 1.2 / 0.85 = 1.41.
+    v = report.speed_verdicts(_rows(0.85, 8, 1.2))
+    assert [x.status for x in v] == ["met", "met", "missed"]
+    assert [round(x.ratio, 4) for x in v] == [1.0625, 1.0, 1.4118]
+    assert v[0].line() == (
+        "- ours_default time / faster of Liger and CCE: **met** (ratio 1.06, limit 1.1)"
+    )
+
+
+def test_verdicts_missed_time_and_memory():
+    # 0.9 / 0.8 = 1.125 > 1.1; 12 / 8 GiB = 1.5 > 1; 1.0 / 0.9 = 1.11 <= 1.3.
+    v = report.speed_verdicts(_rows(0.9, 12, 1.0))
+    assert [x.status for x in v] == ["missed", "missed", "met"]
+    assert [round(x.ratio, 3) for x in v] == [1.125, 1.5, 1.111]
+
+
+def test_verdicts_without_references_are_not_measured():
+    rows = {"ours_default": report.Measure(1.0, 1), "ours_invariant": report.Measure(1.25, 1)}
+    v = report.speed_verdicts(rows)
+    assert [x.status for x in v] == ["not measured", "not measured", "met"]
+    assert "ratio n/a" in v[0].line()
+
+
+def test_parse_pytest_summary_line():
+    text = "...\n==== 2 failed, 10 passed, 1 skipped, 3 errors in 12.34s ====\n"
+    counts = report.parse_pytest_summary(text)
+    assert counts["passed"] == 10 and counts["failed"] == 2
+    assert counts["skipped"] == 1 and counts["error"] == 3
+
+
+def test_parse_pytest_killed_run_counts_verbose_lines():
+    text = (
+        "tests/functional/test_invariant.py::test_a PASSED [ 16%]\n"
+        "tests/functional/test_invariant.py::test_b FAILED [ 33%]\n"
+        "tests/functional/test_invariant.py::test_c PASSED [ 50%]\n"
+    )
+    counts = report.parse_pytest_summary(text)
+    assert (counts["passed"], counts["failed"], counts["error"]) == (2, 1, 0)
+
+
+def test_split_budget_passes_savings_on_and_protects_later_caps():
+    caps = [30, 185, 90, 230]  # 535 of 555 s
+    assert report.split_budget(caps, 555, []) == 30  # 555 - 525 later caps
+    assert report.split_budget(caps, 555, [5]) == 210  # 185 + the 25 s saved
+    # the tests stage overran (300 s): invariance gets what is left after speed's cap
+    assert report.split_budget(caps, 555, [5, 300]) == 20
+    assert report.split_budget(caps, 555, [5, 300, 20]) == 230
+    with pytest.raises(ValueError, match="only 4 stages"):
+        report.split_budget(caps, 555, [1, 1, 1, 1])
+
+
+def test_wheel_names_and_install_plan():
+    mc = "megatron_core-0.19.2-cp312-cp312-manylinux_2_24_x86_64.manylinux_2_28_x86_64.whl"
+    assert wheels.wheel_name_version(mc) == ("megatron-core", "0.19.2")
+    assert wheels.wheel_name_version("/x/Liger_Kernel-0.8.5-py3-none-any.whl") == (
+        "liger-kernel",
+        "0.8.5",
+    )
+    with pytest.raises(ValueError, match="is not a wheel file name"):
+        wheels.wheel_name_version("einops-0.8.2.tar.gz")
+    found = ["einops-0.8.2-py3-none-any.whl", mc, "liger_kernel-0.8.5-py3-none-any.whl"]
+    plan = wheels.install_plan(found, {"einops": "0.8.2", "megatron-core": "0.16.1"})
+    assert plan == [("liger_kernel-0.8.5-py3-none-any.whl", "missing"), (mc, "0.16.1 installed")]
