@@ -308,6 +308,8 @@ def _plot(report, path: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from mp_bridge.models import parse_flow
+
     enc, llm = _validate(args)
     opts = {
         "steps": args.steps,
@@ -317,7 +319,7 @@ def run(args: argparse.Namespace) -> int:
         "fused_loss": args.fused_loss,
         "config": args.config,
         "uniform": args.uniform,
-        "flow": args.flow,
+        "flow": parse_flow(args.flow),  # parsed once here; the workers get the object
     }
     start = time.perf_counter()
     if under_torchrun():

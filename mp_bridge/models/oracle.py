@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 from mp_bridge.grid import AXIS_NAMES, GridLayout, make_grid
 from mp_bridge.models.colocated.build import build_colocated_mimo, destroy_colocated_mimo
+from mp_bridge.models.colocated.parts import MimoFlow
 from mp_bridge.models.data.batch import MimoBatch, synthetic_batch
 from mp_bridge.models.data.config import MimoConfig
 from mp_bridge.models.data.images import RaggedImages
@@ -149,7 +150,7 @@ def run_parity(
     seed: int = 0,
     device: torch.device | None = None,
     on_step: StepHook | None = None,
-    flow: str = "gather",
+    flow: str | MimoFlow = "gather",
 ) -> ParityReport:
     """Train both models for ``steps`` Adam steps and compare (collective on every rank).
 

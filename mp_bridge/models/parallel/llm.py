@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from mp_bridge.checks import check_group
 from mp_bridge.comm import gather_keep_grad, group_size
 from mp_bridge.layers import (
     VocabParallelEmbedding,
@@ -34,7 +35,6 @@ from mp_bridge.layers import (
     context_parallel_attention,
     vocab_parallel_cross_entropy,
 )
-from mp_bridge.models.colocated.groups import check_group
 from mp_bridge.models.data.config import MimoConfig
 from mp_bridge.models.parallel.sharding import FullStateMixin
 from mp_bridge.models.parallel.tp_blocks import make_blocks, make_norm, parallel_config
@@ -75,8 +75,8 @@ class TPLLM(FullStateMixin, nn.Module):
         device: torch.device | None = None,
     ):
         super().__init__()
-        check_group(tp_group, "tp_group")
-        check_group(cp_group, "cp_group")
+        check_group("tp_group", tp_group)
+        check_group("cp_group", cp_group)
         cfg.check_tp(llm_tp=group_size(tp_group))
         self.cfg, self.tp_group, self.cp_group = cfg, tp_group, cp_group
         config = parallel_config(tp_group, sequence_parallel=sequence_parallel)
