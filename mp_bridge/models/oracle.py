@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from mp_bridge.checks import check_int
 from mp_bridge.grid import AXIS_NAMES, GridLayout, make_grid
 from mp_bridge.models.colocated.build import build_colocated_mimo, destroy_colocated_mimo
 from mp_bridge.models.colocated.parts import MimoFlow
@@ -166,8 +167,7 @@ def run_parity(
     for progress lines). ``flow``: the colocated model's step, ``"gather"`` or
     ``"routed"`` (see :class:`ColocatedMimoModel`).
     """
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-        raise ValueError(f"steps={steps!r} must be an int >= 1")
+    check_int("steps", steps, low=1)
     world = dist.get_world_size()
     for side, sizes in (("encoder", (encoder_tp, encoder_dp)), ("llm", (llm_tp, llm_cp, llm_dp))):
         if math.prod(sizes) != world:
