@@ -157,6 +157,17 @@ def test_deprecated_constructor_form_warns_and_still_works():
     batch = synthetic_batch(CFG, 2, seed=5)
     args = (batch.input_ids, batch.labels, batch.loss_mask, batch.images)
     assert torch.equal(old(*args), new(*args))  # same modules, same math, same bits
+    groups = MimoGroups.local()
+    with pytest.warns(DeprecationWarning, match="pass one MimoGroups"):
+        kw = ColocatedMimoModel(
+            new.encoder, new.projection, new.llm, groups.bridge, PartitionAdapter(),
+            image_token_id=CFG.image_token_id, groups=groups,
+        )  # fmt: skip
+    assert kw.groups is groups and torch.equal(kw(*args), new(*args))
+    by_keyword = ColocatedMimoModel(
+        new.encoder, new.projection, new.llm, groups=groups, image_token_id=CFG.image_token_id
+    )
+    assert by_keyword.groups is groups
     with pytest.raises(TypeError, match="takes no partition"):
         ColocatedMimoModel(
             new.encoder, new.projection, new.llm, MimoGroups.local(), PartitionAdapter(),

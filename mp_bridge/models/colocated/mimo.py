@@ -26,7 +26,6 @@ group, so an optimizer step equals the single-process step on the global batch.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Iterable
 
 import torch
@@ -38,12 +37,8 @@ from mp_bridge.comm import PartitionAdapter, group_size
 from mp_bridge.grid import GridLayout
 from mp_bridge.models.colocated.agreement import agree_step_inputs
 from mp_bridge.models.colocated.flows import parse_flow
-from mp_bridge.models.colocated.groups import (
-    MimoGroups,
-    check_members,
-    groups_of_bridge,
-    make_mimo_groups,
-)
+from mp_bridge.models.colocated.groups import MimoGroups, check_members, make_mimo_groups
+from mp_bridge.models.colocated.legacy import DP_NAMES, legacy_groups
 from mp_bridge.models.colocated.parts import MimoFlow, StepParts
 from mp_bridge.models.data.inputs import BatchSpec, StepInputs, parse_step_inputs
 from mp_bridge.models.parallel.encoder import TPEncoder, TPProjection
@@ -73,10 +68,9 @@ class ColocatedMimoModel(nn.Module):
     ``[b, p, patch_dim]`` or :class:`RaggedImages`); returns the global masked-mean token
     loss (fp32 scalar).
 
-    Deprecated form (one release, ``DeprecationWarning``): ``ColocatedMimoModel(encoder,
-    projection, llm, bridge, partition, *, image_token_id, encoder_dp_group=None,
-    llm_dp_cp_group=None, flow=...)``; the DP groups left out are looked up on the
-    bridge's grids (:func:`groups_of_bridge`).
+    Deprecated form (one release, ``DeprecationWarning``; :mod:`.legacy`):
+    ``ColocatedMimoModel(encoder, projection, llm, bridge, partition, *, image_token_id,
+    encoder_dp_group=None, llm_dp_cp_group=None, groups=None, flow=...)``.
     """
 
     def __init__(
@@ -84,13 +78,13 @@ class ColocatedMimoModel(nn.Module):
         encoder: nn.Module,
         projection: nn.Module,
         llm: TPLLM,
-        groups: MimoGroups,
+        groups: MimoGroups | None = None,
         partition: PartitionAdapter | None = None,
+        /,
         *,
         image_token_id: int,
         flow: str | MimoFlow = "gather",
-        encoder_dp_group: dist.ProcessGroup | None = None,
-        llm_dp_cp_group: dist.ProcessGroup | None = None,
+        **deprecated,
     ):
         super().__init__()
         self._flow = parse_flow(flow)
@@ -98,32 +92,18 @@ class ColocatedMimoModel(nn.Module):
                               llm.cfg.patch_dim)  # fmt: skip
         check_int("image_token_id", image_token_id, low=0, high=llm.cfg.vocab_size - 1,
                   fix="use the id of the image placeholder token")  # fmt: skip
+        if groups is None and set(deprecated) == {"groups"} and partition is None:
+            groups = deprecated.pop("groups")  # the new form, groups by keyword
         dp_names = {"encoder_dp": "groups.encoder_dp", "llm_dp_cp": "groups.llm_dp_cp"}
-        if isinstance(groups, MimoGroups):
-            if (partition, encoder_dp_group, llm_dp_cp_group) != (None, None, None):
-                raise TypeError(
-                    "ColocatedMimoModel(..., groups) takes no partition, encoder_dp_group "
-                    "or llm_dp_cp_group: the MimoGroups holds them"
-                )
+        if isinstance(groups, MimoGroups) and partition is None and not deprecated:
             partition = PartitionAdapter(
                 cp_group=groups.llm_cp, tp_group=groups.llm_tp,
                 sequence_parallel=llm.sequence_parallel,
             )  # fmt: skip
-        else:  # (encoder, projection, llm, bridge, partition, ...)
-            warnings.warn(
-                "ColocatedMimoModel(encoder, projection, llm, bridge, partition, ...) is "
-                "deprecated; pass one MimoGroups: ColocatedMimoModel(encoder, projection, "
-                "llm, make_mimo_groups(encoder_grid, llm_grid), image_token_id=...)",
-                DeprecationWarning,
-                stacklevel=2,
-            )
-            if not isinstance(partition, PartitionAdapter):
-                raise TypeError(f"partition must be a PartitionAdapter, got {partition!r}")
-            groups = groups_of_bridge(
-                groups, encoder_tp=encoder.tp_group, llm_tp=llm.tp_group, llm_cp=llm.cp_group,
-                encoder_dp=encoder_dp_group, llm_dp_cp=llm_dp_cp_group,
-            )  # fmt: skip
-            dp_names = {"encoder_dp": "encoder_dp_group", "llm_dp_cp": "llm_dp_cp_group"}
+        else:  # the deprecated form: (encoder, projection, llm, bridge, partition, ...)
+            groups = legacy_groups(groups, partition, encoder=encoder, llm=llm,
+                                   keywords=deprecated)  # fmt: skip
+            dp_names = DP_NAMES
         used = [
             ("encoder.tp_group", encoder.tp_group, "encoder_tp"),
             ("projection.tp_group", projection.tp_group, "encoder_tp"),
