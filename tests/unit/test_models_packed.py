@@ -128,6 +128,12 @@ def test_parse_step_inputs_accepts_the_packed_layout_and_names_its_faults():
         _check(ids, labels, mask, cu_seqlens=[0, 5, 10])
     with pytest.raises(ValueError, match=r"packed \[T\] documents need cu_seqlens"):
         _check(ids, labels, mask)
+    with pytest.raises(TypeError, match="cu_seqlens has dtype torch.bool, expected an integer"):
+        _check(ids, labels, mask, cu_seqlens=torch.tensor([False, True]))
+    with pytest.raises(TypeError, match="input_ids has dtype torch.float32"):
+        _check(ids.float(), labels, mask, cu_seqlens=[0, 5, 11])
+    with pytest.raises(TypeError, match="images must be a torch.Tensor, RaggedImages or None"):
+        _check(ids, labels, mask, [batch.images], cu_seqlens=[0, 5, 11])
     five = ids.clone()
     five[5], five[6:11] = 1, I  # document 1: 5 placeholders for a 4-patch image
     with pytest.raises(ValueError, match="document 1 of the packed batch has 5 image tokens"):

@@ -32,7 +32,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from mp_bridge.checks import check_int
 from mp_bridge.comm import PartitionAdapter, group_size
 from mp_bridge.grid import GridLayout
 from mp_bridge.models.colocated.agreement import agree_step_inputs
@@ -88,10 +87,8 @@ class ColocatedMimoModel(nn.Module):
     ):
         super().__init__()
         self._flow = parse_flow(flow)
-        self.spec = BatchSpec(llm.cfg.vocab_size, image_token_id, llm.cfg.num_patches,
-                              llm.cfg.patch_dim)  # fmt: skip
-        check_int("image_token_id", image_token_id, low=0, high=llm.cfg.vocab_size - 1,
-                  fix="use the id of the image placeholder token")  # fmt: skip
+        cfg = llm.cfg  # BatchSpec checks image_token_id against the LLM vocab
+        self.spec = BatchSpec(cfg.vocab_size, image_token_id, cfg.num_patches, cfg.patch_dim)
         if groups is None and set(deprecated) == {"groups"} and partition is None:
             groups = deprecated.pop("groups")  # the new form, groups by keyword
         dp_names = {"encoder_dp": "groups.encoder_dp", "llm_dp_cp": "groups.llm_dp_cp"}
@@ -152,8 +149,8 @@ class ColocatedMimoModel(nn.Module):
         self, input_ids, labels, loss_mask, images=None, *, cu_seqlens=None
     ) -> torch.Tensor:
         """Global masked-mean token loss (fp32 scalar) of this rank's shards (see the class)."""
-        return self.flow.loss(self.parts(), self.parse_and_agree(
-            input_ids, labels, loss_mask, images, cu_seqlens=cu_seqlens))  # fmt: skip
+        inputs = self.parse_and_agree(input_ids, labels, loss_mask, images, cu_seqlens=cu_seqlens)
+        return self.flow.loss(self.parts(), inputs)
 
     def parts(self) -> StepParts:
         """What the flow runs with."""

@@ -6,7 +6,9 @@ full-sequence embeddings, then partition) or :class:`~.routed.RoutedFlow` (parti
 integer tensors, embed the local tokens, route each image row straight to its shard).
 Every flow is a :class:`MimoFlow`: ``flow.loss(parts, inputs)`` maps one step's parsed
 inputs (:class:`~mp_bridge.models.data.inputs.StepInputs`, agreed over the grid) to the
-global masked-mean token loss, using only what :class:`StepParts` hands it.
+global masked-mean token loss, using only what :class:`StepParts` hands it. A new flow
+(e.g. a pipelined LLM over microbatches of ``inputs``) is one more :class:`MimoFlow`
+subclass registered in :data:`~.flows.FLOWS`; the model and its door stay as they are.
 """
 
 from __future__ import annotations

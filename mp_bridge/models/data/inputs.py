@@ -148,6 +148,8 @@ def parse_step_inputs(
             f"input_ids must be [batch, seq]; got {tuple(input_ids.shape)}; pass this "
             "rank's LLM DP shard of full sequences (packed [T] documents need cu_seqlens)"
         )
+    if isinstance(cu_seqlens, torch.Tensor):  # bool bounds would read as 0/1 lengths
+        check_tensor("cu_seqlens", cu_seqlens, dtype="int", fix="e.g. torch.tensor([0, 5, 8])")
     cu = check_cu_seqlens(cu_seqlens, input_ids.shape[0]) if packed else None
     for name, t in (("labels", labels), ("loss_mask", loss_mask)):
         if t.shape != input_ids.shape:

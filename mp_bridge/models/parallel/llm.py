@@ -33,6 +33,7 @@ from mp_bridge.layers import (
     VocabParallelEmbedding,
     VocabParallelLMHead,
     context_parallel_attention,
+    fused_linear_cross_entropy,
     vocab_parallel_cross_entropy,
 )
 from mp_bridge.models.data.config import MimoConfig
@@ -127,8 +128,6 @@ class TPLLM(FullStateMixin, nn.Module):
             return vocab_parallel_cross_entropy(
                 logits, labels, tp_group=self.tp_group, vocab_size=self.cfg.vocab_size
             )
-        from mp_bridge.layers import fused_linear_cross_entropy
-
         if self.sequence_parallel:
             # SP slices -> the full CP-local sequence. The fused op all-reduces d hidden
             # over TP itself, so every rank's gradient is already complete: keep our slice.
