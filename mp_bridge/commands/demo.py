@@ -203,8 +203,8 @@ def _worker(enc: GridLayout, llm: GridLayout, opts: dict):
     return run_parity(
         cfg, encoder_tp=enc.axis_size("tp"), encoder_dp=enc.axis_size("dp"),
         llm_tp=llm.axis_size("tp"), llm_cp=llm.axis_size("cp"), llm_dp=llm.axis_size("dp"),
-        encoder_dim_names=enc.axis_names,
-        llm_dim_names=llm.axis_names, sequence_parallel=opts["sequence_parallel"],
+        encoder_axis_names=enc.axis_names,
+        llm_axis_names=llm.axis_names, sequence_parallel=opts["sequence_parallel"],
         fused_loss=opts["fused_loss"], batch=batches, steps=opts["steps"], lr=opts["lr"],
         device=current_device(), on_step=progress, flow=opts["flow"],
     )  # fmt: skip

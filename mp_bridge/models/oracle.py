@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -132,6 +133,17 @@ def _encoder_rows(batch: MimoBatch, dp_rank: int, dp_size: int) -> slice:
     return slice(dp_rank * n, (dp_rank + 1) * n)
 
 
+def _renamed(old: str, value: Sequence[str] | None, new_value: Sequence[str]):
+    """``new_value``, or ``value`` given under the deprecated keyword ``old`` (warns)."""
+    if value is None:
+        return new_value
+    new = old.replace("dim_names", "axis_names")
+    if tuple(new_value) != AXIS_NAMES:
+        raise ValueError(f"pass either {new}= or its deprecated name {old}=, not both")
+    warnings.warn(f"run_parity({old}=...) is deprecated; use {new}=", DeprecationWarning, 3)
+    return value
+
+
 def run_parity(
     cfg: MimoConfig,
     *,
@@ -140,8 +152,8 @@ def run_parity(
     llm_tp: int = 1,
     llm_cp: int = 1,
     llm_dp: int = 1,
-    encoder_dim_names: Sequence[str] = AXIS_NAMES,
-    llm_dim_names: Sequence[str] = AXIS_NAMES,
+    encoder_axis_names: Sequence[str] = AXIS_NAMES,
+    llm_axis_names: Sequence[str] = AXIS_NAMES,
     sequence_parallel: bool = False,
     fused_loss: bool = False,
     batch: MimoBatch | Sequence[MimoBatch] | None = None,
@@ -152,6 +164,8 @@ def run_parity(
     device: torch.device | None = None,
     on_step: StepHook | None = None,
     flow: str | MimoFlow = "gather",
+    encoder_dim_names: Sequence[str] | None = None,
+    llm_dim_names: Sequence[str] | None = None,
 ) -> ParityReport:
     """Train both models for ``steps`` Adam steps and compare (collective on every rank).
 
@@ -160,7 +174,7 @@ def run_parity(
     ragged (:class:`RaggedImages`: the encoder input gradient is then per token), plain
     or packed (``synthetic_batch(..., doc_lengths=...)``: each LLM DP rank gets its
     documents by :meth:`MimoBatch.llm_shard` and both models get ``cu_seqlens``). Grids are
-    built and destroyed here (``make_grid`` with ``encoder_dim_names`` / ``llm_dim_names``,
+    built and destroyed here (``make_grid`` with ``encoder_axis_names`` / ``llm_axis_names``,
     default ``tp, cp, pp, dp``; the two orders must nest, see ``plan_bridge``) and
     each must cover the whole world, so many layouts can run one after another in one
     world. ``on_step(step, loss, seconds)`` is called after every distributed step (e.g.
@@ -168,6 +182,8 @@ def run_parity(
     ``"routed"`` (see :class:`ColocatedMimoModel`).
     """
     check_int("steps", steps, low=1)
+    encoder_axis_names = _renamed("encoder_dim_names", encoder_dim_names, encoder_axis_names)
+    llm_axis_names = _renamed("llm_dim_names", llm_dim_names, llm_axis_names)
     world = dist.get_world_size()
     for side, sizes in (("encoder", (encoder_tp, encoder_dp)), ("llm", (llm_tp, llm_cp, llm_dp))):
         if math.prod(sizes) != world:
@@ -187,10 +203,10 @@ def run_parity(
     init_state = {k: v.clone() for k, v in reference.state_dict().items()}
 
     enc_grid = make_grid(
-        tp=encoder_tp, dp=encoder_dp, dim_names=encoder_dim_names, create=("tp", "dp")
+        tp=encoder_tp, dp=encoder_dp, dim_names=encoder_axis_names, create=("tp", "dp")
     )
     llm_grid = make_grid(
-        tp=llm_tp, cp=llm_cp, dp=llm_dp, dim_names=llm_dim_names,
+        tp=llm_tp, cp=llm_cp, dp=llm_dp, dim_names=llm_axis_names,
         create=("tp", "cp", "dp", ("dp", "cp")),
     )  # fmt: skip
     model = build_colocated_mimo(

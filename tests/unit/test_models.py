@@ -173,3 +173,14 @@ def test_deprecated_constructor_form_warns_and_still_works():
             new.encoder, new.projection, new.llm, MimoGroups.local(), PartitionAdapter(),
             image_token_id=CFG.image_token_id,
         )  # fmt: skip
+
+
+def test_run_parity_dim_names_keywords_are_deprecated_aliases():
+    from mp_bridge.grid import AXIS_NAMES
+    from mp_bridge.models.oracle import _renamed
+
+    with pytest.warns(DeprecationWarning, match=r"use encoder_axis_names="):
+        assert _renamed("encoder_dim_names", ("dp", "tp"), AXIS_NAMES) == ("dp", "tp")
+    assert _renamed("encoder_dim_names", None, ("tp", "dp")) == ("tp", "dp")
+    with pytest.raises(ValueError, match="llm_axis_names= or its deprecated name llm_dim_names="):
+        _renamed("llm_dim_names", ("tp", "dp"), ("dp", "tp"))
