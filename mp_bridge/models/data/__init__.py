@@ -15,7 +15,6 @@ from .inputs import (
 )
 from .packed import (
     check_cu_seqlens,
-    check_packed_image_tokens,
     document_sums,
     placeholder_counts,
     rows_per_document,
@@ -30,7 +29,6 @@ __all__ = [
     "MimoConfig",
     "RaggedImages",
     "check_cu_seqlens",
-    "check_packed_image_tokens",
     "document_sums",
     "placeholder_counts",
     "rows_per_document",
