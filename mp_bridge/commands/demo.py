@@ -22,6 +22,7 @@ import os
 import sys
 import time
 
+from mp_bridge.checks import check_int, check_positive_float
 from mp_bridge.comm import plan_bridge, seq_len_divisor
 from mp_bridge.commands.layout_flag import layout_from_flag
 from mp_bridge.grid import GridLayout
@@ -106,12 +107,9 @@ def _validate(args: argparse.Namespace) -> tuple[GridLayout, GridLayout]:
     """
     if args.world is None:
         args.world = int(os.environ["WORLD_SIZE"]) if under_torchrun() else 8
-    if args.world < 1:
-        raise ValueError(f"--world {args.world} must be >= 1")
-    if args.steps < 1:
-        raise ValueError(f"--steps {args.steps} must be >= 1")
-    if not (math.isfinite(args.lr) and args.lr > 0):
-        raise ValueError(f"--lr {args.lr} must be a positive finite number, e.g. 1e-2")
+    check_int("--world", args.world, low=1)
+    check_int("--steps", args.steps, low=1)
+    check_positive_float("--lr", args.lr, fix="e.g. --lr 1e-2")
     default_enc, default_llm = default_layouts(args.world)
     args.encoder = args.encoder or default_enc
     args.llm = args.llm or default_llm
@@ -122,8 +120,7 @@ def _validate(args: argparse.Namespace) -> tuple[GridLayout, GridLayout]:
     if args.batch_size is None:
         step = math.lcm(enc["dp"], llm["dp"])
         args.batch_size = -(-8 // step) * step  # the smallest multiple of both DPs >= 8
-    if args.batch_size < 1:
-        raise ValueError(f"--batch-size {args.batch_size} must be >= 1")
+    check_int("--batch-size", args.batch_size, low=1)
     if args.plot:
         _check_plot_target(args.plot)
     # The written axis order is the grid's rank order, so nesting is checked on it.
@@ -206,8 +203,8 @@ def _worker(enc: GridLayout, llm: GridLayout, opts: dict):
     return run_parity(
         cfg, encoder_tp=enc.axis_size("tp"), encoder_dp=enc.axis_size("dp"),
         llm_tp=llm.axis_size("tp"), llm_cp=llm.axis_size("cp"), llm_dp=llm.axis_size("dp"),
-        encoder_dim_names=enc.axis_names,
-        llm_dim_names=llm.axis_names, sequence_parallel=opts["sequence_parallel"],
+        encoder_axis_names=enc.axis_names,
+        llm_axis_names=llm.axis_names, sequence_parallel=opts["sequence_parallel"],
         fused_loss=opts["fused_loss"], batch=batches, steps=opts["steps"], lr=opts["lr"],
         device=current_device(), on_step=progress, flow=opts["flow"],
     )  # fmt: skip
@@ -308,6 +305,8 @@ def _plot(report, path: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from mp_bridge.models import parse_flow
+
     enc, llm = _validate(args)
     opts = {
         "steps": args.steps,
@@ -317,7 +316,7 @@ def run(args: argparse.Namespace) -> int:
         "fused_loss": args.fused_loss,
         "config": args.config,
         "uniform": args.uniform,
-        "flow": args.flow,
+        "flow": parse_flow(args.flow),  # parsed once here; the workers get the object
     }
     start = time.perf_counter()
     if under_torchrun():

@@ -1,8 +1,13 @@
 """Small reference models (TP encoder, projection, CP/TP LLM) and the colocated MIMO wrapper."""
 
 from mp_bridge.models.colocated.build import build_colocated_mimo, destroy_colocated_mimo
+from mp_bridge.models.colocated.flows import FLOWS, parse_flow
+from mp_bridge.models.colocated.gather import GatherFlow
 from mp_bridge.models.colocated.groups import MimoGroups, make_mimo_groups
+from mp_bridge.models.colocated.local import LocalBridge
 from mp_bridge.models.colocated.mimo import ColocatedMimoModel
+from mp_bridge.models.colocated.parts import MimoFlow
+from mp_bridge.models.colocated.routed import RoutedFlow
 from mp_bridge.models.data.batch import MimoBatch, TextShard, dp_shard, synthetic_batch
 from mp_bridge.models.data.config import MimoConfig
 from mp_bridge.models.data.images import RaggedImages
@@ -30,6 +35,12 @@ __all__ = [
     "TPProjection",
     "TPLLM",
     "ColocatedMimoModel",
+    "MimoFlow",
+    "GatherFlow",
+    "RoutedFlow",
+    "FLOWS",
+    "parse_flow",
+    "LocalBridge",
     "MimoGroups",
     "make_mimo_groups",
     "build_colocated_mimo",

@@ -24,14 +24,17 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
+from mp_bridge.checks import check_int
 from mp_bridge.grid import AXIS_NAMES, GridLayout, make_grid
 from mp_bridge.models.colocated.build import build_colocated_mimo, destroy_colocated_mimo
+from mp_bridge.models.colocated.parts import MimoFlow
 from mp_bridge.models.data.batch import MimoBatch, synthetic_batch
 from mp_bridge.models.data.config import MimoConfig
 from mp_bridge.models.data.images import RaggedImages
@@ -130,6 +133,17 @@ def _encoder_rows(batch: MimoBatch, dp_rank: int, dp_size: int) -> slice:
     return slice(dp_rank * n, (dp_rank + 1) * n)
 
 
+def _renamed(old: str, value: Sequence[str] | None, new_value: Sequence[str]):
+    """``new_value``, or ``value`` given under the deprecated keyword ``old`` (warns)."""
+    if value is None:
+        return new_value
+    new = old.replace("dim_names", "axis_names")
+    if tuple(new_value) != AXIS_NAMES:
+        raise ValueError(f"pass either {new}= or its deprecated name {old}=, not both")
+    warnings.warn(f"run_parity({old}=...) is deprecated; use {new}=", DeprecationWarning, 3)
+    return value
+
+
 def run_parity(
     cfg: MimoConfig,
     *,
@@ -138,8 +152,8 @@ def run_parity(
     llm_tp: int = 1,
     llm_cp: int = 1,
     llm_dp: int = 1,
-    encoder_dim_names: Sequence[str] = AXIS_NAMES,
-    llm_dim_names: Sequence[str] = AXIS_NAMES,
+    encoder_axis_names: Sequence[str] = AXIS_NAMES,
+    llm_axis_names: Sequence[str] = AXIS_NAMES,
     sequence_parallel: bool = False,
     fused_loss: bool = False,
     batch: MimoBatch | Sequence[MimoBatch] | None = None,
@@ -149,7 +163,9 @@ def run_parity(
     seed: int = 0,
     device: torch.device | None = None,
     on_step: StepHook | None = None,
-    flow: str = "gather",
+    flow: str | MimoFlow = "gather",
+    encoder_dim_names: Sequence[str] | None = None,
+    llm_dim_names: Sequence[str] | None = None,
 ) -> ParityReport:
     """Train both models for ``steps`` Adam steps and compare (collective on every rank).
 
@@ -158,15 +174,16 @@ def run_parity(
     ragged (:class:`RaggedImages`: the encoder input gradient is then per token), plain
     or packed (``synthetic_batch(..., doc_lengths=...)``: each LLM DP rank gets its
     documents by :meth:`MimoBatch.llm_shard` and both models get ``cu_seqlens``). Grids are
-    built and destroyed here (``make_grid`` with ``encoder_dim_names`` / ``llm_dim_names``,
+    built and destroyed here (``make_grid`` with ``encoder_axis_names`` / ``llm_axis_names``,
     default ``tp, cp, pp, dp``; the two orders must nest, see ``plan_bridge``) and
     each must cover the whole world, so many layouts can run one after another in one
     world. ``on_step(step, loss, seconds)`` is called after every distributed step (e.g.
     for progress lines). ``flow``: the colocated model's step, ``"gather"`` or
     ``"routed"`` (see :class:`ColocatedMimoModel`).
     """
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-        raise ValueError(f"steps={steps!r} must be an int >= 1")
+    check_int("steps", steps, low=1)
+    encoder_axis_names = _renamed("encoder_dim_names", encoder_dim_names, encoder_axis_names)
+    llm_axis_names = _renamed("llm_dim_names", llm_dim_names, llm_axis_names)
     world = dist.get_world_size()
     for side, sizes in (("encoder", (encoder_tp, encoder_dp)), ("llm", (llm_tp, llm_cp, llm_dp))):
         if math.prod(sizes) != world:
@@ -186,10 +203,10 @@ def run_parity(
     init_state = {k: v.clone() for k, v in reference.state_dict().items()}
 
     enc_grid = make_grid(
-        tp=encoder_tp, dp=encoder_dp, dim_names=encoder_dim_names, create=("tp", "dp")
+        tp=encoder_tp, dp=encoder_dp, dim_names=encoder_axis_names, create=("tp", "dp")
     )
     llm_grid = make_grid(
-        tp=llm_tp, cp=llm_cp, dp=llm_dp, dim_names=llm_dim_names,
+        tp=llm_tp, cp=llm_cp, dp=llm_dp, dim_names=llm_axis_names,
         create=("tp", "cp", "dp", ("dp", "cp")),
     )  # fmt: skip
     model = build_colocated_mimo(

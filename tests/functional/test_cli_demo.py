@@ -10,7 +10,7 @@ import re
 
 import pytest
 
-import mp_bridge.models.colocated.mimo as mimo_module
+import mp_bridge.models.colocated.parts as parts_module
 from mp_bridge.cli import main
 
 
@@ -29,10 +29,10 @@ def test_demo_trains_and_reports_parity(capfd, tmp_path):
 
 
 def test_demo_exits_1_when_parity_fails(capfd, monkeypatch):
-    original = mimo_module.masked_mean
+    original = parts_module.masked_mean
     # Each rank normalizes by its own token count: the global loss is wrong.
     monkeypatch.setattr(
-        mimo_module, "masked_mean", lambda values, mask, *, group=None: original(values, mask)
+        parts_module, "masked_mean", lambda values, mask, *, group=None: original(values, mask)
     )
     assert main(["demo", "--steps", "2"]) == 1
     out = capfd.readouterr().out

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 import mp_bridge.comm.bridge.communicator as bridge_module
-import mp_bridge.models.colocated.mimo as mimo_module
+import mp_bridge.models.colocated.parts as parts_module
 from mp_bridge.grid import make_grid
 from mp_bridge.models import (
     ColocatedMimoModel,
@@ -111,12 +111,12 @@ def test_text_only_samples_and_uneven_loss_mask():
 @world.case
 def test_oracle_catches_a_local_loss_denominator():
     # Normalize by this rank's token count instead of the global one.
-    original = mimo_module.masked_mean
-    mimo_module.masked_mean = lambda values, mask, *, group=None: original(values, mask)
+    original = parts_module.masked_mean
+    parts_module.masked_mean = lambda values, mask, *, group=None: original(values, mask)
     try:
         report = _parity(**FAN_IN_CP2, batch=_uneven_batch())
     finally:
-        mimo_module.masked_mean = original
+        parts_module.masked_mean = original
     # Far past the bounds the parity cases apply (100x LOSS_RTOL, 10x WEIGHT_RTOL).
     assert report.loss_max_rel > 100 * LOSS_RTOL, report
     assert report.weight_max_rel > 10 * WEIGHT_RTOL, report

@@ -16,8 +16,7 @@ tests/functional/test_models_oracle_ragged.py``.
 
 from __future__ import annotations
 
-import mp_bridge.models.colocated.mimo as mimo_module
-from mp_bridge.models import synthetic_batch
+from mp_bridge.models import GatherFlow, synthetic_batch
 from mp_bridge.testing import DistributedWorld
 from tests.functional.test_models_oracle import (
     CFG,
@@ -56,17 +55,17 @@ def test_ragged_parity_with_one_process(layout):
 def test_ragged_oracle_catches_tokens_placed_in_the_wrong_order():
     # A ragged bridge that delivers the right counts but its tokens in reverse order
     # (the kind of slot/offset mix-up the ragged exchange could make).
-    original = mimo_module.ColocatedMimoModel.bridge_images
+    original = GatherFlow.bridge_images
 
-    def reversed_tokens(self, image, images):
-        y, counts = original(self, image, images)
+    def reversed_tokens(self, parts, image, images):
+        y, counts = original(self, parts, image, images)
         return (y.flip(0), counts) if counts is not None else (y, counts)
 
-    mimo_module.ColocatedMimoModel.bridge_images = reversed_tokens
+    GatherFlow.bridge_images = reversed_tokens
     try:
         report = _parity(**FAN_IN_CP2, batch=_ragged_batch())
     finally:
-        mimo_module.ColocatedMimoModel.bridge_images = original
+        GatherFlow.bridge_images = original
     # Far past the bounds the parity cases apply. The image tokens are a small part of
     # this tiny model's input, so the loss moves least (measured 5e-4 = 50x LOSS_RTOL);
     # the encoder gradients see the misplacement fully (measured rel 0.5 and 1.6).

@@ -143,9 +143,14 @@ def test_routed_oracle_catches_rows_placed_in_the_wrong_order():
     return {"loss_rel": report.loss_max_rel, "grad_rel": report.input_grad_max_rel}
 
 
-def test_flow_is_checked():
-    from mp_bridge.models.colocated.routed import check_flow
+def test_flow_names_are_parsed_once_into_flow_objects():
+    from mp_bridge.models import GatherFlow, RoutedFlow, parse_flow
 
-    assert check_flow("routed") == "routed" and check_flow("gather") == "gather"
-    with pytest.raises(ValueError, match="flow='scatter'"):
-        check_flow("scatter")
+    assert isinstance(parse_flow("routed"), RoutedFlow)
+    assert isinstance(parse_flow("gather"), GatherFlow)
+    flow = RoutedFlow()
+    assert parse_flow(flow) is flow
+    with pytest.raises(ValueError, match=r"flow='scatter' must be one of \['gather', 'routed'\]"):
+        parse_flow("scatter")
+    with pytest.raises(ValueError, match="flow=None must be one of"):
+        parse_flow(None)

@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from mp_bridge.comm import ColocatedBridgeCommunicator, PartitionAdapter
+from mp_bridge.comm import ColocatedBridgeCommunicator
 from mp_bridge.grid import GridLayout, make_grid
 from mp_bridge.grid.destroy import destroy_grid
 from mp_bridge.models import (
@@ -32,6 +32,7 @@ from mp_bridge.models import (
     run_parity,
     synthetic_batch,
 )
+from mp_bridge.models.colocated import groups_of_bridge
 from mp_bridge.models.parallel.sharding import load_full_state
 from mp_bridge.testing import DistributedWorld, current_device
 
@@ -40,18 +41,21 @@ CFG = MimoConfig()
 RTOL = 1e-5
 
 
-def _plain(reference, enc, llm, **groups) -> ColocatedMimoModel:
-    """The issue's signature: encoder, projection, llm, bridge, partition, image_token_id."""
+def _plain(reference, enc, llm, **dp_groups) -> ColocatedMimoModel:
+    """Wired by hand: a bridge and the grids' groups in one ``groups_of_bridge`` (DP groups
+    left out are looked up on the bridge's grids)."""
     dev = current_device()
     enc_tp, llm_tp, llm_cp = enc.get_pg("tp"), llm.get_pg("tp"), llm.get_pg("cp")
+    groups = groups_of_bridge(
+        ColocatedBridgeCommunicator(enc, llm), encoder_tp=enc_tp, llm_tp=llm_tp, llm_cp=llm_cp,
+        **dp_groups,
+    )  # fmt: skip
     return ColocatedMimoModel(
         TPEncoder.from_full(reference.encoder, CFG, tp_group=enc_tp, device=dev),
         TPProjection.from_full(reference.projection, CFG, tp_group=enc_tp, device=dev),
         TPLLM.from_full(reference.llm, CFG, tp_group=llm_tp, cp_group=llm_cp, device=dev),
-        ColocatedBridgeCommunicator(enc, llm),
-        PartitionAdapter(cp_group=llm_cp, tp_group=llm_tp),
+        groups,
         image_token_id=CFG.image_token_id,
-        **groups,
     )
 
 
@@ -130,8 +134,8 @@ def test_a_group_that_does_not_match_the_layout_is_refused():
     reference = _reference()
     try:
         # The LLM's DP group alone misses the CP ranks' tokens.
-        with pytest.raises(ValueError, match=r"llm_dp_cp_group on rank \d holds ranks"):
-            _plain(reference, enc, llm, llm_dp_cp_group=llm.get_pg("dp"))
+        with pytest.raises(ValueError, match=r"groups.llm_dp_cp on rank \d holds ranks"):
+            _plain(reference, enc, llm, llm_dp_cp=llm.get_pg("dp"))
     finally:
         destroy_grid(enc)
         destroy_grid(llm)
@@ -149,11 +153,14 @@ def test_grids_on_part_of_the_world():
         model = build_colocated_mimo(reference, enc, llm, device=current_device())
         batch = synthetic_batch(CFG, 2, seed=4, uneven_mask=True)
         bad = _compare_step(model, reference, batch, enc, llm)
-        # The plain signature creates nothing: it takes the DP groups from the bridge's grids.
-        plain = ColocatedMimoModel(
-            model.encoder, model.projection, model.llm, model.bridge, model.partition,
-            image_token_id=CFG.image_token_id,
+        # Wiring by hand creates nothing: the DP groups come from the bridge's grids.
+        groups = groups_of_bridge(
+            model.bridge, encoder_tp=model.encoder.tp_group, llm_tp=model.llm.tp_group,
+            llm_cp=model.llm.cp_group,
         )  # fmt: skip
+        plain = ColocatedMimoModel(
+            model.encoder, model.projection, model.llm, groups, image_token_id=CFG.image_token_id
+        )
         for group in (plain.encoder_dp_group, plain.llm_dp_cp_group):
             if dist.get_process_group_ranks(group) != [2, 3]:
                 bad.append(f"plain model group {dist.get_process_group_ranks(group)}")

@@ -25,15 +25,15 @@ from mp_bridge.models import MimoConfig, ParityReport
         (["--world", "8", "--encoder", "tp=2,dp=2"], "--encoder: .* covers 4 ranks"),
         (["--encoder", "tp=2,cp=4"], "--encoder: .* unknown axis 'cp'"),
         (["--llm", "tp=2,cp=2,dp=3"], "--llm: .* covers 12 ranks"),
-        (["--steps", "0"], "--steps 0 must be >= 1"),
+        (["--steps", "0"], "--steps=0 must be an int >= 1"),
         (["--batch-size", "6"], "--batch-size 6 does not split over --encoder dp=4"),
         # TP 3 / CP 16 are no longer refused: demo_config widens the model (heads, FFN,
         # sequence) to fit; see tests/unit/test_acceptance_layers_unit.py.
         # dp 4 -> dp 3 does not nest: the bridge plan refuses it with the rank's coordinates.
         (["--world", "12", "--encoder", "tp=3,dp=4", "--llm", "tp=4,dp=3"], "divide"),
-        (["--lr", "-1"], r"--lr -1.0 must be a positive finite number"),
-        (["--lr", "nan"], r"--lr nan must be a positive finite number"),
-        (["--batch-size", "0"], "--batch-size 0 must be >= 1"),
+        (["--lr", "-1"], r"--lr=-1.0 must be a float in \(0.0, inf\); e.g. --lr 1e-2"),
+        (["--lr", "nan"], r"--lr=nan must be a float in \(0.0, inf\)"),
+        (["--batch-size", "0"], "--batch-size=0 must be an int >= 1"),
         # Checked before training, not when the PNG is written at the end.
         (["--plot", "/nonexistent/dir/x.png"], "folder /nonexistent/dir does not exist"),
     ],

@@ -17,6 +17,7 @@ from mp_bridge.models import (
     TPLLM,
     ColocatedMimoModel,
     MimoConfig,
+    MimoGroups,
     ReferenceMimo,
     TPEncoder,
     TPProjection,
@@ -29,7 +30,7 @@ CFG = MimoConfig()
 
 
 class _IdentityBridge:
-    """Single-process stand-in: src and dest layouts are the same one rank."""
+    """A user's single-process stand-in (the deprecated constructor form)."""
 
     def communicate(self, x: torch.Tensor) -> torch.Tensor:
         return x
@@ -38,21 +39,22 @@ class _IdentityBridge:
         pass
 
 
-def _single_process(reference: ReferenceMimo) -> ColocatedMimoModel:
+def _single_process(reference: ReferenceMimo, flow: str = "gather") -> ColocatedMimoModel:
     return ColocatedMimoModel(
         TPEncoder.from_full(reference.encoder, CFG),
         TPProjection.from_full(reference.projection, CFG),
         TPLLM.from_full(reference.llm, CFG),
-        _IdentityBridge(),
-        PartitionAdapter(),
+        MimoGroups.local(),
         image_token_id=CFG.image_token_id,
+        flow=flow,
     )
 
 
-def test_single_process_model_matches_reference_loss_and_grads():
+@pytest.mark.parametrize("flow", ["gather", "routed"])
+def test_single_process_model_matches_reference_loss_and_grads(flow):
     torch.manual_seed(0)
     reference = ReferenceMimo(CFG)
-    model = _single_process(reference)
+    model = _single_process(reference, flow)
     batch = synthetic_batch(CFG, 4, seed=3, text_only=[1], uneven_mask=True)
     x_ref = batch.images.clone().requires_grad_(True)
     x = batch.images.clone().requires_grad_(True)
@@ -129,7 +131,56 @@ def test_config_and_input_errors():
         model(batch.input_ids, batch.labels[:, :3], batch.loss_mask, batch.images)
     with pytest.raises(ValueError, match="images has shape"):
         model(batch.input_ids, batch.labels, batch.loss_mask, batch.images[:, :2])
-    with pytest.raises(TypeError, match="image_token_id"):
+    with pytest.raises(TypeError, match="image_token_id must be an int"):
         ColocatedMimoModel(
-            model.encoder, model.projection, model.llm, None, None, image_token_id=1.5
+            model.encoder, model.projection, model.llm, MimoGroups.local(), image_token_id=1.5
         )
+    with pytest.raises(ValueError, match=r"image_token_id=61 must be an int >= 0 and <= 60"):
+        ColocatedMimoModel(
+            model.encoder, model.projection, model.llm, MimoGroups.local(), image_token_id=61
+        )
+    with pytest.raises(ValueError, match=r"flow='scatter' must be one of \['gather', 'routed'\]"):
+        model.flow = "scatter"
+    with pytest.raises(TypeError, match="input_ids has dtype torch.float32"):
+        model(batch.input_ids.float(), batch.labels, batch.loss_mask, batch.images)
+
+
+def test_deprecated_constructor_form_warns_and_still_works():
+    torch.manual_seed(0)
+    reference = ReferenceMimo(CFG)
+    new = _single_process(reference)
+    with pytest.warns(DeprecationWarning, match="pass one MimoGroups"):
+        old = ColocatedMimoModel(
+            new.encoder, new.projection, new.llm, _IdentityBridge(), PartitionAdapter(),
+            image_token_id=CFG.image_token_id,
+        )  # fmt: skip
+    batch = synthetic_batch(CFG, 2, seed=5)
+    args = (batch.input_ids, batch.labels, batch.loss_mask, batch.images)
+    assert torch.equal(old(*args), new(*args))  # same modules, same math, same bits
+    groups = MimoGroups.local()
+    with pytest.warns(DeprecationWarning, match="pass one MimoGroups"):
+        kw = ColocatedMimoModel(
+            new.encoder, new.projection, new.llm, groups.bridge, PartitionAdapter(),
+            image_token_id=CFG.image_token_id, groups=groups,
+        )  # fmt: skip
+    assert kw.groups is groups and torch.equal(kw(*args), new(*args))
+    by_keyword = ColocatedMimoModel(
+        new.encoder, new.projection, new.llm, groups=groups, image_token_id=CFG.image_token_id
+    )
+    assert by_keyword.groups is groups
+    with pytest.raises(TypeError, match="takes no partition"):
+        ColocatedMimoModel(
+            new.encoder, new.projection, new.llm, MimoGroups.local(), PartitionAdapter(),
+            image_token_id=CFG.image_token_id,
+        )  # fmt: skip
+
+
+def test_run_parity_dim_names_keywords_are_deprecated_aliases():
+    from mp_bridge.grid import AXIS_NAMES
+    from mp_bridge.models.oracle import _renamed
+
+    with pytest.warns(DeprecationWarning, match=r"use encoder_axis_names="):
+        assert _renamed("encoder_dim_names", ("dp", "tp"), AXIS_NAMES) == ("dp", "tp")
+    assert _renamed("encoder_dim_names", None, ("tp", "dp")) == ("tp", "dp")
+    with pytest.raises(ValueError, match="llm_axis_names= or its deprecated name llm_dim_names="):
+        _renamed("llm_dim_names", ("tp", "dp"), ("dp", "tp"))

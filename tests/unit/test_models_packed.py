@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from mp_bridge.models import MimoBatch, MimoConfig, ReferenceMimo, dp_shard, synthetic_batch
-from mp_bridge.models.colocated.step_checks import check_batch
+from mp_bridge.models.data.inputs import BatchSpec, parse_step_inputs
 from mp_bridge.models.data.packed import check_cu_seqlens, placeholder_counts
 from mp_bridge.models.reference.model import packed_causal_mask
 
@@ -107,21 +107,33 @@ def test_bad_cu_seqlens_name_the_fix(cu, error, message):
         check_cu_seqlens(cu, 9)
 
 
-def _check(ids, labels, mask, images=None, **kw):
-    spec = dict(vocab_size=CFG.vocab_size, image_token_id=I, num_patches=CFG.num_patches)
-    check_batch(ids, labels, mask, images, patch_dim=CFG.patch_dim, **spec, **kw)
+def _check(ids, labels, mask, images=None, cu_seqlens=None):
+    spec = BatchSpec.of(CFG, I)
+    return parse_step_inputs(ids, labels, mask, images, cu_seqlens, spec, images_of_text=False)
 
 
-def test_step_check_accepts_the_packed_layout_and_names_its_faults():
+def test_parse_step_inputs_accepts_the_packed_layout_and_names_its_faults():
     batch = synthetic_batch(CFG, 2, seed=1, doc_lengths=[5, 6])
     ids, labels, mask = batch.text
-    _check(ids, labels, mask, batch.images, cu_seqlens=batch.cu_seqlens)
+    parsed = _check(ids, labels, mask, batch.images, cu_seqlens=[0, 5, 11])
+    assert parsed.cu_seqlens.tolist() == [0, 5, 11] and parsed.cu_seqlens.dtype == torch.int64
+    by_hand = [int((ids[:5] == I).sum()), int((ids[5:] == I).sum())]
+    assert parsed.placeholders.tolist() == by_hand and parsed.packed and parsed.has_images
+    # [1, T] packed tensors are accepted and flattened once at the door.
+    flat = _check(ids[None], labels[None], mask[None], None, cu_seqlens=[0, 5, 11])
+    assert flat.input_ids.shape == (11,) and not flat.has_images
     with pytest.raises(ValueError, match=r"packed input_ids .* must be \[T\]"):
         _check(ids.view(1, 11).repeat(2, 1), labels, mask, cu_seqlens=[0, 11])
     with pytest.raises(ValueError, match="ends at 10 but the packed tensors hold 11"):
         _check(ids, labels, mask, cu_seqlens=[0, 5, 10])
     with pytest.raises(ValueError, match=r"packed \[T\] documents need cu_seqlens"):
         _check(ids, labels, mask)
+    with pytest.raises(TypeError, match="cu_seqlens has dtype torch.bool, expected an integer"):
+        _check(ids, labels, mask, cu_seqlens=torch.tensor([False, True]))
+    with pytest.raises(TypeError, match="input_ids has dtype torch.float32"):
+        _check(ids.float(), labels, mask, cu_seqlens=[0, 5, 11])
+    with pytest.raises(TypeError, match="images must be a torch.Tensor, RaggedImages or None"):
+        _check(ids, labels, mask, [batch.images], cu_seqlens=[0, 5, 11])
     five = ids.clone()
     five[5], five[6:11] = 1, I  # document 1: 5 placeholders for a 4-patch image
     with pytest.raises(ValueError, match="document 1 of the packed batch has 5 image tokens"):

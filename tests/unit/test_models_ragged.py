@@ -114,5 +114,8 @@ def test_reference_refuses_placeholders_that_do_not_match_the_counts():
     batch = synthetic_batch(CFG, 2, seed=1, images_per_sample=(1, 2))
     ids = batch.input_ids.clone()
     ids[0, (ids[0] == I).nonzero()[0, 0]] = 3  # one placeholder fewer in sample 0
-    with pytest.raises(ValueError, match="image tokens .* per sample but the images give"):
+    with pytest.raises(
+        ValueError,
+        match=r"hold \[\d+, \d+\] image tokens .* but images.tokens_per_sample=\[\d+, \d+\]",
+    ):
         ReferenceMimo(CFG)(ids, batch.labels, batch.loss_mask, batch.images)

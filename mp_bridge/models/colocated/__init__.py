@@ -1,27 +1,36 @@
-"""The colocated MIMO step: groups, flows (gather / routed), step checks and the model wrapper."""
+"""The colocated MIMO step: groups, the parse-and-agree door, the flows (gather / routed)
+and the model wrapper."""
 
+from .agreement import ReplicaDocsSpec, StepSpec, agree_image_counts, agree_step_inputs
 from .build import build_colocated_mimo, destroy_colocated_mimo
-from .flow import MimoFlow, packed_tokens
-from .groups import MimoGroups, check_group, grid_group, make_mimo_groups
+from .flows import FLOWS, parse_flow
+from .gather import GatherFlow
+from .groups import MimoGroups, check_members, grid_group, groups_of_bridge, make_mimo_groups
+from .local import LocalBridge
 from .mimo import ColocatedMimoModel
-from .routed import FLOWS, check_flow, place_local_rows, routed_forward
-from .step_checks import agree_image_counts, check_batch, check_step
+from .parts import MimoFlow, StepParts, shard_loss
+from .routed import RoutedFlow, place_local_rows
 
 __all__ = [
+    "ReplicaDocsSpec",
+    "StepSpec",
+    "agree_image_counts",
+    "agree_step_inputs",
     "build_colocated_mimo",
     "destroy_colocated_mimo",
-    "MimoFlow",
-    "packed_tokens",
-    "MimoGroups",
-    "check_group",
-    "grid_group",
-    "make_mimo_groups",
-    "ColocatedMimoModel",
     "FLOWS",
-    "check_flow",
+    "parse_flow",
+    "GatherFlow",
+    "MimoGroups",
+    "check_members",
+    "grid_group",
+    "groups_of_bridge",
+    "make_mimo_groups",
+    "LocalBridge",
+    "ColocatedMimoModel",
+    "MimoFlow",
+    "StepParts",
+    "shard_loss",
+    "RoutedFlow",
     "place_local_rows",
-    "routed_forward",
-    "agree_image_counts",
-    "check_batch",
-    "check_step",
 ]

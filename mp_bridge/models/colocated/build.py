@@ -20,6 +20,7 @@ from megatron.core.hyper_comm_grid import HyperCommGrid
 
 from mp_bridge.grid import destroy_grid
 from mp_bridge.models.colocated.mimo import ColocatedMimoModel
+from mp_bridge.models.colocated.parts import MimoFlow
 from mp_bridge.models.reference.model import ReferenceMimo
 
 __all__ = ["build_colocated_mimo", "destroy_colocated_mimo"]
@@ -33,7 +34,7 @@ def build_colocated_mimo(
     sequence_parallel: bool = False,
     fused_loss: bool = False,
     device: torch.device | None = None,
-    flow: str = "gather",
+    flow: str | MimoFlow = "gather",
 ) -> ColocatedMimoModel:
     """Shard ``reference`` into encoder (``tp``/``dp``) and LLM (``tp``/``cp``/``dp``) grids.
 
@@ -50,15 +51,12 @@ def build_colocated_mimo(
 def destroy_colocated_mimo(model: ColocatedMimoModel, *grids: HyperCommGrid) -> None:
     """Free what built the model's groups, mirroring their creation.
 
-    A model from :func:`build_colocated_mimo` / ``from_groups``: ``model.groups.destroy()``
-    (the bridge, then both grids' groups). A model wired by hand: ``model.bridge.destroy()``.
-    Then the groups of ``grids`` (idempotent: grids already freed are skipped).
+    ``model.groups.destroy()``: the bridge, then the groups of the grids it owns (a model
+    from :func:`build_colocated_mimo` / ``from_groups``: both grids). Then the groups of
+    ``grids`` (idempotent: grids already freed are skipped).
     Collective: every rank calls it with the same grids, like the group creations.
     """
     model.destroy()
-    if model.groups is not None:
-        model.groups.destroy()
-    else:
-        model.bridge.destroy()
+    model.groups.destroy()
     for grid in grids:
         destroy_grid(grid)

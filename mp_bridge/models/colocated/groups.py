@@ -30,24 +30,35 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch.distributed as dist
+from megatron.core.hyper_comm_grid import HyperCommGrid
 
-from mp_bridge.comm import ColocatedBridgeCommunicator, plan_bridge
+from mp_bridge.checks import check_group
+from mp_bridge.comm import ColocatedBridgeCommunicator, group_size, plan_bridge
 from mp_bridge.grid import MISSING_PG_ERRORS, GridLayout, destroy_grid
+from mp_bridge.models.colocated.local import LocalBridge
 
-__all__ = ["MimoGroups", "check_group", "grid_group", "make_mimo_groups"]
+__all__ = [
+    "ENCODER_AXES",
+    "LLM_AXES",
+    "MimoGroups",
+    "check_members",
+    "grid_group",
+    "groups_of_bridge",
+    "make_mimo_groups",
+]
 
 #: Field of :class:`MimoGroups` -> the axes of its grid it spans.
 ENCODER_AXES = {"encoder_tp": ("tp",), "encoder_dp": ("dp",)}
 LLM_AXES = {"llm_tp": ("tp",), "llm_cp": ("cp",), "llm_dp_cp": ("dp", "cp")}
 
-
-def check_group(group: object, name: str) -> None:
-    """``TypeError`` unless ``group`` is a ``ProcessGroup`` or ``None`` (one process)."""
-    if group is not None and not isinstance(group, dist.ProcessGroup):
-        raise TypeError(
-            f"{name}={group!r} must be a torch.distributed ProcessGroup or None "
-            "(None = a single process); pass grid.get_pg('tp') or a MimoGroups field"
-        )
+#: Where a caller finds each group on its grids.
+_WHERE = {
+    "encoder_tp": "encoder_grid.get_pg('tp')",
+    "encoder_dp": "encoder_grid.get_pg('dp')",
+    "llm_tp": "llm_grid.get_pg('tp')",
+    "llm_cp": "llm_grid.get_pg('cp')",
+    "llm_dp_cp": "llm_grid.get_pg(['dp', 'cp'])",
+}
 
 
 def grid_group(grid: Any, axes: Sequence[str], *, create: bool = False):
@@ -78,26 +89,39 @@ def grid_group(grid: Any, axes: Sequence[str], *, create: bool = False):
 class MimoGroups:
     """This rank's groups of a colocated model (see the module table) and its bridge.
 
-    Built by :func:`make_mimo_groups`; freed by :meth:`destroy` (collective, every rank).
+    Built by :func:`make_mimo_groups` (which owns the grids: ``destroy`` frees their
+    groups), by :meth:`local` (one process, no group) or from a bridge and groups made
+    elsewhere (:func:`groups_of_bridge`: grids ``None``, their owner frees them).
+    Freed by :meth:`destroy` (collective, every rank).
     """
 
-    encoder_grid: Any
-    llm_grid: Any
-    bridge: ColocatedBridgeCommunicator
+    encoder_grid: HyperCommGrid | None
+    llm_grid: HyperCommGrid | None
+    bridge: ColocatedBridgeCommunicator | LocalBridge
     encoder_tp: dist.ProcessGroup | None
     encoder_dp: dist.ProcessGroup | None
     llm_tp: dist.ProcessGroup | None
     llm_cp: dist.ProcessGroup | None
     llm_dp_cp: dist.ProcessGroup | None
 
+    def __post_init__(self) -> None:
+        for name in (*ENCODER_AXES, *LLM_AXES):
+            check_group(f"MimoGroups.{name}", getattr(self, name), fix=f"e.g. {_WHERE[name]}")
+
+    @classmethod
+    def local(cls) -> MimoGroups:
+        """One process: a :class:`LocalBridge` and no process group."""
+        return cls(None, None, LocalBridge(), None, None, None, None, None)
+
     def destroy(self) -> None:
-        """Free the bridge's groups, then every group of both grids (idempotent).
+        """Free the bridge's groups, then every group of the grids it owns (idempotent).
 
         Collective like :func:`make_mimo_groups`: every rank of the world calls it.
         """
         self.bridge.destroy()
-        destroy_grid(self.llm_grid)
-        destroy_grid(self.encoder_grid)
+        for grid in (self.llm_grid, self.encoder_grid):
+            if grid is not None:
+                destroy_grid(grid)
 
 
 def make_mimo_groups(encoder_grid: Any, llm_grid: Any) -> MimoGroups:
@@ -113,7 +137,7 @@ def make_mimo_groups(encoder_grid: Any, llm_grid: Any) -> MimoGroups:
     as its other group creations, even ranks outside the grids.
     """
     for name, grid in (("encoder_grid", encoder_grid), ("llm_grid", llm_grid)):
-        if not all(hasattr(grid, a) for a in ("get_pg", "create_pg", "dim_names", "shape")):
+        if not isinstance(grid, HyperCommGrid):
             raise TypeError(
                 f"{name} must be a megatron HyperCommGrid (make_grid returns one), got "
                 f"{type(grid).__name__}; a GridLayout holds no process groups"
@@ -126,3 +150,93 @@ def make_mimo_groups(encoder_grid: Any, llm_grid: Any) -> MimoGroups:
     }
     bridge = ColocatedBridgeCommunicator(encoder_grid, llm_grid)
     return MimoGroups(encoder_grid, llm_grid, bridge, **groups)
+
+
+def groups_of_bridge(
+    bridge: object,
+    *,
+    encoder_tp: dist.ProcessGroup | None,
+    llm_tp: dist.ProcessGroup | None,
+    llm_cp: dist.ProcessGroup | None,
+    encoder_dp: dist.ProcessGroup | None = None,
+    llm_dp_cp: dist.ProcessGroup | None = None,
+) -> MimoGroups:
+    """A :class:`MimoGroups` around a bridge and groups made elsewhere (creates nothing).
+
+    A DP group left out is looked up on a real bridge's grids (``src_grid.get_pg('dp')``,
+    ``dest_grid.get_pg(['dp', 'cp'])``; none needed where the layout's group is one rank);
+    ``ValueError`` naming the fix when the grid lacks it. Any other bridge is a
+    single-process stand-in. The grids stay their owner's (``destroy`` frees the bridge
+    only). Local: no collective.
+    """
+    if isinstance(bridge, ColocatedBridgeCommunicator):
+        plan, rank = bridge.plan, dist.get_rank()
+        _check_inside(plan, rank)
+        found = {"encoder_dp": encoder_dp, "llm_dp_cp": llm_dp_cp}
+        for field, grid, layout, axes, arg in (
+            ("encoder_dp", bridge.src_grid, plan.src, ("dp",), "encoder_dp_group"),
+            ("llm_dp_cp", bridge.dest_grid, plan.dest, ("dp", "cp"), "llm_dp_cp_group"),
+        ):
+            if found[field] is not None or len(_members_of(layout, axes, rank)) == 1:
+                continue
+            if not isinstance(grid, HyperCommGrid):
+                raise ValueError(
+                    f"{arg} was not given and the bridge's grid holds no process groups; "
+                    f"pass {arg}={_WHERE[field]} or build the model with "
+                    "build_colocated_mimo / make_mimo_groups"
+                )
+            try:
+                found[field] = grid_group(grid, axes)
+            except ValueError as exc:
+                raise ValueError(f"{arg} was not given and {exc}") from None
+        encoder_dp, llm_dp_cp = found["encoder_dp"], found["llm_dp_cp"]
+    return MimoGroups(None, None, bridge, encoder_tp, encoder_dp, llm_tp, llm_cp, llm_dp_cp)
+
+
+def check_members(
+    groups: MimoGroups, used: Sequence[tuple[str, dist.ProcessGroup | None, str]]
+) -> None:
+    """Every group a model uses holds the ranks the bridge's layouts say (local check).
+
+    ``used``: ``(name, group, field)`` rows: ``group`` (named ``name`` in the error) must
+    span the axes of :class:`MimoGroups` field ``field`` around this rank. With a
+    :class:`~mp_bridge.comm.ColocatedBridgeCommunicator` the ranks are compared with its
+    plan (``ValueError`` naming the group, its ranks and the expected ones, before any
+    collective); otherwise (one process) every group must be ``None`` or of size 1.
+    """
+    bridge = groups.bridge
+    if not isinstance(bridge, ColocatedBridgeCommunicator):
+        for name, group, _ in used:
+            if group_size(group) != 1:
+                raise ValueError(
+                    f"{name} spans {group_size(group)} ranks but the bridge {bridge!r} is a "
+                    "single-process one; build the groups with make_mimo_groups"
+                )
+        return
+    plan, rank = bridge.plan, dist.get_rank()
+    _check_inside(plan, rank)
+    for name, group, field in used:
+        layout, axes = (plan.src, ENCODER_AXES[field]) if field in ENCODER_AXES else (
+            plan.dest, LLM_AXES[field])  # fmt: skip
+        expected = _members_of(layout, axes, rank)
+        got = [rank] if group is None else sorted(dist.get_process_group_ranks(group))
+        if got != expected:
+            raise ValueError(
+                f"{name} on rank {rank} holds ranks {got} but the layout {layout!r} puts "
+                f"this rank's {'x'.join(axes)} group at {expected}; pass the grid's group, "
+                f"e.g. {_WHERE[field]}"
+            )
+
+
+def _check_inside(plan, rank: int) -> None:
+    if rank not in plan.src.ranks:
+        raise ValueError(
+            f"rank {rank} is outside the bridged grids {plan.src!r}; build "
+            f"ColocatedMimoModel only on ranks {list(plan.src.ranks)}"
+        )
+
+
+def _members_of(layout: GridLayout, axes: Sequence[str], rank: int) -> list[int]:
+    """Sorted ranks of ``rank``'s group over ``axes`` (axes the layout lacks have size 1)."""
+    present = [a for a in axes if a in layout.dim_names]
+    return sorted(layout.group_of(rank, present)) if present else [rank]

@@ -1,21 +1,19 @@
-"""The routed colocated step: shard the integer tensors first, route images to the shards.
+"""The routed flow: shard the integer tensors first, route image rows to the shards.
 
-``ColocatedMimoModel(..., flow="routed")`` runs :func:`routed_forward`; ``flow="gather"``
-runs :meth:`MimoFlow.forward` (bridge the LLM DP batch's image tokens to every rank of the
-replica, build full-sequence ``[b, S, h]`` embeddings, then shard them). The routed step,
-per rank (``S`` the LLM DP batch's sequence length, ``c`` CP size, ``t`` TP size):
+``ColocatedMimoModel(..., flow="routed")`` runs :class:`RoutedFlow` on the inputs the
+model parsed and agreed (:mod:`.agreement`). Per rank (``S`` the LLM DP batch's sequence
+length, ``c`` CP size, ``t`` TP size):
 
-1. ``check_step`` (as the gather flow: local checks, image-presence agreement);
-2. ``partition.shard(None, input_ids=, labels=, loss_mask=)``: CP-local integer tensors
+1. ``partition.shard(None, input_ids=, labels=, loss_mask=)``: CP-local integer tensors
    ``[b, S/c]`` (no collective; sequences not divisible by the cut are padded, padding
    has loss mask 0 and is never an image position);
-3. ``llm.embed_tokens`` of the local ids only -> ``[b, S/c, h]`` (one TP all-reduce); with
+2. ``llm.embed_tokens`` of the local ids only -> ``[b, S/c, h]`` (one TP all-reduce); with
    SP, ``scatter_along`` keeps this TP rank's piece ``[b, S/(c·t), h]``;
-4. encoder + projection on the encoder DP shard, then ``bridge.route``: each image token
+3. encoder + projection on the encoder DP shard, then ``bridge.route``: each image token
    goes from the encoder rank holding it straight to the shard(s) consuming it ->
    ``[n_local, h]``, the image rows of the local shard in shard order (route's own
    metadata and token exchanges; backward one token exchange, no CP all-reduce);
-5. those rows replace the local image positions (``index_copy``), LLM -> per-token loss
+4. those rows replace the local image positions (``index_copy``), LLM -> per-token loss
    ``[b, S/c]`` -> ``masked_mean`` over the LLM DP x CP group.
 
 No tensor of the full sequence length with a hidden dim exists on any rank (only the
@@ -27,10 +25,10 @@ need no extra collective. Numerics: the same products as the gather flow (the te
 are the same lookups, the image rows the same rows), so losses and gradients agree with
 it up to summation order.
 
-Packed text (``cu_seqlens``; document ``i`` = sample ``i``): step 2 shards the 1-D
-``[T]`` tensors with ``cu_seqlens`` (each document padded to its CP cut), step 3 embeds the
-local ids as one ``[1, T_pad/c, h]`` row, step 4 passes ``bridge.route`` the packed
-``image_mask [T]`` and the original ``cu_seqlens``, and step 5 gives the LLM the padded
+Packed text (``cu_seqlens``; document ``i`` = sample ``i``): step 1 shards the 1-D
+``[T]`` tensors with ``cu_seqlens`` (each document padded to its CP cut), step 2 embeds the
+local ids as one ``[1, T_pad/c, h]`` row, step 3 passes ``bridge.route`` the packed
+``image_mask [T]`` and the original ``cu_seqlens``, and step 4 gives the LLM the padded
 global ``ShardedBatch.cu_seqlens`` so attention stays inside each document. Uniform
 images: ``n_i`` is document ``i``'s placeholder count.
 """
@@ -40,24 +38,12 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from mp_bridge.comm import all_gather_tensor, group_size, scatter_along
-from mp_bridge.models.data.images import RaggedImages
-from mp_bridge.models.data.packed import placeholder_counts, rows_per_document
+from mp_bridge.comm import ColocatedBridgeCommunicator, all_gather_tensor, group_size, scatter_along
+from mp_bridge.models.colocated.parts import MimoFlow, StepParts, shard_loss
+from mp_bridge.models.data.inputs import StepInputs
+from mp_bridge.models.data.packed import rows_per_document
 
-__all__ = ["FLOWS", "check_flow", "place_local_rows", "routed_forward"]
-
-#: The colocated model's step flows (``ColocatedMimoModel(flow=...)``).
-FLOWS = ("routed", "gather")
-
-
-def check_flow(flow: object) -> str:
-    """``flow`` if it names a flow, else ``ValueError`` listing them."""
-    if flow not in FLOWS:
-        raise ValueError(
-            f"flow={flow!r}; use 'routed' (partition first, route image tokens to the "
-            "shards) or 'gather' (full-sequence embeddings, then partition)"
-        )
-    return flow
+__all__ = ["RoutedFlow", "place_local_rows"]
 
 
 def place_local_rows(text: torch.Tensor, rows: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -73,53 +59,53 @@ def place_local_rows(text: torch.Tensor, rows: torch.Tensor, mask: torch.Tensor)
     return flat.view_as(text)
 
 
-def routed_forward(model, input_ids, labels, loss_mask, images, *, cu_seqlens=None) -> torch.Tensor:
-    """The routed step of a ``ColocatedMimoModel`` (see the module docstring)."""
-    input_ids, labels, loss_mask, cu_seqlens, has_images = model.checked_inputs(
-        input_ids, labels, loss_mask, images, cu_seqlens
-    )
-    part = model.partition
-    shard = part.shard(
-        None, input_ids=input_ids, labels=labels, loss_mask=loss_mask, cu_seqlens=cu_seqlens
-    )
-    local_ids = shard.input_ids  # [b, S/c], packed [T_pad/c]
-    is_image = local_ids == model.image_token_id
-    if shard.token_mask is not None:  # padding (id 0) is never an image position
-        is_image = is_image & shard.token_mask.to(is_image.device)
-    if cu_seqlens is not None:  # one packed row
-        local_ids, is_image = local_ids.unsqueeze(0), is_image.unsqueeze(0)
-    embeddings = model.llm.embed_tokens(local_ids)  # [b, S/c, h], TP-replicated
-    if part.sequence_parallel and part.tp_size > 1:
-        embeddings = scatter_along(embeddings, part.tp_group, 1)  # [b, S/(c·t), h]
-        piece = is_image.shape[1] // part.tp_size
-        is_image = is_image.narrow(1, part.tp_rank * piece, piece)
-    if has_images:
-        x, counts = _image_tokens(model, model.encode(images), images, input_ids, cu_seqlens)
-        rows = model.bridge.route(
-            x,
-            tokens_per_sample=counts,
-            image_mask=input_ids == model.image_token_id,
-            partition=part,
-            cu_seqlens=cu_seqlens,
-        )
-        embeddings = place_local_rows(embeddings, rows, is_image)
-    return model.shard_loss(embeddings, shard)  # LLM -> per-token loss -> masked_mean
+class RoutedFlow(MimoFlow):
+    """``flow="routed"``: no full-sequence activation or gradient on any rank."""
+
+    name = "routed"
+
+    def loss(self, parts: StepParts, inputs: StepInputs) -> torch.Tensor:
+        part = parts.partition
+        shard = part.shard(
+            None, input_ids=inputs.input_ids, labels=inputs.labels,
+            loss_mask=inputs.loss_mask, cu_seqlens=inputs.cu_seqlens,
+        )  # fmt: skip
+        local_ids = shard.input_ids  # [b, S/c], packed [T_pad/c]
+        is_image = local_ids == inputs.image_token_id
+        if shard.token_mask is not None:  # padding (id 0) is never an image position
+            is_image = is_image & shard.token_mask.to(is_image.device)
+        if inputs.packed:  # one packed row
+            local_ids, is_image = local_ids.unsqueeze(0), is_image.unsqueeze(0)
+        embeddings = parts.llm.embed_tokens(local_ids)  # [b, S/c, h], TP-replicated
+        if part.sequence_parallel and part.tp_size > 1:
+            embeddings = scatter_along(embeddings, part.tp_group, 1)  # [b, S/(c·t), h]
+            piece = is_image.shape[1] // part.tp_size
+            is_image = is_image.narrow(1, part.tp_rank * piece, piece)
+        if inputs.has_images:
+            x, counts = _image_rows(parts, parts.encode(inputs.images), inputs)
+            rows = parts.bridge.route(
+                x, tokens_per_sample=counts, image_mask=inputs.image_mask, partition=part,
+                cu_seqlens=inputs.cu_seqlens,
+            )  # fmt: skip
+            embeddings = place_local_rows(embeddings, rows, is_image)
+        return shard_loss(parts, embeddings, shard)  # LLM -> per-token loss -> masked_mean
 
 
-def _image_tokens(model, image: torch.Tensor, images, input_ids: torch.Tensor, cu_seqlens):
+def _image_rows(parts: StepParts, image: torch.Tensor, inputs: StepInputs):
     """``(x [T, h], tokens_per_sample [b_e])`` of this rank's encoder DP batch.
 
     Ragged: the encoder output and its counts. Uniform ``[b_e, p, h]``: the first ``n_i``
-    rows of each sample, ``n_i`` its placeholder count in the LLM batch holding it (per
-    row, or per packed document; one all-gather of the LLM batches' counts over the
-    encoder TP group; see the module).
+    rows of each sample, ``n_i`` its placeholder count in the LLM batch holding it (one
+    all-gather of the LLM batches' counts over the encoder TP group; see the module).
+    One process (:class:`~.local.LocalBridge`): the LLM batch is the encoder batch.
     """
-    if isinstance(images, RaggedImages):
-        return image, images.tokens_per_sample
-    plan = model.bridge.plan
-    rank = dist.get_rank()
-    counts = placeholder_counts(input_ids, model.image_token_id, cu_seqlens)  # [b_l]
-    group = model.encoder.tp_group
+    if inputs.ragged:
+        return image, inputs.images.tokens_per_sample
+    counts = inputs.placeholders  # [b_l]
+    bridge = parts.bridge
+    if not isinstance(bridge, ColocatedBridgeCommunicator):
+        return rows_per_document(image, counts), counts
+    plan, rank, group = bridge.plan, dist.get_rank(), parts.groups.encoder_tp
     members = [rank] if group_size(group) == 1 else dist.get_process_group_ranks(group)
     gathered = all_gather_tensor(counts, group, 0).view(len(members), -1).cpu()
     per_replica = {plan.dest.coords(m)["dp"]: row for m, row in zip(members, gathered)}

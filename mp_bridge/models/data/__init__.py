@@ -1,23 +1,25 @@
-"""Model inputs: the model config, synthetic batches, ragged images, packed text and image
-placement.
+"""Model inputs: the model config, synthetic batches, ragged images, packed text, the parsed
+step inputs and image placement (pure torch, no collectives).
 """
 
 from .batch import MimoBatch, TextShard, dp_shard, synthetic_batch
 from .config import MimoConfig
 from .images import RaggedImages
+from .inputs import (
+    IGNORE_INDEX,
+    BatchSpec,
+    StepInputs,
+    check_placeholders,
+    packed_tokens,
+    parse_step_inputs,
+)
 from .packed import (
     check_cu_seqlens,
-    check_packed_image_tokens,
     document_sums,
     placeholder_counts,
     rows_per_document,
 )
-from .placement import (
-    check_image_tokens,
-    check_ragged_image_tokens,
-    place_image_embeddings,
-    place_image_tokens,
-)
+from .placement import place_image_embeddings, place_image_tokens, place_images
 
 __all__ = [
     "MimoBatch",
@@ -27,12 +29,16 @@ __all__ = [
     "MimoConfig",
     "RaggedImages",
     "check_cu_seqlens",
-    "check_packed_image_tokens",
     "document_sums",
     "placeholder_counts",
     "rows_per_document",
-    "check_image_tokens",
-    "check_ragged_image_tokens",
+    "IGNORE_INDEX",
+    "BatchSpec",
+    "StepInputs",
+    "check_placeholders",
+    "packed_tokens",
+    "parse_step_inputs",
     "place_image_embeddings",
     "place_image_tokens",
+    "place_images",
 ]

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from mp_bridge.checks import check_int, check_ints, is_int
 from mp_bridge.models.data.config import MimoConfig
 from mp_bridge.models.data.images import RaggedImages
 from mp_bridge.models.data.packed import check_cu_seqlens
@@ -135,8 +136,7 @@ def synthetic_batch(
     document of ``doc_lengths[i]`` tokens (``seq_len`` unused), which must hold its
     images (``num_patches``; ragged ``hi * num_patches``) unless it is ``text_only``.
     """
-    if batch_size < 1:
-        raise ValueError(f"batch_size={batch_size} must be >= 1")
+    check_int("batch_size", batch_size, low=1)
     bad = [i for i in text_only if not 0 <= i < batch_size]
     if bad:
         raise ValueError(f"text_only={list(text_only)} has ids {bad} outside [0, {batch_size})")
@@ -240,10 +240,9 @@ def _packed_batch(cfg, lengths, gen, text_only, uneven_mask, images_per_sample) 
 
 def _check_lengths(doc_lengths, batch_size, cfg, text_only, images_per_sample) -> list[int]:
     """``doc_lengths`` as ints if there is one per sample and each holds its images."""
-    lengths = list(doc_lengths)
-    if len(lengths) != batch_size or not all(
-        isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in lengths
-    ):
+    fix = f"give batch_size={batch_size} document lengths, one per sample"
+    lengths = list(check_ints("doc_lengths", doc_lengths, low=0, fix=fix))
+    if len(lengths) != batch_size:
         raise ValueError(
             f"doc_lengths={lengths!r} must hold batch_size={batch_size} ints >= 0, one "
             "document length per sample"
@@ -265,7 +264,7 @@ def _check_range(images_per_sample, cfg: MimoConfig, *, packed: bool = False) ->
     ok = (
         isinstance(images_per_sample, tuple | list)
         and len(images_per_sample) == 2
-        and all(isinstance(v, int) and not isinstance(v, bool) for v in images_per_sample)
+        and all(is_int(v) for v in images_per_sample)
     )
     if not ok or not 0 <= images_per_sample[0] <= images_per_sample[1]:
         raise ValueError(
@@ -283,9 +282,8 @@ def _check_range(images_per_sample, cfg: MimoConfig, *, packed: bool = False) ->
 
 def dp_shard(t: torch.Tensor, dp_rank: int, dp_size: int) -> torch.Tensor:
     """Contiguous batch block ``dp_rank`` of ``dp_size`` (the bridge's data contract)."""
-    for name, value in (("dp_rank", dp_rank), ("dp_size", dp_size)):
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise TypeError(f"{name} must be an int, got {value!r}")
+    check_int("dp_size", dp_size, low=1)
+    check_int("dp_rank", dp_rank)
     if not 0 <= dp_rank < dp_size:
         raise ValueError(
             f"dp_rank={dp_rank} must be in [0, dp_size={dp_size}); pass this rank's DP "

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from mp_bridge.checks import check_int
+
 __all__ = ["MimoConfig"]
 
 
@@ -43,8 +45,7 @@ class MimoConfig:
         for name, value in self.__dict__.items():
             if name == "norm_eps":
                 continue
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"MimoConfig.{name}={value!r} must be a non-negative int")
+            check_int(f"MimoConfig.{name}", value, low=0)
         for hidden, heads, side in (
             (self.enc_hidden, self.enc_heads, "enc"),
             (self.llm_hidden, self.llm_heads, "llm"),

@@ -21,7 +21,6 @@ from mp_bridge.comm import normalize_cu_seqlens
 
 __all__ = [
     "check_cu_seqlens",
-    "check_packed_image_tokens",
     "document_sums",
     "placeholder_counts",
     "rows_per_document",
@@ -74,33 +73,3 @@ def rows_per_document(image: torch.Tensor, counts: torch.Tensor) -> torch.Tensor
     patch rows are left out and get a zero gradient)."""
     keep = torch.arange(image.shape[1], device=counts.device)[None, :] < counts[:, None]
     return image[keep.to(image.device)]
-
-
-def check_packed_image_tokens(
-    input_ids: torch.Tensor,
-    image_token_id: int,
-    cu_seqlens: torch.Tensor,
-    *,
-    num_patches: int | None = None,
-    tokens_per_sample: torch.Tensor | None = None,
-) -> None:
-    """``ValueError`` naming the document unless document ``i`` of packed ``input_ids [T]``
-    holds at most ``num_patches`` placeholders (uniform images) or exactly
-    ``tokens_per_sample[i]`` (ragged images). Local check."""
-    have = placeholder_counts(input_ids, image_token_id, cu_seqlens).cpu()
-    if num_patches is not None and bool((have > num_patches).any()):
-        doc = int((have > num_patches).nonzero()[0, 0])
-        raise ValueError(
-            f"document {doc} of the packed batch has {int(have[doc])} image tokens "
-            f"(image_token_id={image_token_id}) but its image yields only {num_patches} "
-            "embeddings; use at most that many placeholders per document"
-        )
-    if tokens_per_sample is not None:
-        want = torch.as_tensor(tokens_per_sample).cpu().to(torch.int64)
-        if want.shape != have.shape or not torch.equal(have, want):
-            raise ValueError(
-                f"the packed documents hold {have.tolist()} image tokens "
-                f"(image_token_id={image_token_id}) per document but the images give "
-                f"{want.tolist()} per sample; document i is sample i: put one placeholder "
-                "per image token in its document"
-            )

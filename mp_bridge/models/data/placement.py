@@ -14,32 +14,14 @@ placeholders get ``t0, t1``, sample 2's one gets ``t2``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
-__all__ = [
-    "check_image_tokens",
-    "check_ragged_image_tokens",
-    "place_image_embeddings",
-    "place_image_tokens",
-]
+from mp_bridge.models.data.inputs import StepInputs, check_placeholders
+from mp_bridge.models.data.packed import rows_per_document
 
-
-def check_image_tokens(input_ids: torch.Tensor, image_token_id: int, num_patches: int) -> None:
-    """Raise ``ValueError`` when a sample holds more image tokens than there are patches."""
-    if input_ids.dim() != 2:
-        raise ValueError(
-            f"input_ids must be [batch, seq]; got shape {tuple(input_ids.shape)}; "
-            "pass one row of token ids per sample"
-        )
-    counts = (input_ids == image_token_id).sum(dim=1)
-    too_many = counts > num_patches
-    if bool(too_many.any()):
-        sample = int(too_many.nonzero()[0, 0])
-        raise ValueError(
-            f"sample {sample} has {int(counts[sample])} image tokens "
-            f"(image_token_id={image_token_id}) but its image yields only {num_patches} "
-            "embeddings; use at most that many placeholders per sample"
-        )
+__all__ = ["place_image_embeddings", "place_image_tokens", "place_images"]
 
 
 def place_image_embeddings(
@@ -70,21 +52,6 @@ def place_image_embeddings(
     return torch.where(is_image.unsqueeze(-1), picked, text)
 
 
-def check_ragged_image_tokens(
-    input_ids: torch.Tensor, image_token_id: int, tokens_per_sample: torch.Tensor
-) -> None:
-    """Raise ``ValueError`` unless sample ``i`` holds exactly ``tokens_per_sample[i]``
-    placeholders (local check; ``tokens_per_sample`` ``[b]`` on any device)."""
-    counts = (input_ids == image_token_id).sum(dim=1).cpu()
-    want = torch.as_tensor(tokens_per_sample).cpu()
-    if counts.shape != want.shape or not torch.equal(counts, want.to(counts.dtype)):
-        raise ValueError(
-            f"input_ids hold {counts.tolist()} image tokens (image_token_id={image_token_id}) "
-            f"per sample but the images give {want.tolist()}; put one placeholder per "
-            "image token, in the samples of this batch"
-        )
-
-
 def place_image_tokens(
     text: torch.Tensor,
     tokens: torch.Tensor,
@@ -93,9 +60,9 @@ def place_image_tokens(
 ) -> torch.Tensor:
     """``text`` [b, s, h] with its image-token rows replaced by ``tokens`` [T, h] in order.
 
-    ``T`` must equal the number of placeholders in ``input_ids`` (checked by
-    :func:`check_ragged_image_tokens` per sample); row-major order over ``[b, s]`` is
-    sample order, so the ``j``-th placeholder of the batch takes ``tokens[j]``.
+    ``T`` must equal the number of placeholders in ``input_ids`` (checked per sample by
+    :func:`~mp_bridge.models.data.inputs.check_placeholders`); row-major order over
+    ``[b, s]`` is sample order, so the ``j``-th placeholder of the batch takes ``tokens[j]``.
     Differentiable in both inputs (``index_copy``); no collectives.
     """
     rows = (input_ids == image_token_id).reshape(-1).nonzero().squeeze(1)
@@ -107,3 +74,36 @@ def place_image_tokens(
         )
     flat = text.reshape(-1, text.shape[-1]).index_copy(0, rows, tokens.to(text.dtype))
     return flat.view_as(text)
+
+
+def place_images(
+    embed_tokens: Callable[[torch.Tensor], torch.Tensor],
+    inputs: StepInputs,
+    image: torch.Tensor | None,
+    counts: torch.Tensor | None,
+) -> torch.Tensor:
+    """The place stage of a step: text embeddings with the image rows at the placeholders.
+
+    ``embed_tokens``: ids ``[b, S]`` -> ``[b, S, h]``. ``image``: this batch's image
+    embeddings, uniform ``[b, p, h]`` or ragged ``[T_img, h]`` with ``counts`` ``[b]`` (its
+    tokens per sample), or ``None`` (text only). Returns ``[b, S, h]``, or packed
+    ``[1, T, h]`` (one row; document ``i`` takes sample ``i``'s rows, uniform images its
+    first ``n_i`` patch rows). Ragged counts must equal ``inputs.placeholders``.
+    """
+    ids = inputs.input_ids.unsqueeze(0) if inputs.packed else inputs.input_ids
+    text = embed_tokens(ids)
+    token = inputs.image_token_id
+    if image is None:
+        return text
+    if counts is not None:
+        check_placeholders(inputs.placeholders, counts, token)
+        return place_image_tokens(text, image, ids, token)
+    if not inputs.packed:
+        return place_image_embeddings(text, image, ids, token)
+    n = inputs.placeholders
+    if image.shape[0] != n.shape[0]:
+        raise ValueError(
+            f"{image.shape[0]} samples of image embeddings for {n.shape[0]} packed "
+            "documents; document i is sample i of this LLM DP batch"
+        )
+    return place_image_tokens(text, rows_per_document(image, n.to(image.device)), ids, token)

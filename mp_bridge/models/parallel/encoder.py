@@ -18,8 +18,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from mp_bridge.checks import check_group
 from mp_bridge.comm import group_size
-from mp_bridge.models.colocated.groups import check_group
 from mp_bridge.models.data.config import MimoConfig
 from mp_bridge.models.data.images import RaggedImages
 from mp_bridge.models.parallel.sharding import FullStateMixin
@@ -53,7 +53,7 @@ class TPEncoder(FullStateMixin, nn.Module):
         device: torch.device | None = None,
     ):
         super().__init__()
-        check_group(tp_group, "tp_group")
+        check_group("tp_group", tp_group)
         cfg.check_tp(encoder_tp=group_size(tp_group))
         self.cfg, self.tp_group = cfg, tp_group
         config = parallel_config(tp_group)
@@ -93,7 +93,7 @@ class TPProjection(FullStateMixin, TPMLP):
         tp_group: dist.ProcessGroup | None = None,
         device: torch.device | None = None,  # no device-specific layer; kept for from_full
     ):
-        check_group(tp_group, "tp_group")
+        check_group("tp_group", tp_group)
         cfg.check_tp(encoder_tp=group_size(tp_group))
         super().__init__(
             cfg.enc_hidden, cfg.proj_hidden, cfg.llm_hidden,

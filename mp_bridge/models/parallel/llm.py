@@ -27,14 +27,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from mp_bridge.checks import check_group
 from mp_bridge.comm import gather_keep_grad, group_size
 from mp_bridge.layers import (
     VocabParallelEmbedding,
     VocabParallelLMHead,
     context_parallel_attention,
+    fused_linear_cross_entropy,
     vocab_parallel_cross_entropy,
 )
-from mp_bridge.models.colocated.groups import check_group
 from mp_bridge.models.data.config import MimoConfig
 from mp_bridge.models.parallel.sharding import FullStateMixin
 from mp_bridge.models.parallel.tp_blocks import make_blocks, make_norm, parallel_config
@@ -75,8 +76,8 @@ class TPLLM(FullStateMixin, nn.Module):
         device: torch.device | None = None,
     ):
         super().__init__()
-        check_group(tp_group, "tp_group")
-        check_group(cp_group, "cp_group")
+        check_group("tp_group", tp_group)
+        check_group("cp_group", cp_group)
         cfg.check_tp(llm_tp=group_size(tp_group))
         self.cfg, self.tp_group, self.cp_group = cfg, tp_group, cp_group
         config = parallel_config(tp_group, sequence_parallel=sequence_parallel)
@@ -127,8 +128,6 @@ class TPLLM(FullStateMixin, nn.Module):
             return vocab_parallel_cross_entropy(
                 logits, labels, tp_group=self.tp_group, vocab_size=self.cfg.vocab_size
             )
-        from mp_bridge.layers import fused_linear_cross_entropy
-
         if self.sequence_parallel:
             # SP slices -> the full CP-local sequence. The fused op all-reduces d hidden
             # over TP itself, so every rank's gradient is already complete: keep our slice.

@@ -17,11 +17,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mp_bridge.models.colocated.flow import MimoFlow
 from mp_bridge.models.data.config import MimoConfig
 from mp_bridge.models.data.images import RaggedImages
-from mp_bridge.models.data.packed import check_cu_seqlens, check_packed_image_tokens
-from mp_bridge.models.data.placement import check_image_tokens, check_ragged_image_tokens
+from mp_bridge.models.data.inputs import BatchSpec, StepInputs, parse_step_inputs
+from mp_bridge.models.data.placement import place_images
 
 __all__ = [
     "ReferenceEncoder",
@@ -144,14 +143,15 @@ def reference_masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Ten
     return (values.to(torch.float32) * mask).sum() / mask.sum().clamp(min=1.0)
 
 
-class ReferenceMimo(MimoFlow):
+class ReferenceMimo(nn.Module):
     """encoder -> projection -> place at image tokens -> LLM -> masked mean token loss.
 
     ``forward(input_ids, labels, loss_mask, images=None, *, cu_seqlens=None)`` on the
-    global batch (:class:`MimoFlow`): ``images`` ``[B, P, patch_dim]``,
-    :class:`RaggedImages` or None; text ``[B, S]`` rows, or packed ``[T]`` documents
-    bounded by ``cu_seqlens`` (each its own causal sequence; the loss is the masked mean
-    over every token of every document).
+    global batch: ``images`` ``[B, P, patch_dim]``, :class:`RaggedImages` or None; text
+    ``[B, S]`` rows, or packed ``[T]`` documents bounded by ``cu_seqlens`` (each its own
+    causal sequence; the loss is the masked mean over every token of every document).
+    The same stages and placement math as the colocated model's gather flow, in one
+    process on the full tensors.
     """
 
     def __init__(self, cfg: MimoConfig):
@@ -162,38 +162,35 @@ class ReferenceMimo(MimoFlow):
         self.projection = ReferenceProjection(cfg)
         self.llm = ReferenceLLM(cfg)
 
-    def check_step(self, input_ids, labels, loss_mask, images, *, cu_seqlens=None) -> bool:
-        if cu_seqlens is not None:
-            if input_ids.dim() != 1:
-                raise ValueError(
-                    f"packed input_ids must be [T] (or [1, T]), got {tuple(input_ids.shape)}"
-                )
-            cu = check_cu_seqlens(cu_seqlens, input_ids.shape[0])
-            ragged = isinstance(images, RaggedImages)
-            check_packed_image_tokens(
-                input_ids, self.image_token_id, cu,
-                num_patches=None if ragged else self.cfg.num_patches,
-                tokens_per_sample=images.tokens_per_sample if ragged else None,
-            )  # fmt: skip
-        elif isinstance(images, RaggedImages):
-            check_ragged_image_tokens(input_ids, self.image_token_id, images.tokens_per_sample)
-        else:
-            check_image_tokens(input_ids, self.image_token_id, self.cfg.num_patches)
-        return images is not None
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor,
+        loss_mask: torch.Tensor,
+        images: torch.Tensor | RaggedImages | None = None,
+        *,
+        cu_seqlens: torch.Tensor | list[int] | None = None,
+    ) -> torch.Tensor:
+        """Global masked-mean token loss (fp32 scalar) of the whole batch."""
+        spec = BatchSpec.of(self.cfg, self.image_token_id)
+        inputs = parse_step_inputs(
+            input_ids, labels, loss_mask, images, cu_seqlens, spec, images_of_text=True
+        )
+        return self.step_loss(inputs)
 
-    def bridge_images(self, image, images):
-        """One process holds every sample: the encoder's output is the LLM's input."""
-        return image, images.tokens_per_sample if isinstance(images, RaggedImages) else None
-
-    def embed_text(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.llm.embed(input_ids)
-
-    def mean_token_loss(self, embeddings, labels, loss_mask, *, cu_seqlens=None) -> torch.Tensor:
+    def step_loss(self, inputs: StepInputs) -> torch.Tensor:
+        """The loss of parsed inputs (:func:`parse_step_inputs`)."""
+        image, counts = None, None
+        if inputs.has_images:
+            image = self.projection(self.encoder(inputs.images))
+            counts = inputs.images.tokens_per_sample if inputs.ragged else None
+        embeddings = place_images(self.llm.embed, inputs, image, counts)
         mask = None
-        if cu_seqlens is not None:  # one packed row [1, T, h]: documents kept apart
-            mask = packed_causal_mask(cu_seqlens, embeddings.device)
+        if inputs.packed:  # one packed row [1, T, h]: documents kept apart
+            mask = packed_causal_mask(inputs.cu_seqlens, embeddings.device)
         logits = self.llm(embeddings, mask)
+        labels = inputs.labels
         per_token = F.cross_entropy(
             logits.flatten(0, 1).float(), labels.flatten(), reduction="none"
         ).view_as(labels)
-        return reference_masked_mean(per_token, loss_mask)
+        return reference_masked_mean(per_token, inputs.loss_mask)
