@@ -212,7 +212,7 @@ def test_bad_options_are_clear_errors():
     with pytest.raises(ValueError, match="logits_precision='bf16' must be one of"):
         fused_linear_logprobs(hidden, weight, t, logits_precision="bf16")
     with pytest.raises(ValueError, match="target holds id -100 outside"):
-        vocab_parallel_logprobs(x, target)  # no ignore_index: -100 is an id like any other
+        vocab_parallel_logprobs(x, target, ignore_index=None)  # -100 is then an id like any
     bad = target.masked_fill(target < 0, -100).clone()
     bad[0] = V  # unmasked and out of range: still an error
     with pytest.raises(ValueError, match=f"target holds id {V} outside.*ignore_index=-100"):

@@ -48,7 +48,7 @@ def test_target_out_of_range_and_padding_ids():
         vocab_parallel_cross_entropy(LOGITS, t, vocab_size=9)
     t[1, 1] = -100
     with pytest.raises(ValueError, match=r"target holds id -100 outside \[0, 10\); fix the labels"):
-        vocab_parallel_logprobs(LOGITS, t)
+        vocab_parallel_logprobs(LOGITS, t, ignore_index=None)
 
 
 def test_bad_smoothing_temperature_and_logits():

@@ -20,6 +20,7 @@ __all__ = [
     "check_chunk_size",
     "check_float",
     "check_fused_inputs",
+    "check_ignore_index",
     "check_logits",
     "check_loss_args",
     "check_reduction",
@@ -160,21 +161,78 @@ def check_float(name: str, value: object, *, low: float, high: float, open_low: 
     return float(value)
 
 
-def check_loss_args(ignore_index: object, label_smoothing: object) -> tuple[int, float]:
-    """``ignore_index`` an int, ``label_smoothing`` a float in ``[0, 1]``."""
-    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
-        raise TypeError(f"ignore_index must be an int (default -100), got {ignore_index!r}")
+def check_ignore_index(ignore_index: object) -> int | None:
+    """``None`` (no id is ignored) or an int (default -100 on every loss)."""
+    if ignore_index is not None and (
+        isinstance(ignore_index, bool) or not isinstance(ignore_index, int)
+    ):
+        raise TypeError(
+            f"ignore_index must be an int or None (default -100; None ignores no id), "
+            f"got {ignore_index!r}"
+        )
+    return ignore_index
+
+
+def check_loss_args(ignore_index: object, label_smoothing: object) -> tuple[int | None, float]:
+    """``ignore_index`` an int or None, ``label_smoothing`` a float in ``[0, 1]``."""
     eps = check_float("label_smoothing", label_smoothing, low=0.0, high=1.0, open_low=False)
-    return ignore_index, eps
+    return check_ignore_index(ignore_index), eps
 
 
-def check_temperature(temperature: object) -> float:
-    """A finite float > 0 (1.0 = no scaling)."""
+def check_temperature(
+    temperature: object, shape: tuple[int, ...], like: torch.Tensor, *, shape_of: str = ""
+) -> float | torch.Tensor:
+    """A finite float > 0 (1.0 = no scaling), or a tensor of them per token / per sample.
+
+    The tensor must be floating, on ``like``'s device, broadcastable to the token shape
+    ``shape`` (``shape_of`` says where it comes from), finite and > 0 everywhere (one host
+    sync), and must not require grad: the losses treat it as a constant and compute no
+    ``d loss / d temperature``, so a learnable temperature would silently stay unchanged.
+    Returns the float, or the tensor broadcast (a view) to ``shape``.
+    """
+    if isinstance(temperature, torch.Tensor):
+        return _check_temperature_tensor(temperature, tuple(shape), like, shape_of)
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
-        raise TypeError(f"temperature must be a float, got {temperature!r}")
+        raise TypeError(f"temperature must be a float or a floating tensor, got {temperature!r}")
     if not 0.0 < temperature < float("inf"):  # also rejects nan
         raise ValueError(f"temperature={temperature!r} must be a finite float > 0 (1.0 = none)")
     return float(temperature)
+
+
+def _check_temperature_tensor(
+    t: torch.Tensor, shape: tuple[int, ...], like: torch.Tensor, shape_of: str
+) -> torch.Tensor:
+    if not t.is_floating_point():
+        raise TypeError(
+            f"temperature must be a floating tensor, got dtype={t.dtype}; e.g. temperature.float()"
+        )
+    if t.device != like.device:
+        raise ValueError(
+            f"temperature is on {t.device} but the logits / hidden states are on "
+            f"{like.device}; pass temperature.to({like.device!s})"
+        )
+    if t.requires_grad:
+        raise ValueError(
+            "temperature requires grad, but the losses compute no gradient with respect to "
+            "it (it scales the logits as a constant); pass temperature.detach()"
+        )
+    try:
+        ok = torch.broadcast_shapes(tuple(t.shape), shape) == shape
+    except RuntimeError:
+        ok = False
+    if not ok:
+        raise ValueError(
+            f"temperature shape {tuple(t.shape)} must broadcast to the tokens' shape "
+            f"{shape_of}{shape}: one value per token, or e.g. [B, 1] per sample of "
+            "[B, S] tokens (temperature[:, None]), or a 0-dim tensor"
+        )
+    if t.numel() and not bool((torch.isfinite(t) & (t > 0)).all()):
+        bad = t[~(torch.isfinite(t) & (t > 0))].flatten()[0].item()
+        raise ValueError(
+            f"temperature must be finite and > 0 everywhere, got {bad!r}; clamp it, e.g. "
+            "temperature.clamp(min=1e-3)"
+        )
+    return t.detach().broadcast_to(shape)
 
 
 def check_options(
@@ -196,10 +254,7 @@ def check_options(
         raise TypeError(f"z_loss_weight must be a float, got {z_loss_weight!r}")
     if not 0.0 <= z_loss_weight < float("inf"):
         raise ValueError(f"z_loss_weight={z_loss_weight!r} must be a finite float >= 0 (0 = none)")
-    if ignore_index is not None and (
-        isinstance(ignore_index, bool) or not isinstance(ignore_index, int)
-    ):
-        raise TypeError(f"ignore_index must be an int or None, got {ignore_index!r}")
+    ignore_index = check_ignore_index(ignore_index)
     for name, flag in (flags or {}).items():
         if not isinstance(flag, bool):
             raise TypeError(f"{name} must be a bool, got {flag!r}")

@@ -13,19 +13,24 @@ vocab of ``V`` ids: ``lse = log sum_c exp(z_c)``, ``tl = z_target``, ``sz = sum_
   c = -eps / V``, plus the z-loss ``zw * lse**2`` (``z_loss_weight``; absent when 0);
 - log-prob ``log_softmax(z)[target]``: ``a = -1, b = 1, c = 0``;
 - optionally the entropy ``H = -sum_c p_c log p_c`` of the same ``p = softmax(z)``, with
-  ``d H / d z = -p (log p + H)``.
+  ``d H / d z = -p (log p + H)``, and ``sum_c p_c**2`` (no gradient: a statistic).
+
+The temperature ``T`` is a float (``LossSpec.temperature``) or a per-token tensor passed
+beside the spec (``token_temperature``: fp32, one value per row of ``z``).
 
 Tokens at ``ignore_index`` get value 0 (and entropy 0) and gradient 0.
 
 Row statistics are one fp32 ``[S, ...]`` tensor, ``STATS`` in that order: row max ``m``,
 ``s = sum exp(z - m)``, the target logit (0 where the target is elsewhere), the sum of
-the true logits and, with entropy only (``S = 5``), ``u = sum exp(z - m) (z - m)``, so
-``H = log s - u / s``. Partial statistics of disjoint vocab ranges merge by the online
-log-sum-exp (``merge_stats``); ``stats_values`` turns merged ones into values.
+the true logits, with entropy ``u = sum exp(z - m) (z - m)``, so ``H = log s - u / s``, and
+with ``sum_pi_squared`` last ``q = sum exp(z - m)**2``, so ``sum p**2 = q / s**2``.
+Partial statistics of disjoint vocab ranges merge by the online log-sum-exp
+(``merge_stats``; ``q`` scales by the square of ``s``'s factor); ``stats_values`` turns
+merged ones into values.
 
 ``-inf`` logits (vocabulary masks) are exact zeros of every sum: a row or block whose
 logits are all ``-inf`` shifts by 0 instead of its max (``exp(-inf - -inf)`` would be
-nan), so it is the merge identity ``(-inf, 0, 0, 0[, 0])``. A row whose whole true vocab
+nan), so it is the merge identity ``(-inf, 0, 0, 0[, 0][, 0])``. A row whose whole true vocab
 is ``-inf`` has no distribution (nan), as in torch.
 
 Batched block form ``[T, K, TOKEN_TILE, B]`` (tile, real local block, row, column): every
@@ -62,7 +67,7 @@ __all__ = [
     "transform_logits_",
 ]
 
-STATS = ("max", "sumexp", "target", "sum", "xexp")
+STATS = ("max", "sumexp", "target", "sum", "xexp", "sqexp")
 _INF = float("inf")
 
 
@@ -78,6 +83,7 @@ class LossSpec:
     softcap: float | None = None
     z_loss_weight: float = 0.0
     entropy: bool = False  # also the per-token entropy (a second output)
+    sum_pi_squared: bool = False  # also sum_c p_c**2 per token (last output, no gradient)
 
     @classmethod
     def cross_entropy(
@@ -109,9 +115,18 @@ class LossSpec:
         ignore_index: int | None = None,
         softcap: float | None = None,
         entropy: bool = False,
+        sum_pi_squared: bool = False,
     ) -> LossSpec:
         return cls(
-            "logprob", vocab_size, ignore_index, 0.0, float(temperature), softcap, 0.0, entropy
+            "logprob",
+            vocab_size,
+            ignore_index,
+            0.0,
+            float(temperature),
+            softcap,
+            0.0,
+            entropy,
+            sum_pi_squared,
         )
 
     @property
@@ -129,19 +144,35 @@ class LossSpec:
 
     @property
     def num_stats(self) -> int:
-        """``S``: statistics per row (5 with entropy)."""
-        return 5 if self.entropy else 4
+        """``S``: statistics per row (4, one more with entropy, one more with ``q``)."""
+        return 4 + int(self.entropy) + int(self.sum_pi_squared)
+
+    def merge(self, stats: torch.Tensor, dim: int) -> torch.Tensor:
+        """``merge_stats`` of this spec's statistics."""
+        return merge_stats(stats, dim, sum_pi_squared=self.sum_pi_squared)
+
+    def combine(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """``combine_stats`` of this spec's statistics."""
+        return combine_stats(x, y, sum_pi_squared=self.sum_pi_squared)
 
     @property
     def plain(self) -> bool:
         """No z-loss and no entropy: the gradient is the affine form alone."""
         return self.z_loss_weight == 0.0 and not self.entropy
 
-    def token_weight(self, target: torch.Tensor) -> torch.Tensor:
-        """fp32 per-token factor of ``d value / d logits``: ``1 / T``, 0 on ignored tokens."""
-        w = torch.full(
-            target.shape, 1.0 / self.temperature, dtype=torch.float32, device=target.device
-        )
+    def token_weight(
+        self, target: torch.Tensor, token_temperature: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """fp32 per-token factor of ``d value / d logits``: ``1 / T``, 0 on ignored tokens.
+
+        ``token_temperature``: fp32 ``T`` per token (shaped like ``target``), else the
+        spec's float."""
+        if token_temperature is not None:
+            w = token_temperature.reciprocal()
+        else:
+            w = torch.full(
+                target.shape, 1.0 / self.temperature, dtype=torch.float32, device=target.device
+            )
         if self.ignore_index is not None:
             w = w.masked_fill(target == self.ignore_index, 0.0)
         return w
@@ -159,13 +190,19 @@ def softcap_(z: torch.Tensor, cap: float) -> torch.Tensor:
     return deriv
 
 
-def transform_logits_(z: torch.Tensor, spec: LossSpec) -> torch.Tensor | None:
+def transform_logits_(
+    z: torch.Tensor, spec: LossSpec, token_temperature: torch.Tensor | None = None
+) -> torch.Tensor | None:
     """``z <- softcap(z) / T`` in place; returns the soft-cap derivative (``None``: no cap).
 
-    ``1 / T`` is part of the per-token factor (``LossSpec.token_weight``), not of it.
+    ``T``: ``token_temperature`` (fp32, broadcastable to ``z``: one value per row), else
+    ``spec.temperature``. ``1 / T`` is part of the per-token factor
+    (``LossSpec.token_weight``), not of the returned derivative.
     """
     deriv = softcap_(z, spec.softcap) if spec.softcap is not None else None
-    if spec.temperature != 1.0:
+    if token_temperature is not None:
+        z.div_(token_temperature)
+    elif spec.temperature != 1.0:
         z.div_(spec.temperature)
     return deriv
 
@@ -176,26 +213,32 @@ def safe_shift(m: torch.Tensor) -> torch.Tensor:
     return m.masked_fill(m == -_INF, 0.0)
 
 
-def merge_stats(stats: torch.Tensor, dim: int) -> torch.Tensor:
+def merge_stats(stats: torch.Tensor, dim: int, *, sum_pi_squared: bool = False) -> torch.Tensor:
     """Online log-sum-exp merge of the partials along ``dim`` of ``stats [S, ...]``.
 
     Partials lie in vocab order along ``dim``; the result drops ``dim``. An all-padding
-    (or all ``-inf``) partial ``(-inf, 0, 0, 0[, 0])`` is an exact no-op.
+    (or all ``-inf``) partial ``(-inf, 0, 0, 0[, 0][, 0])`` is an exact no-op. The
+    entropy's ``u`` is present when ``S`` is 5 without ``q`` or 6 with it;
+    ``sum_pi_squared``: the last row is ``q``.
     """
     d = dim - 1  # the dim inside one statistic
     m = stats[0].amax(dim=d)
     diff = stats[0] - safe_shift(m).unsqueeze(d)
     scale = torch.exp(diff)
     out = [m, (stats[1] * scale).sum(dim=d), stats[2].sum(dim=d), stats[3].sum(dim=d)]
-    if stats.shape[0] == 5:  # u_i shifted by m_i -> by m: scale * (u_i + (m_i - m) s_i)
+    if stats.shape[0] - int(sum_pi_squared) == 5:  # u_i by m_i -> by m: scale (u_i + diff s_i)
         moved = torch.where(stats[1] > 0, diff * stats[1], 0.0)
         out.append(((stats[4] + moved) * scale).sum(dim=d))
+    if sum_pi_squared:  # q_i = sum exp(z - m_i)**2 -> by m: scale**2 q_i
+        out.append((stats[-1] * (scale * scale)).sum(dim=d))
     return torch.stack(out)
 
 
-def combine_stats(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+def combine_stats(
+    x: torch.Tensor, y: torch.Tensor, *, sum_pi_squared: bool = False
+) -> torch.Tensor:
     """``merge_stats`` of two ``[S, ...]`` partials (``x`` left of ``y`` in vocab order)."""
-    return merge_stats(torch.stack([x, y], dim=1), 1)
+    return merge_stats(torch.stack([x, y], dim=1), 1, sum_pi_squared=sum_pi_squared)
 
 
 def entropy_of(s: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -211,6 +254,7 @@ class RowValues:
     lse: torch.Tensor
     entropy: torch.Tensor | None = None
     z_loss: torch.Tensor | None = None
+    sum_pi_squared: torch.Tensor | None = None
 
 
 def stats_values(root: torch.Tensor, spec: LossSpec) -> RowValues:
@@ -225,7 +269,8 @@ def stats_values(root: torch.Tensor, spec: LossSpec) -> RowValues:
         z_loss = lse * lse * spec.z_loss_weight
         value = value + z_loss
     entropy = entropy_of(root[1], root[4]) if spec.entropy else None
-    return RowValues(value, lse, entropy, z_loss)
+    sq = root[-1] / (root[1] * root[1]) if spec.sum_pi_squared else None
+    return RowValues(value, lse, entropy, z_loss, sq)
 
 
 def _xexp(e: torch.Tensor) -> torch.Tensor:
@@ -234,7 +279,12 @@ def _xexp(e: torch.Tensor) -> torch.Tensor:
 
 
 def row_stats_(
-    z: torch.Tensor, col: torch.Tensor, valid: int, with_sum: bool, with_entropy: bool = False
+    z: torch.Tensor,
+    col: torch.Tensor,
+    valid: int,
+    with_sum: bool,
+    with_entropy: bool = False,
+    with_sq: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``[S, C]`` statistics of transformed fp32 logits ``z [C, V_local]`` and the row max.
 
@@ -255,6 +305,8 @@ def row_stats_(
     parts = [m, s, tl, sz]
     if with_entropy:
         parts.append(_xexp(z))
+    if with_sq:
+        parts.append(z.square().sum(dim=1))
     return torch.stack(parts), m
 
 
@@ -276,6 +328,7 @@ def block_stats_(
     slots: TargetSlots,
     with_sum: bool,
     with_entropy: bool = False,
+    with_sq: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``[S, T, K, TOKEN_TILE]`` statistics of every (tile, block) row, and ``m``.
 
@@ -283,7 +336,7 @@ def block_stats_(
     ``K == 0`` the partials are all zero and are never folded (no pieces).
     """
     t, k = z.shape[:2]
-    stats = z.new_zeros((5 if with_entropy else 4, t, k, TOKEN_TILE))
+    stats = z.new_zeros((4 + int(with_entropy) + int(with_sq), t, k, TOKEN_TILE))
     if k == 0:
         return stats, stats[0]
     tile, blk, row, col = slots.index
@@ -297,4 +350,6 @@ def block_stats_(
     stats[1] = z.sum(dim=-1)
     if with_entropy:
         stats[4] = _xexp(z)
+    if with_sq:
+        stats[-1] = z.square().sum(dim=-1)
     return stats, m

@@ -9,8 +9,10 @@ logits ``[chunk, V_local]`` exist at a time and the weight is never gathered. St
 and gradients accumulate in fp32 whatever the input dtype; outputs are fp32. bf16 / fp16
 inputs are upcast once per call (one fp32 copy of ``hidden`` and of the shard), so logits
 and every gradient matmul are exact fp32-accumulated products (``logits_precision="input"``
-keeps the faster rounding mode). Options (``LossSpec``): temperature, soft-cap, z-loss,
-ignored ids on log-probs, and the entropy of the same distribution as a second output.
+keeps the faster rounding mode). Options (``LossSpec``; the same names and defaults as
+``vocab_parallel``): temperature (a float, or a tensor per token / per sample), soft-cap,
+z-loss, ``ignore_index`` (default -100), ``reduction``, and on log-probs the entropy and
+``sum_pi_squared`` of the same distribution from the same pass.
 
 Gradient strategy (memory vs compute):
 
@@ -54,6 +56,7 @@ from mp_bridge.layers.loss.checks import (
 )
 from mp_bridge.layers.loss.formulas import LossSpec
 from mp_bridge.layers.loss.fused_engines import ChunkEngine, DefaultEngine, InvariantEngine
+from mp_bridge.layers.loss.outputs import counted_tokens, returned
 
 __all__ = ["DEFAULT_CHUNK_ELEMENTS", "fused_linear_cross_entropy", "fused_linear_logprobs"]
 
@@ -66,28 +69,36 @@ DEFAULT_CHUNK_ELEMENTS = 1 << 21
 class _FusedLinearLoss(torch.autograd.Function):
     """The chunk driver. Adjoint: ``d hidden`` rows reduced over TP by the engine, ``d
     weight`` local to the shard. See the module docstring for when each is computed.
-    Returns ``(values, extra)``: ``extra`` the per-token entropy with ``spec.entropy``,
-    else the z-loss reduced like the values (no gradient), else empty."""
+    Returns ``(values, extra, sq)``: ``extra`` the per-token entropy with
+    ``spec.entropy``, else the z-loss reduced like the values (no gradient), else empty;
+    ``sq`` the per-token ``sum p**2`` with ``spec.sum_pi_squared`` (no gradient; only
+    with ``reduction="none"``), else empty. ``temp``: fp32 per-token temperature ``[N]``
+    or ``None`` (``spec.temperature``)."""
 
     @staticmethod
     def forward(
-        ctx, hidden, weight, target, engine: ChunkEngine, spec, chunk, reduction, needs_grad
+        ctx, hidden, weight, target, engine: ChunkEngine, spec, chunk, reduction, needs_grad, temp
     ):
         n, h_dim = hidden.shape
         eager = needs_grad and reduction != "none"
-        w = spec.token_weight(target)
+        w = spec.token_weight(target, temp)
         values = torch.zeros(n, dtype=torch.float32, device=hidden.device)
         lse = torch.zeros_like(values)
         entropy = torch.zeros_like(values) if spec.entropy else None
+        sq = torch.zeros_like(values) if spec.sum_pi_squared else None
         gh = hidden.new_zeros((n, h_dim), dtype=torch.float32) if eager else None
         # No [V_local, H] buffer when the weight is frozen (d hidden is still reduced).
         eager_w = eager and ctx.needs_input_grad[1]
         gw = weight.new_zeros(weight.shape, dtype=torch.float32) if eager_w else None
         for rows in _chunks(n, chunk):
-            res = engine.forward_chunk(hidden[rows], target[rows])
+            res = engine.forward_chunk(
+                hidden[rows], target[rows], temp=None if temp is None else temp[rows]
+            )
             values[rows], lse[rows] = res.value, res.lse
             if entropy is not None:
                 entropy[rows] = res.entropy
+            if sq is not None:
+                sq[rows] = res.sum_pi_squared
             if eager:
                 gh[rows] = engine.grad_chunk(
                     res.state, hidden[rows], target[rows], lse[rows], w[rows], gw
@@ -97,14 +108,16 @@ class _FusedLinearLoss(torch.autograd.Function):
         if spec.ignore_index is not None:
             ignored = target == spec.ignore_index
             values.masked_fill_(ignored, 0.0)
-            for v in (entropy, z_loss):
+            for v in (entropy, z_loss, sq):
                 if v is not None:
                     v.masked_fill_(ignored, 0.0)
         ctx.setup = (engine, spec, chunk, reduction, eager)
         ctx.grads = (gh, gw)
-        ctx.save_for_backward(hidden, weight, target, lse, entropy)
+        ctx.save_for_backward(hidden, weight, target, lse, entropy, temp)
+        sq = sq if sq is not None and reduction == "none" else values.new_zeros(0)
+        ctx.mark_non_differentiable(sq)
         if reduction == "none":
-            return values, _extra(ctx, values, entropy, z_loss)
+            return values, _extra(ctx, values, entropy, z_loss), sq
         total = values.sum()
         z_total = None if z_loss is None else z_loss.sum()
         if reduction == "mean":
@@ -113,13 +126,13 @@ class _FusedLinearLoss(torch.autograd.Function):
             ctx.count = count.clamp(min=1.0)
             # nan when every token is ignored, like F.cross_entropy
             z_total = None if z_total is None else z_total / count
-            return total / count, _extra(ctx, total, None, z_total)
-        return total, _extra(ctx, total, None, z_total)
+            return total / count, _extra(ctx, total, None, z_total), sq
+        return total, _extra(ctx, total, None, z_total), sq
 
     @staticmethod
-    def backward(ctx, grad_out, grad_extra):
+    def backward(ctx, grad_out, grad_extra, grad_sq):
         forbid_double_backward("fused_linear_cross_entropy / fused_linear_logprobs")
-        hidden, weight, target, lse, entropy = ctx.saved_tensors
+        hidden, weight, target, lse, entropy, temp = ctx.saved_tensors
         engine, spec, chunk, reduction, eager = ctx.setup
         if eager:
             gh, gw = ctx.grads
@@ -136,7 +149,7 @@ class _FusedLinearLoss(torch.autograd.Function):
             if gw is not None:
                 gw.mul_(scale)
         else:
-            token = spec.token_weight(target)
+            token = spec.token_weight(target, temp)
             w = token * grad_out.float()
             w_ent = token * grad_extra.float() if spec.entropy else None
             gh = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
@@ -144,7 +157,7 @@ class _FusedLinearLoss(torch.autograd.Function):
             if ctx.needs_input_grad[1]:
                 gw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
             for rows in _chunks(hidden.shape[0], chunk):
-                state = engine.recompute(hidden[rows])
+                state = engine.recompute(hidden[rows], None if temp is None else temp[rows])
                 extra = {}
                 if spec.entropy:
                     extra = {"entropy": entropy[rows], "w_ent": w_ent[rows]}
@@ -154,7 +167,7 @@ class _FusedLinearLoss(torch.autograd.Function):
                 del state
         grad_h = gh.to(hidden.dtype) if ctx.needs_input_grad[0] else None
         grad_w = gw.to(weight.dtype) if gw is not None else None
-        return grad_h, grad_w, None, None, None, None, None, None
+        return grad_h, grad_w, None, None, None, None, None, None, None
 
 
 def _extra(ctx, like, entropy, z_loss) -> torch.Tensor:
@@ -179,6 +192,7 @@ def _fused_loss(
     target,
     spec_of,
     *,
+    temperature,
     tp_group,
     vocab_size,
     chunk_size,
@@ -188,8 +202,9 @@ def _fused_loss(
 ):
     """Validate everything (before any collective), build the engine and run the loss.
 
-    ``spec_of(vocab_size) -> LossSpec`` once the true vocab size is known. Returns
-    ``(values, extra)`` shaped like ``target`` (``reduction="none"``) or scalars.
+    ``spec_of(vocab_size, temperature) -> LossSpec`` once the true vocab size is known
+    (``temperature``: the float, 1.0 with a per-token tensor). Returns ``(values, extra,
+    sq)`` shaped like ``target`` (``reduction="none"``) or scalars.
     """
     check_fused_inputs(hidden, weight, chunk_size)
     if logits_precision not in PRECISIONS:
@@ -200,7 +215,13 @@ def _fused_loss(
     lead = tuple(hidden.shape[:-1])
     v_local = weight.shape[0]
     shard = check_shard(v_local, vocab_size, tp_group)
-    spec = spec_of(shard.vocab_size)
+    temp = check_temperature(
+        temperature, lead, hidden, shape_of=f"the leading dims of hidden {tuple(hidden.shape)}: "
+    )
+    token_temp = None
+    if isinstance(temp, torch.Tensor):
+        token_temp, temp = temp.to(torch.float32).reshape(-1), 1.0
+    spec = spec_of(shard.vocab_size, temp)
     target = check_target(
         target,
         lead,
@@ -221,7 +242,7 @@ def _fused_loss(
         tp_group,
         {"hidden": hidden, "weight": weight},
         {"spec": spec, "chunk": chunk, "invariant": invariant, "reduction": reduction},
-        {"hidden": hidden, "target": target},
+        {"hidden": hidden, "target": target, "temperature": token_temp},
     )
     if check_bool("invariant", invariant):
         layout = BlockLayout.of_shard(shard)
@@ -232,13 +253,14 @@ def _fused_loss(
     else:
         engine = DefaultEngine(weight, tp_group, shard, spec)
     needs_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
-    values, extra = _FusedLinearLoss.apply(
-        hidden, weight, target, engine, spec, chunk, reduction, needs_grad
+    values, extra, sq = _FusedLinearLoss.apply(
+        hidden, weight, target, engine, spec, chunk, reduction, needs_grad, token_temp
     )
     if reduction == "none":
         values = values.view(lead)
         extra = extra.view(lead) if extra.numel() == values.numel() else extra
-    return values, extra
+        sq = sq.view(lead) if sq.numel() == values.numel() else sq
+    return values, extra, sq
 
 
 def fused_linear_cross_entropy(
@@ -248,12 +270,12 @@ def fused_linear_cross_entropy(
     *,
     tp_group: dist.ProcessGroup | None = None,
     vocab_size: int | None = None,
-    ignore_index: int = -100,
+    ignore_index: int | None = -100,
     label_smoothing: float = 0.0,
     reduction: str = "mean",
     chunk_size: int | None = None,
     invariant: bool = False,
-    temperature: float = 1.0,
+    temperature: float | torch.Tensor = 1.0,
     softcap: float | None = None,
     z_loss_weight: float = 0.0,
     return_z_loss: bool = False,
@@ -263,14 +285,17 @@ def fused_linear_cross_entropy(
 
     Equals ``F.cross_entropy(z, target, ignore_index=, label_smoothing=, reduction=)``
     with ``z = softcap(F.linear(hidden, full_weight)[..., :vocab_size].float()) /
-    temperature`` (``softcap(x) = c tanh(x / c)``, none by default), where ``full_weight``
-    concatenates the TP shards in rank order, plus ``z_loss_weight * logsumexp(z)**2``
-    per counted token (exactly nothing when 0); ``return_z_loss=True`` returns ``(loss,
-    z_loss)``, the z-loss part reduced the same way (no gradient; for logging).
-    ``hidden [..., H]``, ``target [...]`` (any integer dtype, any leading shape; "none"
-    returns ``target``'s shape). "mean" divides by the number of non-ignored tokens of
-    this call (combine across DP/CP with ``masked_mean``); over only ignored tokens it is
-    nan with zero gradients, like torch. Returns fp32. ``chunk_size=None``: about
+    temperature`` (``softcap(x) = c tanh(x / c)``, none by default; ``temperature`` a
+    float or a tensor broadcastable to ``target.shape``, per token or per sample,
+    identical on every TP rank, no gradient), where ``full_weight`` concatenates the TP
+    shards in rank order, plus ``z_loss_weight * logsumexp(z)**2`` per counted token
+    (exactly nothing when 0); ``return_z_loss=True`` returns ``(loss, z_loss)``, the
+    z-loss part reduced the same way (no gradient; for logging). ``ignore_index``: -100
+    by default, ``None`` ignores no id. ``hidden [..., H]``, ``target [...]`` (any integer
+    dtype, any leading shape; "none" returns ``target``'s shape). "mean" (the default,
+    as ``F.cross_entropy``) divides by the number of non-ignored tokens of this call
+    (combine across DP/CP with ``masked_mean``); over only ignored tokens it is nan with
+    zero gradients, like torch. Returns fp32. ``chunk_size=None``: about
     ``DEFAULT_CHUNK_ELEMENTS`` logits per chunk. ``logits_precision="fp32"`` (default):
     bf16 / fp16 inputs are upcast once, so logits and gradients are fp32-accumulated
     (exact products, never rounded to the input dtype); ``"input"``: matmuls in the input
@@ -281,17 +306,17 @@ def fused_linear_cross_entropy(
     """
     reduction = check_reduction(reduction)
     ignore_index, eps = check_loss_args(ignore_index, label_smoothing)
-    temp = check_temperature(temperature)
     softcap, zw, _ = check_options(
         softcap=softcap, z_loss_weight=z_loss_weight, flags={"return_z_loss": return_z_loss}
     )
-    loss, z_loss = _fused_loss(
+    loss, z_loss, _ = _fused_loss(
         hidden,
         weight,
         target,
-        lambda vocab: LossSpec.cross_entropy(
+        lambda vocab, temp: LossSpec.cross_entropy(
             vocab, ignore_index, eps, temperature=temp, softcap=softcap, z_loss_weight=zw
         ),
+        temperature=temperature,
         tp_group=tp_group,
         vocab_size=vocab_size,
         chunk_size=chunk_size,
@@ -311,39 +336,55 @@ def fused_linear_logprobs(
     *,
     tp_group: dist.ProcessGroup | None = None,
     vocab_size: int | None = None,
-    temperature: float = 1.0,
+    temperature: float | torch.Tensor = 1.0,
     chunk_size: int | None = None,
     invariant: bool = False,
-    ignore_index: int | None = None,
+    ignore_index: int | None = -100,
     softcap: float | None = None,
     return_entropy: bool = False,
+    return_sum_pi_squared: bool = False,
+    reduction: str = "none",
     logits_precision: str = "fp32",
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """``log_softmax(z)[target]`` ``[...]`` fp32, ``z = softcap(hidden @
     full_weight[:vocab_size].T) / temperature``; ``hidden [..., H]``, ``target [...]``.
 
-    Every target must be in ``[0, vocab_size)``, except where it equals ``ignore_index``
-    (any int; ``None``: none), which gives 0 and gradient 0. ``return_entropy=True``
-    returns ``(logprobs, entropy)``, the entropy of the same ``softmax(z)`` (0 at
-    ``ignore_index``) from the same pass, with gradients through both. Gradients
-    recompute logits in backward. ``logits_precision``: as ``fused_linear_cross_entropy``.
+    ``temperature``: a float or a tensor broadcastable to ``target.shape`` (per token or
+    per sample; identical on every TP rank; no gradient). Every target must be in ``[0,
+    vocab_size)``, except where it equals ``ignore_index`` (default -100, as on the
+    cross-entropy; ``None``: none), which gives 0 on every output and gradient 0.
+    ``return_entropy=True`` adds the entropy of the same ``softmax(z)`` (with gradient),
+    ``return_sum_pi_squared=True`` adds ``sum_c softmax(z)_c**2`` (no gradient), in the
+    order ``(logprobs, entropy, sum_pi_squared)``, from the same pass. ``reduction``:
+    "none" (default), "sum" or "mean" over counted tokens, applied to every output.
+    Gradients recompute logits in backward. ``logits_precision``: as
+    ``fused_linear_cross_entropy``.
     """
-    temp = check_temperature(temperature)
+    reduction = check_reduction(reduction)
+    flags = {"return_entropy": return_entropy, "return_sum_pi_squared": return_sum_pi_squared}
     softcap, _, ignore_index = check_options(
-        softcap=softcap, ignore_index=ignore_index, flags={"return_entropy": return_entropy}
+        softcap=softcap, ignore_index=ignore_index, flags=flags
     )
-    lp, entropy = _fused_loss(
+    lp, entropy, sq = _fused_loss(
         hidden,
         weight,
         target,
-        lambda vocab: LossSpec.logprob(
-            vocab, temp, ignore_index=ignore_index, softcap=softcap, entropy=return_entropy
+        lambda vocab, temp: LossSpec.logprob(
+            vocab,
+            temp,
+            ignore_index=ignore_index,
+            softcap=softcap,
+            entropy=return_entropy,
+            sum_pi_squared=return_sum_pi_squared,
         ),
+        temperature=temperature,
         tp_group=tp_group,
         vocab_size=vocab_size,
         chunk_size=chunk_size,
         invariant=invariant,
-        reduction="none",
+        reduction="none",  # reduced below, like every other output (backward recomputes)
         logits_precision=logits_precision,
     )
-    return (lp, entropy) if return_entropy else lp
+    outputs = [lp, entropy if return_entropy else None, sq if return_sum_pi_squared else None]
+    counted = counted_tokens(target, ignore_index) if reduction == "mean" else None
+    return returned(outputs, counted, reduction)

@@ -28,9 +28,7 @@ from mp_bridge.layers.loss.blocks import (
 from mp_bridge.layers.loss.formulas import (
     LossSpec,
     block_stats_,
-    combine_stats,
     exp_shift_,
-    merge_stats,
     row_stats_,
     stats_values,
     transform_logits_,
@@ -62,15 +60,19 @@ class ChunkResult(NamedTuple):
     value: torch.Tensor  # [C] fp32 per-token value (ignored tokens not yet zeroed)
     lse: torch.Tensor  # [C] fp32 log-sum-exp of the logits
     entropy: torch.Tensor | None = None  # [C] fp32, with spec.entropy
+    sum_pi_squared: torch.Tensor | None = None  # [C] fp32, with spec.sum_pi_squared
 
 
 class ChunkEngine(Protocol):
     """What the chunk driver (``fused``) needs from an engine."""
 
-    def forward_chunk(self, h: torch.Tensor, t: torch.Tensor) -> ChunkResult:
-        """Values and lse of chunk ``h [C, H]`` with targets ``t [C]`` (collectives)."""
+    def forward_chunk(
+        self, h: torch.Tensor, t: torch.Tensor, temp: torch.Tensor | None = None
+    ) -> ChunkResult:
+        """Values and lse of chunk ``h [C, H]`` with targets ``t [C]`` (collectives);
+        ``temp [C]``: the fp32 per-token temperature, or ``None`` (``spec.temperature``)."""
 
-    def recompute(self, h: torch.Tensor) -> ChunkState:
+    def recompute(self, h: torch.Tensor, temp: torch.Tensor | None = None) -> ChunkState:
         """The chunk's logits again (backward of ``reduction="none"``); no collective."""
 
     def grad_chunk(
@@ -106,24 +108,28 @@ class DefaultEngine:
     shard: VocabShard
     spec: LossSpec
 
-    def _logits(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _logits(self, h: torch.Tensor, temp=None) -> tuple[torch.Tensor, torch.Tensor | None]:
         z = torch.mm(h, self.weight.t())  # (C, H) @ (H, V_local)
         z = z if z.dtype == torch.float32 else z.float()
-        deriv = transform_logits_(z, self.spec)
+        deriv = transform_logits_(z, self.spec, None if temp is None else temp.unsqueeze(1))
         if deriv is not None:
             deriv[:, self.shard.num_real :] = 0.0  # padding columns (the weight's padding rows)
         return z, deriv
 
-    def forward_chunk(self, h: torch.Tensor, t: torch.Tensor) -> ChunkResult:
-        z, deriv = self._logits(h)
+    def forward_chunk(self, h: torch.Tensor, t: torch.Tensor, temp=None) -> ChunkResult:
+        z, deriv = self._logits(h, temp)
         col = shard_columns(t, self.shard)
         spec = self.spec
-        stats, m = row_stats_(z, col, self.shard.num_real, spec.with_sum, spec.entropy)
-        rv = stats_values(gather_merge_stats(stats, self.tp_group), spec)  # z <- exp(z - m)
-        return ChunkResult(ChunkState(z, m, None, deriv), rv.value, rv.lse, rv.entropy)
+        stats, m = row_stats_(
+            z, col, self.shard.num_real, spec.with_sum, spec.entropy, spec.sum_pi_squared
+        )
+        merged = gather_merge_stats(stats, self.tp_group, spec.merge)  # z <- exp(z - m)
+        rv = stats_values(merged, spec)
+        state = ChunkState(z, m, None, deriv)
+        return ChunkResult(state, rv.value, rv.lse, rv.entropy, rv.sum_pi_squared)
 
-    def recompute(self, h: torch.Tensor) -> ChunkState:
-        z, deriv = self._logits(h)
+    def recompute(self, h: torch.Tensor, temp=None) -> ChunkState:
+        z, deriv = self._logits(h, temp)
         return ChunkState(z, None, None, deriv)
 
     def grad_chunk(
@@ -198,7 +204,7 @@ class InvariantEngine:
         k, b = self.layout.num_local, self.layout.block
         return self.weight[: k * b].reshape(k, b, self.weight.shape[1])
 
-    def _logits(self, hb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _logits(self, hb: torch.Tensor, temp=None) -> tuple[torch.Tensor, torch.Tensor | None]:
         tiles, k, b = hb.shape[0], self.layout.num_local, self.layout.block
         z = torch.empty((tiles, k, TOKEN_TILE, b), dtype=torch.float32, device=hb.device)
         wt = self._w_blocks().transpose(1, 2)  # [K, H, B]
@@ -209,7 +215,12 @@ class InvariantEngine:
                 torch.bmm(hi, wt, out=z[i])  # K x (TOKEN_TILE, H) @ (H, B)
             else:
                 z[i].copy_(torch.bmm(hi, wt, out=low))
-        deriv = transform_logits_(z, self.spec)
+        tt = None
+        if temp is not None:  # [T, 1, TOKEN_TILE, 1]; padded rows divide by 1
+            tt = temp.new_ones(tiles * TOKEN_TILE)
+            tt[: temp.shape[0]] = temp
+            tt = tt.view(tiles, 1, TOKEN_TILE, 1)
+        deriv = transform_logits_(z, self.spec, tt)
         if deriv is not None and k and self.layout.tail < b:
             deriv[:, k - 1, :, self.layout.tail :] = 0.0  # padding columns
         return z, deriv
@@ -219,24 +230,29 @@ class InvariantEngine:
         padded[: t.shape[0]] = t
         return target_slots(padded, self.layout)
 
-    def recompute(self, h: torch.Tensor) -> ChunkState:
+    def recompute(self, h: torch.Tensor, temp=None) -> ChunkState:
         hb = self._tiles(h)
-        z, deriv = self._logits(hb)
+        z, deriv = self._logits(hb, temp)
         return ChunkState(z, exp_shift_(z, self.layout), hb, deriv)
 
-    def forward_chunk(self, h: torch.Tensor, t: torch.Tensor) -> ChunkResult:
+    def forward_chunk(self, h: torch.Tensor, t: torch.Tensor, temp=None) -> ChunkResult:
         hb = self._tiles(h)
-        z, deriv = self._logits(hb)
+        z, deriv = self._logits(hb, temp)
         tiles, lay, spec = hb.shape[0], self.layout, self.spec
-        stats, m = block_stats_(z, lay, self._slots(t, tiles), spec.with_sum, spec.entropy)
-        pieces = fold_blocks(stats, 2, lay, merge_stats)  # z <- exp(z - m) above
+        slots = self._slots(t, tiles)
+        stats, m = block_stats_(z, lay, slots, spec.with_sum, spec.entropy, spec.sum_pi_squared)
+        pieces = fold_blocks(stats, 2, lay, spec.merge)  # z <- exp(z - m) above
         shape = (spec.num_stats, tiles, TOKEN_TILE)
-        root = gather_fold(pieces, lay, self.tp_group, combine_stats, shape, h.device)
+        root = gather_fold(pieces, lay, self.tp_group, spec.combine, shape, h.device)
         rv = stats_values(root, spec)
         n = h.shape[0]
-        entropy = None if rv.entropy is None else rv.entropy.reshape(-1)[:n]
+
+        def rows(v):
+            return None if v is None else v.reshape(-1)[:n]
+
+        state = ChunkState(z, m, hb, deriv)
         return ChunkResult(
-            ChunkState(z, m, hb, deriv), rv.value.reshape(-1)[:n], rv.lse.reshape(-1)[:n], entropy
+            state, rows(rv.value), rows(rv.lse), rows(rv.entropy), rows(rv.sum_pi_squared)
         )
 
     def grad_chunk(

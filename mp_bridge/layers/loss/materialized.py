@@ -4,11 +4,16 @@
   ``scale * softcap(logits)`` (ignored tokens 0), optionally with the entropy of the same
   softmax as a second output. Forward: the global row max (``all_reduce_max_``), then one
   batched ``all_reduce_sum_`` of ``[sum_c exp(z_c - m), z_t - m, sum_c (z_c - m), sum_c
-  exp(z_c - m) (z_c - m)]`` (the third only with smoothing, the last only with entropy).
+  exp(z_c - m) (z_c - m), sum_c exp(z_c - m)**2]`` (the third only with smoothing, the
+  fourth only with entropy, the last only with ``sum_pi_squared``).
   Backward, no collective: the saved ``m + lse`` turns recomputed logits into the
   softmax, then ``softmax_grad_rows_`` (weight last), times the soft-cap derivative.
-- ``DefaultEntropy``: ``-sum_c p_c log p_c``; forward MAX, then SUM of ``[sum exp(z - m),
-  sum exp(z - m) (z - m)]``; backward ``-g p_j (log p_j + H)``.
+- ``DefaultEntropy``: ``-sum_c p_c log p_c`` of ``scale * softcap(logits)``; forward MAX,
+  then SUM of ``[sum exp(z - m), sum exp(z - m) (z - m)]``; backward ``-g p_j (log p_j +
+  H)`` times ``scale`` and the soft-cap derivative.
+
+``scale`` is ``1 / T``: a float, or a per-token tensor shaped like the logits without the
+vocab dim (the accumulation dtype). The ``sum_pi_squared`` output has no gradient.
 - ``InvariantLoss``: the affine form of ``LossSpec`` (and its entropy) on fixed
   ``[TOKEN_TILE, VOCAB_BLOCK]`` tiles in batches of tiles, one ``gather_fold`` per call;
   backward recomputes each block's ``exp(z - m)`` and applies ``softmax_grad_blocks_``.
@@ -34,10 +39,8 @@ from mp_bridge.layers.loss.checks import forbid_double_backward
 from mp_bridge.layers.loss.formulas import (
     LossSpec,
     block_stats_,
-    combine_stats,
     entropy_of,
     exp_shift_,
-    merge_stats,
     safe_shift,
     softcap_,
     stats_values,
@@ -54,7 +57,7 @@ BATCH_ELEMENTS = 1 << 21
 
 
 def _masked_fp32(
-    logits: torch.Tensor, shard: VocabShard, scale: float, softcap: float | None
+    logits: torch.Tensor, shard: VocabShard, scale, softcap: float | None
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """fp32 (fp64 for fp64) ``scale * softcap(logits)`` with padding columns at ``-inf``,
     and the soft-cap derivative (0 on padding; ``None`` without a cap)."""
@@ -64,7 +67,10 @@ def _masked_fp32(
     if softcap is not None:
         x = x.clone() if x.data_ptr() == logits.data_ptr() else x
         deriv = softcap_(x, softcap)
-    x = x * scale if scale != 1.0 else x
+    if isinstance(scale, torch.Tensor):
+        x = x * scale.unsqueeze(-1)
+    elif scale != 1.0:
+        x = x * scale
     if shard.num_real < shard.size:  # columns [num_real, V_local) are padding
         if x.data_ptr() == logits.data_ptr():
             x = x.clone()  # fp32 input: never write into the caller's tensor
@@ -96,10 +102,18 @@ def _extra_output(ctx, spec: LossSpec, value, entropy, z_loss) -> torch.Tensor:
     return out
 
 
+def _sq_output(ctx, value, sq) -> torch.Tensor:
+    """The third output: ``sum p**2`` per token (no gradient) or empty."""
+    out = sq if sq is not None else value.new_zeros(0)
+    ctx.mark_non_differentiable(out)
+    return out
+
+
 class DefaultCrossEntropy(torch.autograd.Function):
     """See the module docstring; ``spec`` is a cross-entropy ``LossSpec`` (its temperature
-    is ``1 / scale``). Returns ``(value, extra)``: ``extra`` the entropy with
-    ``spec.entropy``, else the per-token z-loss with one, else empty."""
+    is ``1 / scale``). Returns ``(value, extra, sq)``: ``extra`` the entropy with
+    ``spec.entropy``, else the per-token z-loss with one, else empty; ``sq`` the
+    per-token ``sum p**2`` with ``spec.sum_pi_squared``, else empty."""
 
     @staticmethod
     def forward(ctx, logits, target, tp_group, shard: VocabShard, spec: LossSpec, scale):
@@ -117,13 +131,17 @@ class DefaultCrossEntropy(torch.autograd.Function):
             parts.append(torch.where(padding, 0.0, x).sum(-1))
         if spec.entropy:
             parts.append(_xexp(x, e))
+        if spec.sum_pi_squared:
+            parts.append(e.square().sum(-1))
         del e
         stats = all_reduce_sum_(torch.stack(parts, dim=-1), tp_group)
         lse = stats[..., 0].log()
         loss = lse - stats[..., 1]
         if eps > 0:
             loss = (1.0 - eps) * loss + eps * (lse - stats[..., 2] / spec.vocab_size)
-        entropy = entropy_of(stats[..., 0], stats[..., -1]) if spec.entropy else None
+        u = stats.shape[-1] - 1 - int(spec.sum_pi_squared)
+        entropy = entropy_of(stats[..., 0], stats[..., u]) if spec.entropy else None
+        sq = stats[..., -1] / stats[..., 0].square() if spec.sum_pi_squared else None
         z_loss = None
         if spec.z_loss_weight != 0.0:
             z_loss = (m + lse) * (m + lse) * spec.z_loss_weight
@@ -133,12 +151,14 @@ class DefaultCrossEntropy(torch.autograd.Function):
             loss = torch.where(ignored, 0.0, loss)
             entropy = None if entropy is None else torch.where(ignored, 0.0, entropy)
             z_loss = None if z_loss is None else torch.where(ignored, 0.0, z_loss)
+            sq = None if sq is None else torch.where(ignored, 0.0, sq)
         ctx.save_for_backward(logits, col, m + lse, ignored, entropy)
         ctx.args = (shard, spec, scale)
-        return loss, _extra_output(ctx, spec, loss, entropy, z_loss)
+        extra = _extra_output(ctx, spec, loss, entropy, z_loss)
+        return loss, extra, _sq_output(ctx, loss, sq)
 
     @staticmethod
-    def backward(ctx, grad_loss, grad_extra):
+    def backward(ctx, grad_loss, grad_extra, grad_sq):
         forbid_double_backward("vocab_parallel_cross_entropy / vocab_parallel_logprobs")
         logits, col, shift, ignored, entropy = ctx.saved_tensors
         shard, spec, scale = ctx.args
@@ -173,28 +193,36 @@ class DefaultEntropy(torch.autograd.Function):
     docstring)."""
 
     @staticmethod
-    def forward(ctx, logits, tp_group, shard: VocabShard, softcap=None):
-        x, m, _ = _shifted(logits, shard, 1.0, softcap, tp_group)
+    def forward(ctx, logits, tp_group, shard: VocabShard, softcap=None, scale=1.0, ignored=None):
+        # ignored: bool [...] (entropy and gradient 0 there) or None
+        x, m, _ = _shifted(logits, shard, scale, softcap, tp_group)
         e = x.exp()
         stats = all_reduce_sum_(torch.stack([e.sum(-1), _xexp(x, e)], dim=-1), tp_group)
         entropy = entropy_of(stats[..., 0], stats[..., 1])
-        ctx.save_for_backward(logits, m + stats[..., 0].log(), entropy)
-        ctx.args = (shard, softcap)
-        return entropy
+        ctx.save_for_backward(logits, m + stats[..., 0].log(), entropy, ignored)
+        ctx.args = (shard, softcap, scale)
+        return entropy if ignored is None else torch.where(ignored, 0.0, entropy)
 
     @staticmethod
     def backward(ctx, grad_h):
         forbid_double_backward("vocab_parallel_entropy")
-        logits, shift, entropy = ctx.saved_tensors
-        shard, softcap = ctx.args
-        x, deriv = _masked_fp32(logits, shard, 1.0, softcap)
+        logits, shift, entropy, ignored = ctx.saved_tensors
+        shard, softcap, scale = ctx.args
+        x, deriv = _masked_fp32(logits, shard, scale, softcap)
         logp = x - shift.unsqueeze(-1)
         p = logp.exp()
         grad = torch.where(p > 0, p * (logp + entropy.unsqueeze(-1)), 0.0)
-        grad.mul_(-grad_h.to(grad.dtype).unsqueeze(-1))
+        g = grad_h.to(grad.dtype)
+        if ignored is not None:
+            g = torch.where(ignored, 0.0, g)
+        grad.mul_(-g.unsqueeze(-1))
+        if isinstance(scale, torch.Tensor):
+            grad.mul_(scale.unsqueeze(-1))
+        elif scale != 1.0:
+            grad.mul_(scale)
         if deriv is not None:
             grad.mul_(deriv)
-        return grad.to(logits.dtype), None, None, None
+        return grad.to(logits.dtype), None, None, None, None, None
 
 
 def _pad(v: torch.Tensor, rows: int, fill: float) -> torch.Tensor:
@@ -222,10 +250,11 @@ def _copy_rows(z: torch.Tensor, rows: torch.Tensor, to_z: bool) -> None:
             rp.copy_(zp)
 
 
-def _batches(x: torch.Tensor, t: torch.Tensor, layout: BlockLayout, spec: LossSpec):
+def _batches(x: torch.Tensor, t: torch.Tensor, layout: BlockLayout, spec: LossSpec, temp=None):
     """``(i0, i1, z, deriv, slots)`` per batch of tiles ``[i0, i1)``: ``z`` the fp32
     transformed ``[i1 - i0, K, TOKEN_TILE, B]`` copy of the real blocks (zero padded rows),
-    about ``BATCH_ELEMENTS`` logits each; ``deriv`` its soft-cap derivative or ``None``."""
+    about ``BATCH_ELEMENTS`` logits each; ``deriv`` its soft-cap derivative or ``None``.
+    ``temp``: fp32 per-token temperature ``[N]`` or ``None`` (``spec.temperature``)."""
     n, k, b = x.shape[0], layout.num_local, layout.block
     tiles = -(-n // TOKEN_TILE)
     per = max(1, BATCH_ELEMENTS // (TOKEN_TILE * max(k * b, 1)))
@@ -234,7 +263,10 @@ def _batches(x: torch.Tensor, t: torch.Tensor, layout: BlockLayout, spec: LossSp
         r0, r1 = i0 * TOKEN_TILE, min(i1 * TOKEN_TILE, n)
         z = torch.zeros((i1 - i0, k, TOKEN_TILE, b), dtype=torch.float32, device=x.device)
         _copy_rows(z, x[r0:r1, : k * b].unflatten(1, (k, b)), to_z=True)
-        deriv = transform_logits_(z, spec)
+        tt = None
+        if temp is not None:  # padded rows divide by 1
+            tt = _pad(temp[r0:r1], (i1 - i0) * TOKEN_TILE, 1.0).view(-1, 1, TOKEN_TILE, 1)
+        deriv = transform_logits_(z, spec, tt)
         if deriv is not None and k and layout.tail < b:
             deriv[:, k - 1, :, layout.tail :] = 0.0  # padding columns: whatever the caller had
         slots = target_slots(_pad(t[r0:r1], (i1 - i0) * TOKEN_TILE, -1), layout)
@@ -250,18 +282,21 @@ def _rows(v: torch.Tensor | None, r0: int, r1: int, rows: int) -> torch.Tensor |
 class InvariantLoss(torch.autograd.Function):
     """Per-token values of ``spec`` over block-aligned logits, bitwise TP-invariant.
 
-    Returns ``(value, extra)`` like ``DefaultCrossEntropy``."""
+    Returns ``(value, extra, sq)`` like ``DefaultCrossEntropy``; ``temp``: the fp32
+    per-token temperature ``[N]`` (flattened tokens) or ``None``."""
 
     @staticmethod
-    def forward(ctx, logits, target, tp_group, layout: BlockLayout, spec: LossSpec):
+    def forward(ctx, logits, target, tp_group, layout: BlockLayout, spec: LossSpec, temp=None):
         x = logits.reshape(-1, layout.v_local)
         t = target.reshape(-1)
         n = x.shape[0]
         shape = (spec.num_stats, -(-n // TOKEN_TILE), TOKEN_TILE)
         parts = []
-        for _, _, z, _, slots in _batches(x, t, layout, spec):
-            stats, _ = block_stats_(z, layout, slots, spec.with_sum, spec.entropy)
-            parts.append(fold_blocks(stats, 2, layout, merge_stats))
+        for _, _, z, _, slots in _batches(x, t, layout, spec, temp):
+            stats, _ = block_stats_(
+                z, layout, slots, spec.with_sum, spec.entropy, spec.sum_pi_squared
+            )
+            parts.append(fold_blocks(stats, 2, layout, spec.merge))
         pieces = [  # this rank's pieces over all tiles (none when it holds no real block)
             (
                 piece,
@@ -271,34 +306,37 @@ class InvariantLoss(torch.autograd.Function):
             )
             for p, piece in enumerate(layout.pieces(layout.rank))
         ]
-        root = gather_fold(pieces, layout, tp_group, combine_stats, shape, x.device)
+        root = gather_fold(pieces, layout, tp_group, spec.combine, shape, x.device)
         rv = stats_values(root, spec)
         value, lse = rv.value.reshape(-1)[:n], rv.lse.reshape(-1)[:n]
         entropy = None if rv.entropy is None else rv.entropy.reshape(-1)[:n]
         z_loss = None if rv.z_loss is None else rv.z_loss.reshape(-1)[:n]
+        sq = None if rv.sum_pi_squared is None else rv.sum_pi_squared.reshape(-1)[:n]
         if spec.ignore_index is not None:
             ignored = t == spec.ignore_index
             value = value.masked_fill(ignored, 0.0)
             entropy = None if entropy is None else entropy.masked_fill(ignored, 0.0)
             z_loss = None if z_loss is None else z_loss.masked_fill(ignored, 0.0)
-        ctx.save_for_backward(logits, target, lse, entropy)
+            sq = None if sq is None else sq.masked_fill(ignored, 0.0)
+        ctx.save_for_backward(logits, target, lse, entropy, temp)
         ctx.layout, ctx.spec = layout, spec
         extra = _extra_output(ctx, spec, value, entropy, z_loss)
-        return value.view(target.shape), extra.view(target.shape) if extra.numel() else extra
+        sq = _sq_output(ctx, value, sq)
+        return tuple(v.view(target.shape) if v.numel() == n else v for v in (value, extra, sq))
 
     @staticmethod
-    def backward(ctx, grad_value, grad_extra):
+    def backward(ctx, grad_value, grad_extra, grad_sq):
         forbid_double_backward("vocab_parallel_cross_entropy / logprobs (invariant=True)")
-        logits, target, lse, entropy = ctx.saved_tensors
+        logits, target, lse, entropy, temp = ctx.saved_tensors
         layout, spec = ctx.layout, ctx.spec
         x = logits.reshape(-1, layout.v_local)
         t = target.reshape(-1)
         n, kb = x.shape[0], layout.num_local * layout.block
-        token = spec.token_weight(t)
+        token = spec.token_weight(t, temp)
         w = token * grad_value.reshape(-1).float()
         w_ent = token * grad_extra.reshape(-1).float() if spec.entropy else None
         grad = torch.zeros_like(x)
-        for i0, i1, z, deriv, slots in _batches(x, t, layout, spec):
+        for i0, i1, z, deriv, slots in _batches(x, t, layout, spec, temp):
             r0, r1, rows = i0 * TOKEN_TILE, min(i1 * TOKEN_TILE, n), (i1 - i0) * TOKEN_TILE
             m = exp_shift_(z, layout)
             g = softmax_grad_blocks_(
@@ -315,4 +353,4 @@ class InvariantLoss(torch.autograd.Function):
             if deriv is not None:
                 g.mul_(deriv)
             _copy_rows(g, grad[r0:r1, :kb].unflatten(1, (-1, layout.block)), to_z=False)
-        return grad.view(logits.shape), None, None, None, None
+        return grad.view(logits.shape), None, None, None, None, None

@@ -17,11 +17,12 @@ invariant (both)          ``gather_fold``                 ``gather_fold``
 ========================  ==============================  ==================================
 
 All fp32 (the materialized default path: fp64 for fp64 logits). ``S`` = 4 statistics per
-row, 5 with ``return_entropy`` (``loss_math.STATS``): the entropy widens the one stats
-exchange and adds no collective; z-loss, soft-cap and temperature add nothing. No loss issues a
-collective in backward except the fused ``reduction="none"`` / log-prob paths, which
-recompute chunks and reduce ``d hidden`` there. ``P`` is the most canonical subtrees a
-rank holds (1 for power-of-two aligned shards). The invariant paths never all-reduce: an
+row, one more each with ``return_entropy`` and ``return_sum_pi_squared``
+(``formulas.STATS``): they widen the one stats exchange and add no collective; z-loss,
+soft-cap and temperature (a float or per token) add nothing. No loss issues a collective
+in backward except the fused ``reduction="none"`` / log-prob paths, which recompute
+chunks and reduce ``d hidden`` there. ``P`` is the most canonical subtrees a rank holds
+(1 for power-of-two aligned shards). The invariant paths never all-reduce: an
 all-reduce's summation order depends on TP, so every rank folds the gathered subtree
 partials in the canonical tree order (``loss_tree``).
 
@@ -61,12 +62,17 @@ def all_reduce_sum_(x: torch.Tensor, tp_group: dist.ProcessGroup | None) -> torc
     return x
 
 
-def gather_merge_stats(stats: torch.Tensor, tp_group: dist.ProcessGroup | None) -> torch.Tensor:
-    """Global ``[S, C]`` statistics from every rank's ``[S, C]`` (one all-gather, rank order)."""
+def gather_merge_stats(
+    stats: torch.Tensor,
+    tp_group: dist.ProcessGroup | None,
+    merge: Callable[[torch.Tensor, int], torch.Tensor] = merge_stats,
+) -> torch.Tensor:
+    """Global ``[S, C]`` statistics from every rank's ``[S, C]`` (one all-gather, rank
+    order), merged by ``merge`` (``LossSpec.merge``)."""
     if group_size(tp_group) == 1:
         return stats
-    gathered = all_gather_tensor(stats.unsqueeze(0), tp_group, 0)  # (tp, 4, C)
-    return merge_stats(gathered.transpose(0, 1), 1)
+    gathered = all_gather_tensor(stats.unsqueeze(0), tp_group, 0)  # (tp, S, C)
+    return merge(gathered.transpose(0, 1), 1)
 
 
 def gather_fold(
