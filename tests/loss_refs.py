@@ -4,14 +4,15 @@ Import as ``from tests.loss_refs import reference``. Independent of ``mp_bridge`
 soft-cap is ``c * tanh(x / c)``, then division by the temperature, then torch's
 ``log_softmax``; cross-entropy is ``-(1 - eps) log p_t - eps mean_c log p_c`` plus
 ``zw * logsumexp**2``; entropy ``-sum p log p`` (``0 log 0 = 0`` at ``-inf`` logits);
-positions whose target equals ``ignore_index`` give 0 everywhere.
+positions whose target equals ``ignore_index`` give 0 everywhere. A tensor temperature
+(per token, broadcast to the target's shape) divides each token's row.
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["Checks", "reference"]
+__all__ = ["Checks", "reference", "sum_pi_squared"]
 
 
 def reference(
@@ -19,7 +20,7 @@ def reference(
     target: torch.Tensor,
     *,
     kind: str,
-    temperature: float = 1.0,
+    temperature: float | torch.Tensor = 1.0,
     softcap: float | None = None,
     label_smoothing: float = 0.0,
     z_loss_weight: float = 0.0,
@@ -27,10 +28,7 @@ def reference(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(value, entropy, z_loss)`` per token of logits ``z [..., V]`` (any dtype; fp64
     math); ``kind`` "ce" (loss incl. z-loss) or "logprob"."""
-    z = z.double()
-    if softcap is not None:
-        z = softcap * torch.tanh(z / softcap)
-    z = z / temperature
+    z = _transformed(z, target, temperature, softcap)
     logp = torch.log_softmax(z, -1)
     keep = torch.ones_like(target, dtype=torch.bool)
     if ignore_index is not None:
@@ -49,6 +47,31 @@ def reference(
         value = picked
     zero = torch.zeros((), dtype=z.dtype, device=z.device)
     return tuple(torch.where(keep, v, zero) for v in (value, entropy, z_loss))
+
+
+def _transformed(z, target, temperature, softcap) -> torch.Tensor:
+    z = z.double()
+    if softcap is not None:
+        z = softcap * torch.tanh(z / softcap)
+    if isinstance(temperature, torch.Tensor):
+        return z / temperature.double().broadcast_to(target.shape).unsqueeze(-1)
+    return z / temperature
+
+
+def sum_pi_squared(
+    z: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    temperature: float | torch.Tensor = 1.0,
+    softcap: float | None = None,
+    ignore_index: int | None = None,
+) -> torch.Tensor:
+    """``sum_c softmax(softcap(z) / T)_c**2`` per token in fp64 (0 at ``ignore_index``)."""
+    p = torch.softmax(_transformed(z, target, temperature, softcap), -1)
+    out = (p * p).sum(-1)
+    if ignore_index is not None:
+        out = torch.where(target == ignore_index, 0.0, out)
+    return out
 
 
 class Checks:

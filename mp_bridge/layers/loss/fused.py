@@ -115,9 +115,8 @@ class _FusedLinearLoss(torch.autograd.Function):
         ctx.grads = (gh, gw)
         ctx.save_for_backward(hidden, weight, target, lse, entropy, temp)
         sq = sq if sq is not None and reduction == "none" else values.new_zeros(0)
-        ctx.mark_non_differentiable(sq)
         if reduction == "none":
-            return values, _extra(ctx, values, entropy, z_loss), sq
+            return values, _extra(ctx, values, entropy, z_loss, sq), sq
         total = values.sum()
         z_total = None if z_loss is None else z_loss.sum()
         if reduction == "mean":
@@ -126,8 +125,8 @@ class _FusedLinearLoss(torch.autograd.Function):
             ctx.count = count.clamp(min=1.0)
             # nan when every token is ignored, like F.cross_entropy
             z_total = None if z_total is None else z_total / count
-            return total / count, _extra(ctx, total, None, z_total), sq
-        return total, _extra(ctx, total, None, z_total), sq
+            return total / count, _extra(ctx, total, None, z_total, sq), sq
+        return total, _extra(ctx, total, None, z_total, sq), sq
 
     @staticmethod
     def backward(ctx, grad_out, grad_extra, grad_sq):
@@ -170,11 +169,14 @@ class _FusedLinearLoss(torch.autograd.Function):
         return grad_h, grad_w, None, None, None, None, None, None, None
 
 
-def _extra(ctx, like, entropy, z_loss) -> torch.Tensor:
+def _extra(ctx, like, entropy, z_loss, sq) -> torch.Tensor:
+    """The entropy, else the z-loss, else empty; marks it (unless the entropy) and ``sq``
+    non-differentiable in one call (a second call would replace the first's set)."""
     if entropy is not None:
+        ctx.mark_non_differentiable(sq)
         return entropy
     out = z_loss if z_loss is not None else like.new_zeros(0)
-    ctx.mark_non_differentiable(out)
+    ctx.mark_non_differentiable(out, sq)
     return out
 
 

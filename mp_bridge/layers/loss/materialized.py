@@ -93,20 +93,14 @@ def _xexp(x: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
     return torch.where(e > 0, e * x, 0.0).sum(-1)
 
 
-def _extra_output(ctx, spec: LossSpec, value, entropy, z_loss) -> torch.Tensor:
-    """The second output: entropy (differentiable), z-loss (for logging) or empty."""
-    if spec.entropy:
-        return entropy
-    out = z_loss if z_loss is not None else value.new_zeros(0)
-    ctx.mark_non_differentiable(out)
-    return out
-
-
-def _sq_output(ctx, value, sq) -> torch.Tensor:
-    """The third output: ``sum p**2`` per token (no gradient) or empty."""
-    out = sq if sq is not None else value.new_zeros(0)
-    ctx.mark_non_differentiable(out)
-    return out
+def _outputs(ctx, spec: LossSpec, value, entropy, z_loss, sq) -> tuple[torch.Tensor, ...]:
+    """``(value, extra, sq)``: ``extra`` the entropy (differentiable), else the z-loss
+    (for logging), else empty; ``sq`` the ``sum p**2`` or empty. One
+    ``mark_non_differentiable`` call (a second call would replace the first's set)."""
+    extra = entropy if spec.entropy else z_loss if z_loss is not None else value.new_zeros(0)
+    sq = sq if sq is not None else value.new_zeros(0)
+    ctx.mark_non_differentiable(*([sq] if spec.entropy else [extra, sq]))
+    return value, extra, sq
 
 
 class DefaultCrossEntropy(torch.autograd.Function):
@@ -154,8 +148,7 @@ class DefaultCrossEntropy(torch.autograd.Function):
             sq = None if sq is None else torch.where(ignored, 0.0, sq)
         ctx.save_for_backward(logits, col, m + lse, ignored, entropy)
         ctx.args = (shard, spec, scale)
-        extra = _extra_output(ctx, spec, loss, entropy, z_loss)
-        return loss, extra, _sq_output(ctx, loss, sq)
+        return _outputs(ctx, spec, loss, entropy, z_loss, sq)
 
     @staticmethod
     def backward(ctx, grad_loss, grad_extra, grad_sq):
@@ -320,9 +313,10 @@ class InvariantLoss(torch.autograd.Function):
             sq = None if sq is None else sq.masked_fill(ignored, 0.0)
         ctx.save_for_backward(logits, target, lse, entropy, temp)
         ctx.layout, ctx.spec = layout, spec
-        extra = _extra_output(ctx, spec, value, entropy, z_loss)
-        sq = _sq_output(ctx, value, sq)
-        return tuple(v.view(target.shape) if v.numel() == n else v for v in (value, extra, sq))
+        value, entropy, z_loss, sq = (
+            None if v is None else v.view(target.shape) for v in (value, entropy, z_loss, sq)
+        )  # shaped before marking: a view of a marked output would not be marked
+        return _outputs(ctx, spec, value, entropy, z_loss, sq)
 
     @staticmethod
     def backward(ctx, grad_value, grad_extra, grad_sq):
