@@ -207,7 +207,7 @@ def test_bad_options_are_clear_errors():
         vocab_parallel_logprobs(x, t, softcap=0.0)
     with pytest.raises(ValueError, match="z_loss_weight=-1.0 must be a finite float >= 0"):
         fused_linear_cross_entropy(hidden, weight, target, z_loss_weight=-1.0)
-    with pytest.raises(TypeError, match="return_entropy must be a bool"):
+    with pytest.raises(TypeError, match="return_entropy must be True or False"):
         fused_linear_logprobs(hidden, weight, t, return_entropy="yes")
     with pytest.raises(ValueError, match="logits_precision='bf16' must be one of"):
         fused_linear_logprobs(hidden, weight, t, logits_precision="bf16")

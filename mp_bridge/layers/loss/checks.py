@@ -1,8 +1,9 @@
 """Input validation of every loss (materialized and fused), run before any collective.
 
 Each check raises ``TypeError`` / ``ValueError`` naming the argument, the value and the
-fix; ``forbid_double_backward`` is the one refusal of ``create_graph=True`` the losses'
-autograd Functions share.
+fix, built on the validators of ``mp_bridge.checks`` (``check_bool`` and ``check_float``
+are theirs, re-exported); ``forbid_double_backward`` is the one refusal of
+``create_graph=True`` the losses' autograd Functions share.
 """
 
 from __future__ import annotations
@@ -10,7 +11,16 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from mp_bridge.comm import check_agreement, check_group_arg, group_rank, group_size
+from mp_bridge.checks import (
+    check_agreement,
+    check_bool,
+    check_choice,
+    check_float,
+    check_group_arg,
+    is_int,
+)
+from mp_bridge.checks import forbid_double_backward as _forbid_double_backward
+from mp_bridge.comm import group_rank, group_size
 from mp_bridge.layers.vocab_shards import VocabShard
 
 __all__ = [
@@ -33,13 +43,6 @@ __all__ = [
 ]
 
 REDUCTIONS = ("mean", "sum", "none")
-
-
-def check_bool(name: str, value: object) -> bool:
-    """``TypeError`` unless ``value`` is a real bool (``"no"`` would be truthy)."""
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be True or False, got {value!r}")
-    return value
 
 
 def check_vocab_size(vocab_size: object, padded: int, v_local: int, tp_size: int) -> int:
@@ -109,9 +112,7 @@ def check_chunk_size(chunk_size: object) -> None:
 
 def check_reduction(reduction: object) -> str:
     """One of ``REDUCTIONS``."""
-    if reduction not in REDUCTIONS:
-        raise ValueError(f"reduction={reduction!r} must be one of {REDUCTIONS}")
-    return reduction
+    return check_choice("reduction", reduction, REDUCTIONS)
 
 
 def check_target(
@@ -150,22 +151,9 @@ def check_target(
     return target
 
 
-def check_float(name: str, value: object, *, low: float, high: float, open_low: bool) -> float:
-    """A float in ``(low, high]`` / ``[low, high]``, else ValueError/TypeError."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a float, got {value!r}")
-    ok = (value > low if open_low else value >= low) and value <= high
-    if not ok:
-        bracket = "(" if open_low else "["
-        raise ValueError(f"{name}={value!r} must be a float in {bracket}{low}, {high}]")
-    return float(value)
-
-
 def check_ignore_index(ignore_index: object) -> int | None:
     """``None`` (no id is ignored) or an int (default -100 on every loss)."""
-    if ignore_index is not None and (
-        isinstance(ignore_index, bool) or not isinstance(ignore_index, int)
-    ):
+    if ignore_index is not None and not is_int(ignore_index):
         raise TypeError(
             f"ignore_index must be an int or None (default -100; None ignores no id), "
             f"got {ignore_index!r}"
@@ -256,8 +244,7 @@ def check_options(
         raise ValueError(f"z_loss_weight={z_loss_weight!r} must be a finite float >= 0 (0 = none)")
     ignore_index = check_ignore_index(ignore_index)
     for name, flag in (flags or {}).items():
-        if not isinstance(flag, bool):
-            raise TypeError(f"{name} must be a bool, got {flag!r}")
+        check_bool(name, flag)
     return softcap, float(z_loss_weight), ignore_index
 
 
@@ -288,10 +275,8 @@ def forbid_double_backward(name: str) -> None:
     The losses' backward formulas reuse statistics saved in forward as constants, so a
     graph built through them would give a silently wrong second derivative.
     """
-    if torch.is_grad_enabled():
-        raise RuntimeError(
-            f"{name} cannot differentiate twice: backward(create_graph=True) is not "
-            "supported (its backward treats forward statistics as constants, so a second "
-            "derivative would be wrong); take higher derivatives through torch ops on "
-            "materialized full logits instead"
-        )
+    _forbid_double_backward(
+        name,
+        "its backward treats forward statistics as constants; take higher derivatives "
+        "through torch ops on materialized full logits instead",
+    )

@@ -26,7 +26,7 @@ Gradient strategy (memory vs compute):
   keeps only ``lse [N]`` and backward recomputes each chunk's logits (4 matmuls per chunk).
 
 Collectives per chunk over ``tp_group`` (``k = ceil(N / chunk)`` chunks; the shapes are
-in ``loss_reduce``): default, one stats all-gather and one ``d hidden`` all-reduce;
+in ``reduce``): ``invariant=False``, one stats all-gather and one ``d hidden`` all-reduce;
 ``invariant=True``, one stats all-gather and one ``d hidden`` all-gather of subtree
 partials. ``invariant=True`` rounds ``chunk`` up to a multiple of ``TOKEN_TILE``; values
 and gradients are then bitwise identical for every TP size whose shard is a multiple of
