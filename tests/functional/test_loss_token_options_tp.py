@@ -95,9 +95,10 @@ def _ups(shape, count, device, dtype=torch.float32):
     return [base.view(shape) * (i + 1) for i in range(count)]
 
 
-def _run(path, api, opts, hidden, weight, target, tp):
+def _run(path, api, opts, hidden, weight, target, tp, order=None):
     """``(outputs, grads)`` on this rank (grads gathered to the full vocab), or ``None``
-    outside the TP group."""
+    outside the TP group. ``order``: the tokens' permutation (applied to the upstream
+    gradients, so every token keeps its own)."""
     inside, group, rank = tp_member(tp)
     if not inside:
         return None
@@ -120,6 +121,8 @@ def _run(path, api, opts, hidden, weight, target, tp):
         out = fn(*leaves, target, chunk_size=23, **kw)
     outs = out if isinstance(out, tuple) else (out,)
     ups = _ups(outs[0].shape, len(outs), hidden.device)
+    if order is not None:
+        ups = [u.reshape(-1)[order].view(u.shape) for u in ups]
     sum((o * u).sum() for o, u in zip(outs, ups) if o.requires_grad).backward()
     if path.startswith("materialized"):
         grads = [gather_rows(x.grad.transpose(0, -1).contiguous(), group, tp)[:V]]
@@ -211,3 +214,28 @@ def test_temperature_that_differs_across_tp_ranks_is_refused():
                 assert "temperature (fingerprint)" in str(exc), (what, inv, str(exc))
             else:
                 raise AssertionError(f"{what} invariant={inv}: no AgreementError")
+
+
+@world.case
+def test_invariant_new_options_ignore_token_order():
+    """A permutation of the tokens (with their temperatures) permutes every output bit for
+    bit, TP 4 against TP 1, and the materialized ``d logits`` rows likewise (``d hidden``
+    and ``d weight`` under permutation: issue 23 item 1, tested with that fix)."""
+    hidden, weight, target, temps = _data()
+    api, opts = _opts("lp-token-T-all", temps)
+    perm = torch.randperm(B * S, generator=torch.Generator().manual_seed(3)).to(hidden.device)
+
+    def permuted(x):
+        return x.reshape(B * S, *x.shape[2:])[perm].reshape(x.shape)
+
+    p_opts = dict(opts, temperature=permuted(opts["temperature"]))
+    p_args = (permuted(hidden), weight, permuted(target))
+    checks = Checks()
+    for path in ("materialized_inv", "fused_inv"):
+        base = _run(path, api, opts, hidden, weight, target, 1)
+        got = _run(path, api, p_opts, *p_args, 4, order=perm)
+        for i, (a, b) in enumerate(zip(got[0], base[0], strict=True)):
+            checks.equal(a, permuted(b), f"{path} output {i} permuted")
+        if path == "materialized_inv":
+            checks.equal(got[1][0], permuted(base[1][0]), f"{path} d logits permuted")
+    checks.done()

@@ -263,3 +263,15 @@ def test_every_api_has_the_shared_options_with_one_default(name):
     if "logprobs" in name:
         assert params["return_entropy"].default is False
         assert params["return_sum_pi_squared"].default is False
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_low_precision_temperature_tensor_is_read_exactly(path):
+    """A bf16 temperature is widened exactly: the same bits as its fp32 copy."""
+    hidden, weight, target = _inputs()
+    t16 = _temperatures()["token"].to(torch.bfloat16)
+    for api in _apis(path):
+        a = _call(api, path, hidden, weight, target, temperature=t16)
+        b = _call(api, path, hidden, weight, target, temperature=t16.float())
+        for x, y in zip(a[0] + a[1], b[0] + b[1], strict=True):
+            assert torch.equal(x, y), (api, path)
