@@ -10,13 +10,14 @@
   softmax, then ``softmax_grad_rows_`` (weight last), times the soft-cap derivative.
 - ``DefaultEntropy``: ``-sum_c p_c log p_c`` of ``scale * softcap(logits)``; forward MAX,
   then SUM of ``[sum exp(z - m), sum exp(z - m) (z - m)]``; backward ``-g p_j (log p_j +
-  H)`` times ``scale`` and the soft-cap derivative.
-
-``scale`` is ``1 / T``: a float, or a per-token tensor shaped like the logits without the
-vocab dim (the accumulation dtype). The ``sum_pi_squared`` output has no gradient.
+  H)`` times ``scale`` and the soft-cap derivative; 0 at ``ignored`` tokens.
 - ``InvariantLoss``: the affine form of ``LossSpec`` (and its entropy) on fixed
   ``[TOKEN_TILE, VOCAB_BLOCK]`` tiles in batches of tiles, one ``gather_fold`` per call;
   backward recomputes each block's ``exp(z - m)`` and applies ``softmax_grad_blocks_``.
+
+``scale`` is ``1 / T``: a float, or a per-token tensor shaped like the logits without the
+vocab dim (the accumulation dtype); ``InvariantLoss`` takes ``LossSpec.temperature`` or a
+flat fp32 per-token ``temp``. The ``sum_pi_squared`` output has no gradient.
 
 Logits are never modified; padding columns (ids >= ``vocab_size``) never enter a softmax;
 ``-inf`` logits are exact zeros of every sum (``loss_math``). Statistics are fp32 (fp64
