@@ -23,6 +23,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from mp_bridge.checks import check_bool
 from mp_bridge.comm import (
     check_agreement,
     check_group_arg,
@@ -31,7 +32,6 @@ from mp_bridge.comm import (
     reduce_from_group,
     reduce_scatter_along,
 )
-from mp_bridge.layers.loss.checks import check_bool
 from mp_bridge.layers.param_shards import load_shard_, mark_sharded
 from mp_bridge.layers.vocab_shards import VocabShard, vocab_shards
 

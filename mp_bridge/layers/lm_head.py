@@ -23,9 +23,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from mp_bridge.checks import check_bool
 from mp_bridge.comm import check_agreement, copy_to_group, gather_along
 from mp_bridge.layers.embedding import VocabParallelEmbedding, VocabShardModule, token_dim
-from mp_bridge.layers.loss.checks import check_bool
 from mp_bridge.layers.param_shards import load_shard_
 
 __all__ = ["VocabParallelLMHead"]
