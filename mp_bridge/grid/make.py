@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch.distributed as dist
 from megatron.core.hyper_comm_grid import HyperCommGrid
 
-from mp_bridge.checks import check_agreement
+from mp_bridge.checks import FrozenSpec, agree, agreed
 from mp_bridge.deprecations import warn_deprecated
 from mp_bridge.grid.layout import GridLayout
 from mp_bridge.grid.spec import AXIS_NAMES
@@ -20,6 +21,17 @@ __all__ = ["make_grid"]
 _DEFAULT_CREATE = tuple(a for a in AXIS_NAMES if a != "pp")
 
 
+@dataclass(frozen=True)
+class GridSpec(FrozenSpec):
+    """What every rank of the world passes alike (group creation is collective)."""
+
+    sizes: tuple[tuple[str, int], ...]
+    axis_names: tuple[str, ...]
+    rank_offset: int
+    create: tuple[tuple[str, ...], ...]
+
+
+@agreed("mp_bridge.grid.make_grid")
 def make_grid(
     tp: int = 1,
     cp: int = 1,
@@ -102,11 +114,10 @@ def make_grid(
     for axes in to_create:
         layout.groups(axes)  # validates names before any collective
     # Group creation is collective over the world: ranks given different grids would hang.
-    check_agreement(
-        "make_grid",
-        dist.group.WORLD,
-        {"sizes": sizes, "dim_names": names, "rank_offset": rank_offset, "create": to_create},
+    spec = GridSpec(
+        tuple(sizes.items()), names, layout.rank_offset, tuple(tuple(a) for a in to_create)
     )
+    agree("make_grid", dist.group.WORLD, spec)
     grid = HyperCommGrid(list(layout.shape), list(names), rank_offset=rank_offset)
     for axes in to_create:
         grid.create_pg(axes if len(axes) > 1 else axes[0])
