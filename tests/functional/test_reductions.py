@@ -74,6 +74,20 @@ def test_masked_mean_over_dp_cp_equals_single_process():
 
 
 @world.case
+def test_a_group_listed_twice_is_refused_before_any_collective():
+    g, _ = grid()
+    values, mask = _full()
+    dp = g.get_pg("dp")
+    for fn, args in ((masked_sum, (values, mask)), (masked_count, (mask,))):
+        with CollectiveCounter() as counter:
+            with pytest.raises(ValueError, match=r"group lists the same process group twice"):
+                fn(*args, group=[dp, g.get_pg("cp"), dp])
+        assert counter.calls == [] and counter.check_calls == []
+    with pytest.raises(ValueError, match=r"would count every value twice: pass each group once"):
+        masked_mean(values, mask, group=(dp, dp))
+
+
+@world.case
 def test_masked_mean_weights_empty_and_single_process():
     g, _ = grid()
     values, mask = _full(1)
