@@ -57,11 +57,16 @@ _LOST_PEER = (
 
 
 class DistributedError(RuntimeError):
-    """A rank of a :func:`run_distributed` world failed, died or timed out."""
+    """A rank of a :func:`run_distributed` world failed, died or timed out.
 
-    def __init__(self, message: str, rank: int | None = None):
+    ``rank``: the first cause, when known; ``hanging``: that rank is alive and did not
+    finish (a timeout or an abort), rather than failed or died.
+    """
+
+    def __init__(self, message: str, rank: int | None = None, *, hanging: bool = False):
         super().__init__(message)
         self.rank = rank
+        self.hanging = hanging
 
 
 def under_torchrun() -> bool:
@@ -266,13 +271,14 @@ def _collect(
         reason = should_abort() if should_abort is not None and pending else None
         if reason:
             stacks = collect_stacks(procs, sorted(pending), init_file)
-            raise DistributedError(f"{reason}\n{describe(stacks)}", culprit(stacks))
+            raise DistributedError(f"{reason}\n{describe(stacks)}", culprit(stacks), hanging=True)
         if pending and time.monotonic() > deadline:
             stacks = collect_stacks(procs, sorted(pending), init_file)
             raise DistributedError(
                 f"timed out after {timeout_s:g} s: ranks {sorted(pending)} did not finish "
                 f"(finished: {sorted(results)})\n{describe(stacks)}",
                 culprit(stacks),
+                hanging=True,
             )
         if pending:
             time.sleep(0.01)

@@ -192,8 +192,9 @@ class DistributedWorld:
                 import pytest
 
                 pytest.skip(f"case {name!r} skipped on rank {rank}: {value}")
-        for rank, (status, value) in enumerate(outcomes):
-            if status == "not_run":
+        hung = [r for r, (status, _) in enumerate(outcomes) if status == "hung"]
+        for rank, (status, value) in [(r, outcomes[r]) for r in hung] + list(enumerate(outcomes)):
+            if status in ("hung", "not_run"):
                 message = f"case {name!r} did not finish on rank {rank}: {value}"
                 raise DistributedError(message, rank)
         return [value for _, value in outcomes]
@@ -292,6 +293,8 @@ class DistributedWorld:
             for r in range(size):
                 if r in reports:
                     outcomes.append(reports[r])
+                elif r == dead and exc.hanging:
+                    outcomes.append(("hung", str(exc)))
                 elif r == dead:
                     outcomes.append(("died", f"rank {r} during case {name!r}: {exc}"))
                 else:
