@@ -1,8 +1,9 @@
 """Floor 0: argument validators, the agreement check across ranks, autograd guards.
 
-Imports torch only, never another ``mp_bridge`` package."""
+Imports torch and ``mp_bridge.deprecations`` (floor 0 too) only, never another
+``mp_bridge`` package. ``check_group_arg`` is a deprecated alias of ``check_group``."""
 
-from .agree import AgreementSpec, agree
+from .agree import AgreementSpec, FrozenSpec, agree
 from .agreement import (
     MAX_FIELDS,
     AgreementError,
@@ -10,9 +11,11 @@ from .agreement import (
     check_group_arg,
     checks_enabled,
     fingerprint,
+    in_agreement_check,
     run_checked,
 )
 from .autograd import forbid_double_backward
+from .entry_points import ENTRY_POINTS, agreed, agreed_name
 from .validate import (
     check_bool,
     check_choice,
@@ -30,7 +33,12 @@ from .validate import (
 
 __all__ = [
     "AgreementSpec",
+    "FrozenSpec",
     "agree",
+    "ENTRY_POINTS",
+    "agreed",
+    "agreed_name",
+    "in_agreement_check",
     "MAX_FIELDS",
     "AgreementError",
     "check_agreement",

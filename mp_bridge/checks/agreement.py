@@ -1,5 +1,8 @@
 """Agreement checks: ranks of a group that disagree get the same clear error on every rank.
 
+This module is the mechanism; entry points call it through ``agree(where, group, spec)``
+(:mod:`mp_bridge.checks.agree`), listed in :mod:`mp_bridge.checks.entry_points`.
+
 A collective whose ranks disagree (one rank sends ``[2, 8, 4]``, the others
 ``[2, 4, 8]``; fp64 on one rank; 5 tokens versus 4; a target that differs across TP)
 aborts inside gloo, hangs, or silently returns garbage. :func:`check_agreement` runs
@@ -16,6 +19,15 @@ ranks it starts unless the caller set it). Off by default: each check is a host 
 (the rows are read on the host) plus a latency-bound collective; see the README for the
 measured cost. ``always=True`` (the model step) checks whatever the variable says.
 
+Tools that observe collectives (``mp_bridge.testing.CollectiveCounter``) ask
+:func:`in_agreement_check` to tell this check's collectives from the operation's own.
+
+Two exchanges stay outside this mechanism because they carry data the call itself needs,
+not only a verdict: the bridge's per-sample count rows (``comm/bridge/counts.py``: every
+rank of the world needs every replica's counts to compare encoder samples with LLM image
+positions) and the ragged FAN_IN header (``comm/bridge/ragged.py``: each member's token
+count sizes the gather's output). Both raise the same error on every rank, as here.
+
 What it cannot see: a rank that never calls the check (e.g. ``masked_mean`` given the
 group on one rank only). Under ``MP_BRIDGE_CHECK=1`` the ranks that did call it wait at
 most ``MP_BRIDGE_CHECK_TIMEOUT`` seconds (default 60) on gloo, then raise
@@ -25,15 +37,21 @@ cannot know. (Otherwise they wait like any collective: up to the group's timeout
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import math
 import os
+import threading
 import zlib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from mp_bridge.deprecations import warn_deprecated
+
+from .validate import check_group
 
 __all__ = [
     "MAX_FIELDS",
@@ -42,15 +60,14 @@ __all__ = [
     "check_group_arg",
     "checks_enabled",
     "fingerprint",
+    "in_agreement_check",
     "run_checked",
 ]
 
 #: Fields (plus fingerprints) one check may compare; the row is fixed-size.
 MAX_FIELDS = 16
 _HEADER = 4  # [global rank, call-site hash, has local error, number of fields]
-# Bound before any collective: a CollectiveCounter (mp_bridge.testing) patches the ``dist``
-# attribute, and a budget test counts the op's own collectives, not the debug check's.
-_raw_all_gather = dist.all_gather_into_tensor
+_running = threading.local()
 
 
 class AgreementError(ValueError):
@@ -75,12 +92,33 @@ def _timeout_s() -> float:
 
 
 def check_group_arg(name: str, group: object) -> None:
-    """``TypeError`` unless ``group`` is a ``ProcessGroup`` or ``None`` (no collective)."""
-    if group is not None and not isinstance(group, dist.ProcessGroup):
-        raise TypeError(
-            f"{name}={group!r} must be a torch.distributed ProcessGroup or None (one "
-            f"process); pass e.g. grid.get_pg('tp'), not a size or a rank"
-        )
+    """Deprecated alias of :func:`mp_bridge.checks.check_group`."""
+    warn_deprecated("mp_bridge.checks.check_group_arg")
+    check_group(name, group)
+
+
+def in_agreement_check() -> bool:
+    """Whether this thread is inside an agreement check's own collectives.
+
+    For tools that observe collectives (``mp_bridge.testing.CollectiveCounter``): a budget
+    counts what an operation needs, not the debug-mode check in front of it.
+    """
+    return getattr(_running, "depth", 0) > 0
+
+
+@contextlib.contextmanager
+def _checking() -> Iterator[None]:
+    _running.depth = getattr(_running, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _running.depth -= 1
+
+
+def _all_gather_into(out: torch.Tensor, inp: torch.Tensor, group: Any) -> Any:
+    # torch >= 2.13 spells it all_gather_single (the old name warns FutureWarning).
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return fn(out, inp, group=group, async_op=True)
 
 
 def fingerprint(t: torch.Tensor) -> torch.Tensor:
@@ -118,7 +156,7 @@ def _gather_rows(row: torch.Tensor, groups: list[dist.ProcessGroup], where: str)
     for g in groups:
         n = dist.get_world_size(g)
         out = row.new_empty((n * row.shape[0], row.shape[1]))
-        work = _raw_all_gather(out, row.contiguous(), group=g, async_op=True)
+        work = _all_gather_into(out, row.contiguous(), g)
         # Bounded only in the debug mode: an always-on check (the model step) must wait
         # for a legitimately slow rank (data loading) as long as the collective would.
         if dist.get_backend(g) == "gloo" and checks_enabled():
@@ -217,7 +255,8 @@ def check_agreement(
     prints = [fingerprint(t).to(device).reshape(1) for t in (identical or {}).values()]
     pad = torch.zeros(MAX_FIELDS - len(names), dtype=torch.int64, device=device)
     row = torch.cat([row, *prints, pad]).reshape(1, -1)
-    rows = _gather_rows(row, groups, where)
+    with _checking():
+        rows = _gather_rows(row, groups, where)
     if all(r[1:] == rows[0][1:] for r in rows) and not any(r[2] for r in rows):
         return
     readable = {k: str(v) for k, v in fields.items()}
@@ -229,7 +268,8 @@ def check_agreement(
         "error": None if error is None else f"{type(error).__name__}: {error}",
         "fields": readable,
     }
-    records = sorted(_gather_objects(mine, groups), key=lambda r: r["rank"])
+    with _checking():
+        records = sorted(_gather_objects(mine, groups), key=lambda r: r["rank"])
     raise AgreementError(_message(where, records, names)) from error
 
 

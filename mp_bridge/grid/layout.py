@@ -1,10 +1,10 @@
 """Pure rank geometry of a megatron-core ``HyperCommGrid`` (no ``torch.distributed``).
 
-Vocabulary: an *axis* is a grid axis (``"tp"``, ``"cp"``, ...); megatron calls the axis
-names ``dim_names``, and that field keeps its name here so a layout mirrors a
-``HyperCommGrid``; ``axis_names`` is the same tuple. Convention (the one ``HyperCommGrid``
-uses): the first axis name varies fastest over rank ids, so for ``shape=(TP, CP, DP)``
-and ``dim_names=("tp", "cp", "dp")``::
+Vocabulary: an *axis* is a grid axis (``"tp"``, ``"cp"``, ...), a *dim* a tensor
+dimension. megatron-core's ``HyperCommGrid`` calls the axis names ``dim_names``; a
+layout calls them ``axis_names`` (``dim_names`` is a deprecated alias). Convention (the one
+``HyperCommGrid`` uses): the first axis name varies fastest over rank ids, so for
+``shape=(TP, CP, DP)`` and ``axis_names=("tp", "cp", "dp")``::
 
     rank = rank_offset + tp + TP * (cp + CP * dp)
 
@@ -21,6 +21,8 @@ import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from mp_bridge.deprecations import warn_deprecated
 
 __all__ = ["GridLayout"]
 
@@ -41,24 +43,38 @@ def _as_axis_list(axes: str | Sequence[str]) -> list[str]:
     return list(axes)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class GridLayout:
-    """A frozen description of an N-d rank grid: ``shape``, ``dim_names``, ``rank_offset``.
+    """A frozen description of an N-d rank grid: ``shape``, ``axis_names``, ``rank_offset``.
 
-    ``dim_names`` are the grid's *axis* names (megatron's spelling; ``axis_names`` is an
-    alias); ``shape[i]`` is the size of axis ``dim_names[i]``.
+    ``shape[i]`` is the size of axis ``axis_names[i]``. ``dim_names=`` (megatron's
+    spelling) is accepted in place of ``axis_names`` with a ``DeprecationWarning``.
 
     Mirrors ``megatron.core.hyper_comm_grid.HyperCommGrid`` exactly (rank enumeration and
     group member order) but needs no process group, so plans can be unit-tested on CPU.
     """
 
     shape: tuple[int, ...]
-    dim_names: tuple[str, ...]
+    axis_names: tuple[str, ...]
     rank_offset: int = 0
 
-    def __post_init__(self) -> None:
-        shape = tuple(self.shape)
-        names = tuple(self.dim_names)
+    def __init__(
+        self,
+        shape: Sequence[int],
+        axis_names: Sequence[str] | None = None,
+        rank_offset: int = 0,
+        *,
+        dim_names: Sequence[str] | None = None,
+    ) -> None:
+        if dim_names is not None:
+            if axis_names is not None:
+                raise ValueError("pass axis_names= (or its deprecated alias dim_names=), not both")
+            warn_deprecated("mp_bridge.grid.GridLayout(dim_names=...)")
+            axis_names = dim_names
+        if axis_names is None:
+            raise TypeError("GridLayout needs axis_names, e.g. GridLayout((2, 4), ('tp', 'dp'))")
+        shape = tuple(shape)
+        names = tuple(axis_names)
         for size in shape:
             if _as_int(size) is None:
                 raise TypeError(f"shape entries must be ints, got {size!r} in shape={shape}")
@@ -66,26 +82,26 @@ class GridLayout:
         for name in names:
             if not isinstance(name, str) or not name:
                 raise TypeError(
-                    f"dim_names entries must be non-empty strings, got {name!r} in {names}"
+                    f"axis_names entries must be non-empty strings, got {name!r} in {names}"
                 )
         if len(shape) != len(names):
             raise ValueError(
-                f"shape={shape} has {len(shape)} entries but dim_names={names} has "
+                f"shape={shape} has {len(shape)} entries but axis_names={names} has "
                 f"{len(names)}; give one size per name"
             )
         if len(set(names)) != len(names):
             dupes = sorted({n for n in names if names.count(n) > 1})
-            raise ValueError(f"dim_names={names} repeats {dupes}; every axis name must be unique")
+            raise ValueError(f"axis_names={names} repeats {dupes}; every axis name must be unique")
         bad = [s for s in shape if s <= 0]
         if bad:
             raise ValueError(f"shape={shape} has non-positive sizes {bad}; every size must be >= 1")
-        offset = _as_int(self.rank_offset)
+        offset = _as_int(rank_offset)
         if offset is None:
-            raise TypeError(f"rank_offset must be an int, got {self.rank_offset!r}")
+            raise TypeError(f"rank_offset must be an int, got {rank_offset!r}")
         if offset < 0:
             raise ValueError(f"rank_offset={offset} is negative; use 0 or a positive rank")
         object.__setattr__(self, "shape", shape)
-        object.__setattr__(self, "dim_names", names)
+        object.__setattr__(self, "axis_names", names)
         object.__setattr__(self, "rank_offset", offset)
 
     # ------------------------------------------------------------------ basics
@@ -93,7 +109,8 @@ class GridLayout:
     def from_grid(cls, grid: Any) -> GridLayout:
         """The layout of a megatron-core ``HyperCommGrid`` (reads shape, names, offset)."""
         try:
-            shape, names, offset = grid.shape, grid.dim_names, grid.rank_offset
+            names = grid.axis_names if isinstance(grid, GridLayout) else grid.dim_names
+            shape, offset = grid.shape, grid.rank_offset
         except AttributeError as exc:
             raise TypeError(
                 f"from_grid expects a HyperCommGrid (with shape, dim_names, rank_offset), "
@@ -112,18 +129,20 @@ class GridLayout:
         return range(self.rank_offset, self.rank_offset + self.size)
 
     @property
-    def axis_names(self) -> tuple[str, ...]:
-        """The grid's axis names, first = fastest over ranks (the ``dim_names`` field)."""
-        return self.dim_names
+    def dim_names(self) -> tuple[str, ...]:
+        """Deprecated alias of :attr:`axis_names` (megatron's spelling)."""
+        warn_deprecated("mp_bridge.grid.GridLayout.dim_names")
+        return self.axis_names
 
     def axis_size(self, name: str) -> int:
         """Size of axis ``name``; 1 when the grid has no such axis."""
-        if name in self.dim_names:
-            return self.shape[self.dim_names.index(name)]
+        if name in self.axis_names:
+            return self.shape[self.axis_names.index(name)]
         return 1
 
     def dim(self, name: str) -> int:
-        """Alias of :meth:`axis_size` (older spelling; ``name`` is a grid axis)."""
+        """Deprecated alias of :meth:`axis_size`."""
+        warn_deprecated("mp_bridge.grid.GridLayout.dim")
         return self.axis_size(name)
 
     def __contains__(self, rank: object) -> bool:
@@ -131,7 +150,7 @@ class GridLayout:
         return value is not None and value in self.ranks
 
     def __repr__(self) -> str:
-        axes = ", ".join(f"{n}={s}" for n, s in zip(self.dim_names, self.shape))
+        axes = ", ".join(f"{n}={s}" for n, s in zip(self.axis_names, self.shape))
         off = f", offset={self.rank_offset}" if self.rank_offset else ""
         return f"GridLayout({axes}{off})"
 
@@ -148,7 +167,7 @@ class GridLayout:
             )
         local = rank - self.rank_offset
         out: dict[str, int] = {}
-        for name, size in zip(self.dim_names, self.shape):
+        for name, size in zip(self.axis_names, self.shape):
             out[name] = local % size
             local //= size
         return out
@@ -167,14 +186,14 @@ class GridLayout:
                     f"coordinate {name}={value} is out of range for {self!r}; "
                     f"use 0 <= {name} < {size}"
                 )
-        missing = [n for n, s in zip(self.dim_names, self.shape) if s > 1 and n not in coords]
+        missing = [n for n, s in zip(self.axis_names, self.shape) if s > 1 and n not in coords]
         if missing:
             raise ValueError(
                 f"rank() needs a coordinate for every axis of size > 1; missing {missing} "
                 f"for {self!r}"
             )
         local, stride = 0, 1
-        for name, size in zip(self.dim_names, self.shape):
+        for name, size in zip(self.axis_names, self.shape):
             local += _as_int(coords.get(name, 0)) * stride
             stride *= size
         return self.rank_offset + local
@@ -183,12 +202,12 @@ class GridLayout:
     def _check_axes(self, axes: str | Sequence[str], arg: str = "axes") -> list[str]:
         names = _as_axis_list(axes)
         if not names:
-            raise ValueError(f"{arg} is empty; name at least one of {list(self.dim_names)}")
-        unknown = [d for d in names if d not in self.dim_names]
+            raise ValueError(f"{arg} is empty; name at least one of {list(self.axis_names)}")
+        unknown = [d for d in names if d not in self.axis_names]
         if unknown:
             raise ValueError(
                 f"unknown axis name(s) {unknown} for {self!r}; valid names are "
-                f"{list(self.dim_names)}"
+                f"{list(self.axis_names)}"
             )
         if len(set(names)) != len(names):
             raise ValueError(f"{arg}={names} repeats an axis name; name each axis once")
@@ -202,12 +221,12 @@ class GridLayout:
         axes, the first-named (fastest) axis varying fastest — i.e. ascending rank.
         """
         wanted = set(self._check_axes(dims, "dims"))
-        reverse = list(reversed(self.dim_names))  # slowest axis first, as megatron orders
+        reverse = list(reversed(self.axis_names))  # slowest axis first, as megatron orders
         grouped = [d for d in reverse if d in wanted]
         remaining = [d for d in reverse if d not in wanted]
         strides = {}
         stride = 1
-        for name, size in zip(self.dim_names, self.shape):
+        for name, size in zip(self.axis_names, self.shape):
             strides[name] = stride
             stride *= size
 

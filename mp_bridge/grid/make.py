@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch.distributed as dist
 from megatron.core.hyper_comm_grid import HyperCommGrid
 
-from mp_bridge.checks import check_agreement
+from mp_bridge.checks import FrozenSpec, agree, agreed
+from mp_bridge.deprecations import warn_deprecated
 from mp_bridge.grid.layout import GridLayout
 from mp_bridge.grid.spec import AXIS_NAMES
 
@@ -19,6 +21,17 @@ __all__ = ["make_grid"]
 _DEFAULT_CREATE = tuple(a for a in AXIS_NAMES if a != "pp")
 
 
+@dataclass(frozen=True)
+class GridSpec(FrozenSpec):
+    """What every rank of the world passes alike (group creation is collective)."""
+
+    sizes: tuple[tuple[str, int], ...]
+    axis_names: tuple[str, ...]
+    rank_offset: int
+    create: tuple[tuple[str, ...], ...]
+
+
+@agreed("mp_bridge.grid.make_grid")
 def make_grid(
     tp: int = 1,
     cp: int = 1,
@@ -26,19 +39,20 @@ def make_grid(
     dp: int = 1,
     *,
     rank_offset: int = 0,
-    dim_names: Sequence[str] = AXIS_NAMES,
     axis_names: Sequence[str] | None = None,
+    dim_names: Sequence[str] | None = None,
     create: Sequence[str | Sequence[str]] | None = None,
     groups: Sequence[str | Sequence[str]] | None = None,
 ) -> HyperCommGrid:
-    """A ``HyperCommGrid`` of the given sizes, ordered by ``dim_names``, with groups created.
+    """A ``HyperCommGrid`` of the given sizes, ordered by ``axis_names``, with groups created.
 
-    ``dim_names`` (megatron's name for the grid's axis names; ``axis_names`` is an alias)
-    orders the axes (first = fastest over ranks), e.g. ``("tp", "cp", "pp", "dp")``
-    (megatron's default) or ``("tp", "dp")``; axes it omits must have size 1.
+    ``axis_names`` (default ``AXIS_NAMES``; ``dim_names=``, megatron's spelling, is a
+    deprecated alias) orders the axes (first = fastest over ranks), e.g.
+    ``("tp", "cp", "pp", "dp")`` (megatron's default) or ``("tp", "dp")``; axes it omits
+    must have size 1.
     Each entry of ``create`` (alias ``groups``, as DESIGN.md spells it) is an axis name or
     a sequence of names (e.g. ``("dp", "cp")``); default: those of ``tp``, ``cp``, ``dp``
-    that ``dim_names`` holds. Groups use the world's default backend (gloo on CPU, NCCL on
+    that ``axis_names`` holds. Groups use the world's default backend (gloo on CPU, NCCL on
     CUDA); fetch them with ``grid.get_pg("tp")`` / ``grid.get_pg(["dp", "cp"])``.
 
     Collective: every rank of the world must call this with the same arguments, in the
@@ -51,10 +65,13 @@ def make_grid(
         raise ValueError("pass either create= or its alias groups=, not both")
     if create is None:
         create = groups
-    if axis_names is not None:
-        if tuple(dim_names) != AXIS_NAMES:
-            raise ValueError("pass either dim_names= or its alias axis_names=, not both")
-        dim_names = axis_names
+    if dim_names is not None:
+        if axis_names is not None:
+            raise ValueError("pass either axis_names= or its deprecated alias dim_names=, not both")
+        warn_deprecated("mp_bridge.grid.make_grid(dim_names=...)")
+        axis_names = dim_names
+    if axis_names is None:
+        axis_names = AXIS_NAMES
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError(
             "make_grid needs an initialized torch.distributed world; call "
@@ -70,16 +87,16 @@ def make_grid(
             raise TypeError(f"make_grid({axis}={size!r}): {axis} must be an int >= 1") from None
         if size < 1:
             raise ValueError(f"make_grid({axis}={size}): {axis} must be >= 1 (1 = no split)")
-    names = tuple(dim_names)
+    names = tuple(axis_names)
     unknown = [n for n in names if n not in sizes]
     if unknown:
         raise ValueError(
-            f"dim_names={names} has unknown axes {unknown}; use names from {AXIS_NAMES}"
+            f"axis_names={names} has unknown axes {unknown}; use names from {AXIS_NAMES}"
         )
     dropped = [n for n, size in sizes.items() if n not in names and size != 1]
     if dropped:
         raise ValueError(
-            f"dim_names={names} omits {dropped}, whose sizes are not 1; add them to dim_names"
+            f"axis_names={names} omits {dropped}, whose sizes are not 1; add them to axis_names"
         )
     layout = GridLayout(tuple(sizes[n] for n in names), names, rank_offset)  # validates sizes
     world = dist.get_world_size()
@@ -97,11 +114,10 @@ def make_grid(
     for axes in to_create:
         layout.groups(axes)  # validates names before any collective
     # Group creation is collective over the world: ranks given different grids would hang.
-    check_agreement(
-        "make_grid",
-        dist.group.WORLD,
-        {"sizes": sizes, "dim_names": names, "rank_offset": rank_offset, "create": to_create},
+    spec = GridSpec(
+        tuple(sizes.items()), names, layout.rank_offset, tuple(tuple(a) for a in to_create)
     )
+    agree("make_grid", dist.group.WORLD, spec)
     grid = HyperCommGrid(list(layout.shape), list(names), rank_offset=rank_offset)
     for axes in to_create:
         grid.create_pg(axes if len(axes) > 1 else axes[0])

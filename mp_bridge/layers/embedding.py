@@ -17,39 +17,42 @@ Example (vocab 1001, TP 4): rank 2 owns ids ``[502, 753)``; its weight is ``[251
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from mp_bridge.checks import check_bool
-from mp_bridge.comm import (
-    check_agreement,
-    check_group_arg,
-    group_rank,
-    group_size,
-    reduce_from_group,
-    reduce_scatter_along,
+from mp_bridge.checks import (
+    FrozenSpec,
+    agree,
+    agreed,
+    check_bool,
+    check_group,
+    check_int,
+    check_tensor,
 )
+from mp_bridge.comm import group_rank, group_size, reduce_from_group, reduce_scatter_along
 from mp_bridge.layers.param_shards import load_shard_, mark_sharded
 from mp_bridge.layers.vocab_shards import VocabShard, vocab_shards
 
 __all__ = ["VocabParallelEmbedding", "VocabShardModule"]
 
 
-def positive_int(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {value!r}")
-    if value < 1:
-        raise ValueError(f"{name}={value} must be >= 1")
-    return value
+def check_float_dtype(name: str, dtype: object) -> torch.dtype:
+    """A floating ``torch.dtype`` (weights are trained: integer rows have no gradient)."""
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TypeError(
+            f"{name}={dtype!r} must be a floating torch.dtype (e.g. torch.float32 or "
+            "torch.bfloat16): the weight is trained, and integer tensors have no gradient"
+        )
+    return dtype
 
 
 def token_dim(seq_dim: int, ndim: int, what: str) -> int:
     """Normalize ``seq_dim`` against the ``ndim`` token dims (the hidden dim excluded)."""
-    if isinstance(seq_dim, bool) or not isinstance(seq_dim, int):
-        raise TypeError(f"seq_dim must be an int, got {seq_dim!r}")
+    check_int("seq_dim", seq_dim)
     if not -ndim <= seq_dim < ndim:
         raise ValueError(
             f"seq_dim={seq_dim} is out of range for {what} with {ndim} token dim(s); "
@@ -91,12 +94,13 @@ class VocabShardModule(nn.Module):
         weight: nn.Parameter | None = None,
     ):
         super().__init__()
-        rows, width = positive_int(*vocab), positive_int(*dim)
-        positive_int("multiple", multiple)
-        if isinstance(seq_dim, bool) or not isinstance(seq_dim, int):
-            raise TypeError(f"seq_dim must be an int, got {seq_dim!r}")
-        check_group_arg("tp_group", tp_group)
+        rows, width = check_int(*vocab, low=1), check_int(*dim, low=1)
+        check_int("multiple", multiple, low=1)
+        check_int("seq_dim", seq_dim)
+        check_group("tp_group", tp_group)
         check_bool("sequence_parallel", sequence_parallel)
+        if weight is None:
+            check_float_dtype("dtype", dtype)
         self.tp_group = tp_group
         self.tp_size = group_size(tp_group)
         self.sequence_parallel = bool(sequence_parallel)
@@ -135,12 +139,21 @@ class VocabShardModule(nn.Module):
 
     @staticmethod
     def check_full(weight: object) -> torch.Tensor:
-        """``weight`` if it is a full ``[V, H]`` tensor, else ``ValueError``."""
-        if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
-            raise ValueError(
-                f"weight must be a [V, H] tensor, got {getattr(weight, 'shape', weight)}"
-            )
+        """``weight`` if it is a full floating ``[V, H]`` tensor, else ``TypeError`` /
+        ``ValueError``."""
+        check_tensor("weight", weight)
+        if weight.dim() != 2:
+            raise ValueError(f"weight must be a [V, H] tensor, got shape {tuple(weight.shape)}")
+        check_float_dtype("weight.dtype", weight.dtype)
         return weight
+
+
+@dataclass(frozen=True)
+class EmbeddingSpec(FrozenSpec):
+    """What every TP rank of one lookup must hold alike (the ids' bits are compared too)."""
+
+    ids_shape: tuple[int, ...]
+    weight_dtype: torch.dtype
 
 
 class VocabParallelEmbedding(VocabShardModule):
@@ -198,12 +211,10 @@ class VocabParallelEmbedding(VocabShardModule):
         load_shard_(emb.weight, weight)
         return emb
 
+    @agreed("mp_bridge.layers.VocabParallelEmbedding.forward")
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """``ids [...]`` -> embeddings ``[..., H]`` (SP: seq_dim split over TP)."""
-        if not isinstance(ids, torch.Tensor):
-            raise TypeError(f"ids must be a torch.Tensor, got {type(ids).__name__}")
-        if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
-            raise TypeError(f"ids must be an integer tensor (e.g. torch.long), got {ids.dtype}")
+        check_tensor("ids", ids, dtype="int", fix="pass token ids, e.g. ids.long()")
         if self.sequence_parallel and self.tp_size > 1:
             dim = token_dim(self.seq_dim, ids.dim(), f"ids of shape {tuple(ids.shape)}")
             check_seq_split(ids.shape[dim], self.tp_size, dim)
@@ -213,10 +224,10 @@ class VocabParallelEmbedding(VocabShardModule):
                 f"ids hold {int(ids[bad].flatten()[0])}, outside [0, {self.num_embeddings}) "
                 f"(num_embeddings={self.num_embeddings}); check the tokenizer / vocab size"
             )
-        check_agreement(  # every TP rank embeds the same ids
+        agree(  # every TP rank embeds the same ids
             "VocabParallelEmbedding.forward",
             self.tp_group,
-            {"ids.shape": tuple(ids.shape), "weight.dtype": self.weight.dtype},
+            EmbeddingSpec(tuple(ids.shape), self.weight.dtype),
             identical={"ids": ids},
             device=ids.device,
         )

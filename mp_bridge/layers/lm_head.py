@@ -17,18 +17,28 @@ Forward ``h [..., H] -> logits [..., V_local]``:
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from mp_bridge.checks import check_bool
-from mp_bridge.comm import check_agreement, copy_to_group, gather_along
+from mp_bridge.checks import FrozenSpec, agree, agreed, check_bool, check_tensor
+from mp_bridge.comm import copy_to_group, gather_along
 from mp_bridge.layers.embedding import VocabParallelEmbedding, VocabShardModule, token_dim
 from mp_bridge.layers.param_shards import load_shard_
 
 __all__ = ["VocabParallelLMHead"]
+
+
+@dataclass(frozen=True)
+class HeadSpec(FrozenSpec):
+    """h is TP-replicated, or (SP) split into equal sequence slices: same shape everywhere."""
+
+    h_shape: tuple[int, ...]
+    h_dtype: torch.dtype
+    v_local: int
 
 
 class VocabParallelLMHead(VocabShardModule):
@@ -98,13 +108,17 @@ class VocabParallelLMHead(VocabShardModule):
     ) -> VocabParallelLMHead:
         """Keep this rank's rows of a full ``[V, H]`` weight (and ``[V]`` bias); copies."""
         weight = cls.check_full(weight)
-        if bias is not None and (
-            not isinstance(bias, torch.Tensor) or bias.shape != weight.shape[:1]
-        ):
-            raise ValueError(
-                f"bias must be a [V] = [{weight.shape[0]}] tensor, "
-                f"got {getattr(bias, 'shape', bias)}"
-            )
+        if bias is not None:
+            check_tensor("bias", bias)
+            if bias.shape != weight.shape[:1]:
+                raise ValueError(
+                    f"bias must be a [V] = [{weight.shape[0]}] tensor, got {tuple(bias.shape)}"
+                )
+            if bias.dtype != weight.dtype:
+                raise TypeError(
+                    f"bias has dtype {bias.dtype} but weight has {weight.dtype}; pass both in "
+                    f"one dtype (e.g. bias.to({weight.dtype}))"
+                )
         head = cls(
             weight.shape[1],
             weight.shape[0],
@@ -122,20 +136,25 @@ class VocabParallelLMHead(VocabShardModule):
             load_shard_(head.bias, bias, name="bias")
         return head
 
+    @agreed("mp_bridge.layers.VocabParallelLMHead.forward")
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        """``h [..., H]`` -> vocab-parallel logits ``[..., V_local]`` (SP: full sequence)."""
-        if not isinstance(h, torch.Tensor):
-            raise TypeError(f"h must be a torch.Tensor, got {type(h).__name__}")
+        """``h [..., H]`` -> vocab-parallel logits ``[..., V_local]`` (SP: full sequence).
+
+        ``h`` must have the weight's dtype (``TypeError`` otherwise, before any collective).
+        """
+        check_tensor("h", h, dtype="float", fix="pass hidden states, not token ids")
+        if h.dtype != self.weight.dtype:
+            raise TypeError(
+                f"h has dtype {h.dtype} but the head's weight has {self.weight.dtype}; cast "
+                f"one of them (e.g. h.to({self.weight.dtype}), or build the head with "
+                f"dtype={h.dtype})"
+            )
         if h.dim() < 1 or h.shape[-1] != self.hidden_size:
             raise ValueError(
                 f"h must be [..., {self.hidden_size}] (hidden_size), got {tuple(h.shape)}"
             )
-        check_agreement(  # h is TP-replicated, or (SP) split into equal sequence slices
-            "VocabParallelLMHead.forward",
-            self.tp_group,
-            {"h.shape": tuple(h.shape), "h.dtype": h.dtype, "V_local": self.weight.shape[0]},
-            device=h.device,
-        )
+        spec = HeadSpec(tuple(h.shape), h.dtype, self.weight.shape[0])
+        agree("VocabParallelLMHead.forward", self.tp_group, spec, device=h.device)
         if self.sequence_parallel and self.tp_size > 1:
             dim = token_dim(self.seq_dim, h.dim() - 1, f"h of shape {tuple(h.shape)}")
             h = gather_along(h, self.tp_group, dim)

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from mp_bridge.checks import FrozenSpec, agree, agreed, check_group, check_int, check_tensor
 from mp_bridge.comm import all_gather_tensor, group_rank, group_size
 from mp_bridge.layers.vocab_shards import VocabShard
 
@@ -72,11 +73,15 @@ def mark_sharded(
 
     ``full_size`` must fit the padded layout: ``full_size <= tp * param.shape[dim]``.
     """
+    check_tensor("param", param)
+    check_group("group", group)
+    check_int("dim", dim)
     if not -param.dim() <= dim < param.dim():
         raise ValueError(f"dim={dim} is out of range for a parameter of shape {tuple(param.shape)}")
     dim %= param.dim()
     padded = group_size(group) * param.shape[dim]
-    if isinstance(full_size, bool) or not isinstance(full_size, int) or not 0 < full_size <= padded:
+    check_int("full_size", full_size)
+    if not 0 < full_size <= padded:
         raise ValueError(
             f"full_size={full_size!r} does not fit {group_size(group)} shards of "
             f"{param.shape[dim]} along dim {dim}; use 0 < full_size <= {padded}"
@@ -122,14 +127,29 @@ def load_shard_(param: torch.Tensor, full: torch.Tensor, *, name: str = "weight"
     param.copy_(shard_of(full, param.shape, spec))
 
 
+@dataclass(frozen=True)
+class _GatherSpec(FrozenSpec):
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    dim: int
+    full_size: int
+
+
+@agreed("mp_bridge.layers.gather_shard")
 @torch.no_grad()
 def gather_shard(local: torch.Tensor, spec: ShardSpec | None) -> torch.Tensor:
     """The full tensor of the shards ``local`` (padding dropped; a detached copy).
 
     Collective: one all-gather along ``spec.dim`` over ``spec.group`` (every member
-    calls it); none when ``spec`` is ``None`` or the group has one rank.
+    calls it, with the same local shape and dtype: agreed first); none when ``spec`` is
+    ``None`` or the group has one rank.
     """
+    check_tensor("local", local)
     if spec is None:
         return local.detach().clone()
+    if not isinstance(spec, ShardSpec):
+        raise TypeError(f"spec must be a ShardSpec or None, got {type(spec).__name__}")
+    parsed = _GatherSpec(tuple(local.shape), local.dtype, spec.dim, spec.full_size)
+    agree("gather_shard", spec.group, parsed, device=local.device)
     full = all_gather_tensor(local.detach(), spec.group, spec.dim)
     return full.narrow(spec.dim, 0, spec.full_size).clone()

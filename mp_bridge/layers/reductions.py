@@ -18,45 +18,44 @@ the gradient of the global quantity with respect to its own tokens, no more.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from mp_bridge.comm import check_agreement, group_size, reduce_from_group
+from mp_bridge.checks import FrozenSpec, agree, agreed, check_groups, check_tensor
+from mp_bridge.comm import group_size, reduce_from_group
 
 __all__ = ["masked_count", "masked_mean", "masked_sum"]
 
 Groups = dist.ProcessGroup | Sequence[dist.ProcessGroup | None] | None
 
 
+@dataclass(frozen=True)
+class _ReduceSpec(FrozenSpec):
+    """Every rank of the groups makes the same reduction over as many groups."""
+
+    groups: int
+
+
 def _groups(group: Groups) -> list[dist.ProcessGroup]:
-    if group is None:
-        return []
-    if isinstance(group, dist.ProcessGroup):
-        items = [group]
-    elif isinstance(group, Sequence) and not isinstance(group, (str, bytes)):
-        items = list(group)
-    else:
+    if isinstance(group, (str, bytes)) or not (
+        group is None or isinstance(group, (dist.ProcessGroup, list, tuple))
+    ):
         raise TypeError(
-            f"group must be None, a ProcessGroup or a sequence of them, got {type(group).__name__}"
+            f"group must be None, a ProcessGroup or a list of them, got {type(group).__name__}"
         )
-    for g in items:
-        if g is not None and not isinstance(g, dist.ProcessGroup):
-            raise TypeError(f"group entries must be ProcessGroups or None, got {type(g).__name__}")
+    items = check_groups("group", group, fix="e.g. group=[dp_group, cp_group]")
     return [g for g in items if g is not None and group_size(g) > 1]
 
 
-def _check_mask(mask: object, values: torch.Tensor | None) -> None:
-    if not isinstance(mask, torch.Tensor):
-        raise TypeError(f"mask must be a torch.Tensor, got {type(mask).__name__}")
+def _check_mask(mask: object, values: object) -> None:
+    check_tensor("mask", mask)
     if mask.is_complex():
         raise TypeError(f"mask must be bool or real numeric, got {mask.dtype}")
     if values is None:
         return
-    if not isinstance(values, torch.Tensor) or not values.is_floating_point():
-        raise TypeError(
-            f"values must be a floating tensor, got {getattr(values, 'dtype', values)!r}"
-        )
+    check_tensor("values", values, dtype="float")
     if tuple(mask.shape) != tuple(values.shape):
         raise ValueError(
             f"mask shape {tuple(mask.shape)} must equal values shape {tuple(values.shape)}"
@@ -75,7 +74,7 @@ def _check_weights(mask: torch.Tensor) -> None:
 def _agree(where: str, mask: torch.Tensor, groups: list[dist.ProcessGroup]) -> None:
     """Every rank of ``groups`` makes this same reduction (``MP_BRIDGE_CHECK``). A rank
     that passed no group makes no collective and cannot be seen: the others time out."""
-    check_agreement(where, groups, {"number of groups": len(groups)}, device=mask.device)
+    agree(where, groups, _ReduceSpec(len(groups)), device=mask.device)
 
 
 def _local_sum(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -96,6 +95,7 @@ def _all_sum(x: torch.Tensor, groups: list[dist.ProcessGroup]) -> torch.Tensor:
     return x
 
 
+@agreed("mp_bridge.layers.masked_sum")
 def masked_sum(values: torch.Tensor, mask: torch.Tensor, *, group: Groups = None) -> torch.Tensor:
     """Global ``sum(values * mask)`` over every rank of ``group`` (fp32 scalar)."""
     _check_mask(mask, values)
@@ -104,6 +104,7 @@ def masked_sum(values: torch.Tensor, mask: torch.Tensor, *, group: Groups = None
     return _all_sum(_local_sum(values, mask), groups)
 
 
+@agreed("mp_bridge.layers.masked_count")
 def masked_count(mask: torch.Tensor, *, group: Groups = None) -> torch.Tensor:
     """Global ``sum(mask)`` (the token count for a bool mask) as an fp32 scalar."""
     _check_mask(mask, None)
@@ -113,6 +114,7 @@ def masked_count(mask: torch.Tensor, *, group: Groups = None) -> torch.Tensor:
     return _all_sum(_local_count(mask).detach(), groups)
 
 
+@agreed("mp_bridge.layers.masked_mean")
 def masked_mean(values: torch.Tensor, mask: torch.Tensor, *, group: Groups = None) -> torch.Tensor:
     """Global ``sum(values * mask) / sum(mask)`` (fp32 scalar; 0 when no token is selected).
 

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from mp_bridge.checks import check_int
+
 __all__ = [
     "VocabShard",
     "padded_vocab_size",
@@ -24,10 +26,7 @@ __all__ = [
 
 def _check(vocab_size: int, tp_size: int, multiple: int) -> None:
     for name, value in (("vocab_size", vocab_size), ("tp_size", tp_size), ("multiple", multiple)):
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise TypeError(f"{name} must be an int, got {value!r}")
-        if value < 1:
-            raise ValueError(f"{name}={value} must be >= 1")
+        check_int(name, value, low=1)
 
 
 def vocab_shard_size(vocab_size: int, tp_size: int, *, multiple: int = 1) -> int:

@@ -8,7 +8,8 @@ from typing import Any
 
 __all__ = ["CaseProgress", "Outcome"]
 
-# ("ok", value), ("error", traceback), ("died", message), ("skip", reason), ("not_run", reason)
+# ("ok", value), ("error", traceback), ("died", message), ("skip", reason), ("not_run", reason),
+# ("hung", message): alive but did not finish the case (named first)
 Outcome = tuple[str, Any]
 
 

@@ -6,6 +6,10 @@ module attribute (``dist.all_reduce(...)``), so the count covers both. Use as::
     with CollectiveCounter() as counter:
         y = bridge.communicate(x)
     assert counter.counts() == {"all_gather": 1}
+
+The agreement check's own collectives (``MP_BRIDGE_CHECK=1``, which the test kit turns on)
+are kept apart in ``counter.check_calls`` (``mp_bridge.checks.in_agreement_check`` says
+when one runs): a budget is what the operation needs, not the debug check in front of it.
 """
 
 from __future__ import annotations
@@ -16,6 +20,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from mp_bridge.checks import in_agreement_check
 
 __all__ = ["CollectiveCall", "CollectiveCounter"]
 
@@ -100,6 +106,8 @@ class CollectiveCounter:
 
     def __init__(self) -> None:
         self.calls: list[CollectiveCall] = []
+        #: The agreement check's collectives (not part of any budget).
+        self.check_calls: list[CollectiveCall] = []
         self._saved: dict[str, Any] = {}
 
     def __enter__(self) -> CollectiveCounter:
@@ -128,7 +136,8 @@ class CollectiveCounter:
             nbytes = _received_bytes(canonical, args, kwargs, size, rank)
             # Inner spellings (all_gather_single -> all_gather_into_tensor) record once.
             if not getattr(counter, "_inside", False):
-                counter.calls.append(CollectiveCall(canonical, size, nbytes))
+                calls = counter.check_calls if in_agreement_check() else counter.calls
+                calls.append(CollectiveCall(canonical, size, nbytes))
                 counter._inside = True
                 try:
                     return original(*args, **kwargs)

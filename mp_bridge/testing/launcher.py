@@ -11,11 +11,13 @@ The rank named is the *first cause*, not a victim: when a rank dies, its peers f
 parent keeps watching for ``FAILURE_GRACE_S`` and names, in this order, a rank that died
 other than by SIGABRT (exit code or signal), a rank whose error is not a lost
 connection, a rank that aborted, then any other; the others are listed after it. A rank
-still running at a timeout or an abort has its Python stacks in the message
-(``faulthandler``, dumped on ``SIGUSR1``). ``pytest.skip`` on every failing rank skips
-the caller's test. The ranks run with ``MP_BRIDGE_CHECK=1``
-(agreement checks, ``mp_bridge.comm.check_agreement``) unless the caller's environment
-sets it.
+still running at a timeout or an abort is named with where it is (a file and line, and
+whether that is inside a ``torch.distributed`` call, the test kit's wait for its peers, or
+outside any collective), then its Python stacks (``faulthandler`` on ``SIGUSR1``,
+:mod:`mp_bridge.testing.stacks`); when exactly one rank is not waiting for the others,
+the error's ``rank`` is that one. ``pytest.skip`` on every failing rank skips the
+caller's test. The ranks run with ``MP_BRIDGE_CHECK=1`` (agreement checks,
+``mp_bridge.checks.agree``) unless the caller's environment sets it.
 """
 
 from __future__ import annotations
@@ -37,6 +39,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from mp_bridge.checks import check_choice, check_int, check_positive_float
+from mp_bridge.testing.stacks import collect_stacks, culprit, describe, stack_path
+
 __all__ = ["DistributedError", "current_device", "run_distributed", "under_torchrun"]
 
 DEFAULT_TIMEOUT_S = 300.0
@@ -52,11 +57,16 @@ _LOST_PEER = (
 
 
 class DistributedError(RuntimeError):
-    """A rank of a :func:`run_distributed` world failed, died or timed out."""
+    """A rank of a :func:`run_distributed` world failed, died or timed out.
 
-    def __init__(self, message: str, rank: int | None = None):
+    ``rank``: the first cause, when known; ``hanging``: that rank is alive and did not
+    finish (a timeout or an abort), rather than failed or died.
+    """
+
+    def __init__(self, message: str, rank: int | None = None, *, hanging: bool = False):
         super().__init__(message)
         self.rank = rank
+        self.hanging = hanging
 
 
 def under_torchrun() -> bool:
@@ -91,7 +101,7 @@ def _child(
     # One intra-op thread per rank: N ranks on a few cores would otherwise oversubscribe.
     torch.set_num_threads(1)
     # The parent asks a hanging rank for its stacks with SIGUSR1 (kept open until exit).
-    stack_file = open(_stack_path(init_file, rank), "w")  # noqa: SIM115
+    stack_file = open(stack_path(init_file, rank), "w")  # noqa: SIM115
     faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
     os.environ.setdefault("MP_BRIDGE_CHECK", "1")
     # megatron-core's HyperCommGrid reads these; a parent under torchrun may carry others.
@@ -129,32 +139,6 @@ def _child(
         pass
     # Skip destroy_process_group: peers may already be gone, and exit frees everything.
     os._exit(0)
-
-
-def _stack_path(init_file: str, rank: int) -> str:
-    return f"{init_file}.stacks.{rank}"
-
-
-def _stacks(procs: list[mp.Process], ranks: list[int], init_file: str) -> str:
-    """The Python stacks of the still-running ``ranks`` (faulthandler via SIGUSR1)."""
-    asked = []
-    for rank in ranks:
-        if procs[rank].is_alive():
-            try:
-                os.kill(procs[rank].pid, signal.SIGUSR1)
-                asked.append(rank)
-            except ProcessLookupError:
-                pass
-    time.sleep(0.5)  # faulthandler writes from the signal handler, at once
-    parts = []
-    for rank in asked:
-        try:
-            with open(_stack_path(init_file, rank)) as f:
-                text = f.read().strip()
-        except OSError:
-            text = ""
-        parts.append(f"--- stacks of rank {rank} ---\n{text or '(none written)'}")
-    return "\n".join(parts)
 
 
 def _exit_text(code: int | None) -> str:
@@ -220,14 +204,11 @@ def run_distributed(
     ``should_abort`` is polled while waiting (every ~10 ms); when it returns a message the
     world is killed and :class:`DistributedError` carries that message.
     """
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size={world_size!r} must be a positive int")
-    if backend not in ("gloo", "nccl"):
-        raise ValueError(f"backend={backend!r} is not supported; use 'gloo' or 'nccl'")
+    check_int("world_size", world_size, low=1, fix="the number of ranks")
+    check_choice("backend", backend, ("gloo", "nccl"))
     if backend == "nccl" and torch.cuda.device_count() < 1:
         raise ValueError("backend='nccl' needs CUDA devices; use backend='gloo' on CPU")
-    if timeout_s <= 0:
-        raise ValueError(f"timeout_s={timeout_s} must be positive")
+    timeout_s = check_positive_float("timeout_s", timeout_s, fix="seconds, e.g. timeout_s=60")
     ctx = mp.get_context("fork")
     tmpdir = tempfile.mkdtemp(prefix="mp_bridge_rdzv_")
     init_file = os.path.join(tmpdir, "store")
@@ -289,13 +270,15 @@ def _collect(
             continue
         reason = should_abort() if should_abort is not None and pending else None
         if reason:
-            stacks = _stacks(procs, sorted(pending), init_file)
-            raise DistributedError(f"{reason}\n{stacks}")
+            stacks = collect_stacks(procs, sorted(pending), init_file)
+            raise DistributedError(f"{reason}\n{describe(stacks)}", culprit(stacks), hanging=True)
         if pending and time.monotonic() > deadline:
-            stacks = _stacks(procs, sorted(pending), init_file)
+            stacks = collect_stacks(procs, sorted(pending), init_file)
             raise DistributedError(
-                f"timed out after {timeout_s:.0f} s waiting for ranks {sorted(pending)} "
-                f"(finished: {sorted(results)}); a rank probably hangs in a collective\n{stacks}"
+                f"timed out after {timeout_s:g} s: ranks {sorted(pending)} did not finish "
+                f"(finished: {sorted(results)})\n{describe(stacks)}",
+                culprit(stacks),
+                hanging=True,
             )
         if pending:
             time.sleep(0.01)

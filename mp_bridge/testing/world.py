@@ -53,6 +53,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from mp_bridge.checks import check_int, check_positive_float
 from mp_bridge.testing.case_progress import CaseProgress, Outcome
 from mp_bridge.testing.launcher import (
     DEFAULT_TIMEOUT_S,
@@ -74,9 +75,7 @@ def world_backend() -> str:
 
 
 def _check_size(size: Any, name: str) -> int:
-    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-        raise ValueError(f"{name}={size!r} must be a positive int (the number of ranks)")
-    return size
+    return check_int(name, size, low=1, fix="the number of ranks")
 
 
 def _label(values: tuple, names: list[str], index: int) -> str:
@@ -100,8 +99,8 @@ class DistributedWorld:
         self, world_size: int, *, timeout_s: float = DEFAULT_TIMEOUT_S, abort_grace_s: float = 20
     ):
         self.world_size = _check_size(world_size, "world_size")
-        self.timeout_s = timeout_s
-        self.abort_grace_s = abort_grace_s
+        self.timeout_s = check_positive_float("timeout_s", timeout_s, fix="seconds")
+        self.abort_grace_s = check_positive_float("abort_grace_s", abort_grace_s, fix="seconds")
         self._cases: dict[int, list[tuple[str, Callable[[], Any]]]] = {}
         self._size_of: dict[str, int] = {}
         self._outcomes: dict[int, dict[str, list[Outcome]]] = {}
@@ -193,8 +192,9 @@ class DistributedWorld:
                 import pytest
 
                 pytest.skip(f"case {name!r} skipped on rank {rank}: {value}")
-        for rank, (status, value) in enumerate(outcomes):
-            if status == "not_run":
+        hung = [r for r, (status, _) in enumerate(outcomes) if status == "hung"]
+        for rank, (status, value) in [(r, outcomes[r]) for r in hung] + list(enumerate(outcomes)):
+            if status in ("hung", "not_run"):
                 message = f"case {name!r} did not finish on rank {rank}: {value}"
                 raise DistributedError(message, rank)
         return [value for _, value in outcomes]
@@ -293,6 +293,8 @@ class DistributedWorld:
             for r in range(size):
                 if r in reports:
                     outcomes.append(reports[r])
+                elif r == dead and exc.hanging:
+                    outcomes.append(("hung", str(exc)))
                 elif r == dead:
                     outcomes.append(("died", f"rank {r} during case {name!r}: {exc}"))
                 else:

@@ -26,7 +26,7 @@ from mp_bridge.layers import (
     masked_mean,
     vocab_parallel_cross_entropy,
 )
-from mp_bridge.testing import DistributedWorld, run_distributed
+from mp_bridge.testing import CollectiveCall, CollectiveCounter, DistributedWorld, run_distributed
 
 world = DistributedWorld(2, timeout_s=180, abort_grace_s=15)
 
@@ -168,7 +168,7 @@ def test_reductions_with_different_ops():
 @world.case
 def test_make_grid_sizes_differ():
     sizes = dict(tp=2, dp=1) if _odd() else dict(tp=1, dp=2)
-    with _raises(r"make_grid: ranks disagree on sizes(.|\n)*'tp': 1(.|\n)*'tp': 2"):
+    with _raises(r"make_grid: ranks disagree on sizes(.|\n)*\('tp', 1\)(.|\n)*\('tp', 2\)"):
         make_grid(**sizes)
 
 
@@ -255,31 +255,15 @@ def test_model_too_many_image_tokens_on_one_rank():
 
 
 # ------------------------------------------------------------------------ the exchange
-def _count_gathers(calls: list):
-    import mp_bridge.checks.agreement as agreement
-
-    raw = agreement._raw_all_gather
-
-    def counting(out, inp, group=None, async_op=False):
-        calls.append(tuple(out.shape))
-        return raw(out, inp, group=group, async_op=async_op)
-
-    agreement._raw_all_gather = counting
-    return lambda: setattr(agreement, "_raw_all_gather", raw)
-
-
 def _one_exchange_per_call() -> str:
-    calls: list = []
-    restore = _count_gathers(calls)
-    try:
-        with _fan_in_bridge() as bridge:
-            calls.clear()  # make_grid's own checks
+    with _fan_in_bridge() as bridge:
+        with CollectiveCounter() as counter:
             bridge.communicate(torch.randn(2, 4, 8))
-            assert calls == [(2, 20)]  # one [n, 4 + 16] int64 all-gather, nothing else
-            with pytest.raises(AgreementError) as info:
-                bridge.communicate(torch.randn((3 if _odd() else 2), 4, 8))
-    finally:
-        restore()
+        # one [n, 4 + 16] int64 row all-gathered over the pair (160 bytes from the peer)
+        assert counter.check_calls == [CollectiveCall("all_gather", 2, 160)]
+        assert counter.counts() == {"all_gather": 1}  # the bridge's own, counted apart
+        with pytest.raises(AgreementError) as info:
+            bridge.communicate(torch.randn((3 if _odd() else 2), 4, 8))
     return str(info.value)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import time
 
 import pytest
@@ -55,7 +56,7 @@ def test_hanging_rank_fails_within_timeout_and_leaves_no_process(tmp_path):
     pid_file = tmp_path / "pids"
     start = time.monotonic()
     # 10 s leaves start-up room on a loaded 2-core machine; the hang itself is 600 s.
-    with pytest.raises(DistributedError, match=r"timed out after 10 s waiting for ranks \[1\]"):
+    with pytest.raises(DistributedError, match=r"timed out after 10 s: ranks \[1\] did not finish"):
         run_distributed(_hang_on_rank_one, 3, str(pid_file), timeout_s=10)
     assert time.monotonic() - start < 40
     pids = [int(p) for p in pid_file.read_text().split()]
@@ -68,6 +69,26 @@ def test_hanging_rank_fails_within_timeout_and_leaves_no_process(tmp_path):
         # a zombie would still answer kill(0); it must at least not be running
         with open(f"/proc/{pid}/stat") as f:
             assert f.read().split()[2] == "Z", f"process {pid} is still running"
+
+
+def _sleep_on_rank_one_while_others_wait_in_a_barrier():
+    if dist.get_rank() == 1:
+        time.sleep(600)  # hangs outside any collective
+    dist.barrier()
+    return dist.get_rank()
+
+
+def test_a_rank_hanging_outside_a_collective_is_named_with_where_it_is():
+    with pytest.raises(DistributedError) as info:
+        run_distributed(_sleep_on_rank_one_while_others_wait_in_a_barrier, 3, timeout_s=10)
+    text = str(info.value)
+    assert info.value.rank == 1
+    assert "ranks [0, 1, 2] did not finish (finished: [])" in text
+    where = r"rank 1 is at \S*test_launcher.py:\d+ in _sleep_on_rank_one_while_others_wait_in_a"
+    assert re.search(where + r"\w* \(outside any collective\)", text), text
+    for peer in (0, 2):  # the victims: inside the barrier
+        assert re.search(rf"rank {peer} is at \S+ in \w+ \(in a torch.distributed call\)", text)
+    assert "--- stacks of rank 1 ---" in text and "popen_fork" not in text  # the child's own
 
 
 def _die_on_rank_zero():
@@ -86,6 +107,11 @@ def test_bad_arguments():
         run_distributed(_all_reduce_rank, 0)
     with pytest.raises(ValueError, match="backend='mpi'"):
         run_distributed(_all_reduce_rank, 2, backend="mpi")
+    with pytest.raises(TypeError, match=r"timeout_s must be a float, got '10'; seconds"):
+        run_distributed(_all_reduce_rank, 2, timeout_s="10")
+    for bad in (float("nan"), 0, -1.0, float("inf")):
+        with pytest.raises(ValueError, match=rf"timeout_s={bad!r} must be a float in \(0.0, inf\)"):
+            run_distributed(_all_reduce_rank, 2, timeout_s=bad)
 
 
 def _return_rank():

@@ -17,6 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from mp_bridge.checks import AgreementError
 from mp_bridge.comm import deterministic_all_reduce
 from mp_bridge.grid import GridLayout, make_grid
 from mp_bridge.layers import masked_count, masked_mean, masked_sum
@@ -70,6 +71,20 @@ def test_masked_mean_over_dp_cp_equals_single_process():
             total.double(), values[mask].double().sum(), atol=1e-5, rtol=1e-6
         )
         assert masked_count(_local(mask), group=group).item() == count
+
+
+@world.case
+def test_a_group_listed_twice_is_refused_before_any_collective():
+    g, _ = grid()
+    values, mask = _full()
+    dp = g.get_pg("dp")
+    for fn, args in ((masked_sum, (values, mask)), (masked_count, (mask,))):
+        with CollectiveCounter() as counter:
+            with pytest.raises(ValueError, match=r"group lists the same process group twice"):
+                fn(*args, group=[dp, g.get_pg("cp"), dp])
+        assert counter.calls == [] and counter.check_calls == []
+    with pytest.raises(ValueError, match=r"would count every value twice: pass each group once"):
+        masked_mean(values, mask, group=(dp, dp))
 
 
 @world.case
@@ -163,9 +178,20 @@ def test_deterministic_all_reduce_errors_before_the_collective():
     assert counter.counts() == {}
     odd = torch.ones(4 if dist.get_rank() == 3 else 3, device=current_device())
     with CollectiveCounter() as counter:
-        with pytest.raises(ValueError, match=r"differ across the group.*ranks \[3\]|ranks \[0"):
+        with pytest.raises(AgreementError, match=r"shape: ranks \[0, 1, 2, 4, 5, 6, 7\] have"):
             deterministic_all_reduce(odd, dist.group.WORLD)
-    assert counter.counts() == {"all_gather": 1}  # only the small metadata gather
+    assert counter.counts() == {}  # the agreement check's row gather only, nothing else
+    assert [c.name for c in counter.check_calls] == ["all_gather", "all_gather_object"]
+    # Another op on one rank: the same error on every rank, not silently another fold.
+    op = "max" if dist.get_rank() == 5 else "sum"
+    with pytest.raises(AgreementError) as info:
+        deterministic_all_reduce(x, dist.group.WORLD, op=op)
+    assert "deterministic_all_reduce: ranks disagree on op" in str(info.value)
+    assert "ranks [5] have max" in str(info.value)
+    # Another dtype, with check=False too: the check is on by default, whatever the env.
+    y = x.double() if dist.get_rank() == 2 else x
+    with pytest.raises(AgreementError, match=r"ranks disagree on dtype, accumulate_dtype"):
+        deterministic_all_reduce(y, dist.group.WORLD)
 
 
 @world.case(world_size=6)

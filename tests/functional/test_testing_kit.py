@@ -8,6 +8,7 @@ the module-level ``world`` shows the registration forms as pytest collects them.
 from __future__ import annotations
 
 import os
+import re
 import time
 
 import pytest
@@ -170,10 +171,14 @@ def test_parametrize_registers_one_case_and_one_test_id_per_set():
 
 def test_registration_errors_name_the_problem():
     world = DistributedWorld(2)
-    with pytest.raises(ValueError, match=r"world_size=0 must be a positive int"):
+    with pytest.raises(ValueError, match=r"world_size=0 must be an int >= 1; the number of ranks"):
         world.case(world_size=0)(lambda: None)
-    with pytest.raises(ValueError, match=r"world_size=0 must be a positive int"):
+    with pytest.raises(ValueError, match=r"world_size=0 must be an int >= 1; the number of ranks"):
         DistributedWorld(0)
+    with pytest.raises(TypeError, match=r"timeout_s must be a float, got '10'"):
+        DistributedWorld(2, timeout_s="10")
+    with pytest.raises(ValueError, match=r"abort_grace_s=nan must be a float in \(0.0, inf\)"):
+        DistributedWorld(2, abort_grace_s=float("nan"))
     with pytest.raises(ValueError, match=r"parameter set 1 \(1,\) has 1 values"):
         world.parametrize("a, b", [(1, 2), (1,)])
     with pytest.raises(ValueError, match="ids has 1 entries for 2"):
@@ -204,3 +209,24 @@ def test_a_stuck_world_of_one_size_leaves_the_other_sizes_alone():
         test_rank_0_raises_before_a_collective()
     assert time.monotonic() - start < 60  # stopped ~2 s after the failure, not at 120 s
     assert world.check("test_two_ranks_still_run") == [2.0, 2.0]
+
+
+def test_a_rank_hanging_outside_a_collective_in_a_case_is_named():
+    world = DistributedWorld(2, timeout_s=120, abort_grace_s=2)
+
+    @world.case
+    def test_rank_1_sleeps():
+        if dist.get_rank() == 1:
+            time.sleep(600)  # rank 0 ends the case and waits for it
+        return dist.get_rank()
+
+    start = time.monotonic()
+    with pytest.raises(DistributedError) as info:
+        test_rank_1_sleeps()
+    assert time.monotonic() - start < 60  # stopped ~2 s after rank 0 ended the case
+    text = str(info.value)
+    assert info.value.rank == 1 and "did not finish on rank 1" in text
+    assert re.search(
+        r"rank 1 is at \S*test_testing_kit.py:\d+ in test_rank_1_sleeps \(outside", text
+    )
+    assert "rank 0 is at" in text and "(finished, waiting for the other ranks)" in text

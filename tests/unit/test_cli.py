@@ -12,7 +12,7 @@ from mp_bridge.grid import GridLayout, parse_layout_spec
 
 def test_parse_spec_keeps_written_order_and_appends_unit_axes():
     assert parse_layout_spec("tp=2,dp=4") == GridLayout((2, 4, 1, 1), ("tp", "dp", "cp", "pp"))
-    assert parse_layout_spec("dp=2, tp=4", world_size=8).dim_names[:2] == ("dp", "tp")
+    assert parse_layout_spec("dp=2, tp=4", world_size=8).axis_names[:2] == ("dp", "tp")
 
 
 @pytest.mark.parametrize(

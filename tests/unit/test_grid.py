@@ -40,7 +40,13 @@ def test_literal_groups_dp_first_with_offset():
 def test_size_dim_and_repr():
     g = GridLayout((2, 3, 1, 4), ("tp", "cp", "pp", "dp"))
     assert g.size == 24
-    assert (g.dim("tp"), g.dim("cp"), g.dim("pp"), g.dim("dp"), g.dim("ep")) == (2, 3, 1, 4, 1)
+    assert (
+        g.axis_size("tp"),
+        g.axis_size("cp"),
+        g.axis_size("pp"),
+        g.axis_size("dp"),
+        g.axis_size("ep"),
+    ) == (2, 3, 1, 4, 1)
     assert repr(g) == "GridLayout(tp=2, cp=3, pp=1, dp=4)"
     assert 23 in g and 24 not in g
 
@@ -97,7 +103,7 @@ def test_groups_partition_the_grid_and_match_coords(case):
     groups = g.groups(list(dims))
     flat = list(itertools.chain.from_iterable(groups))
     assert sorted(flat) == list(g.ranks)
-    assert all(len(grp) == math.prod(g.dim(d) for d in dims) for grp in groups)
+    assert all(len(grp) == math.prod(g.axis_size(d) for d in dims) for grp in groups)
     others = [n for n in names if n not in dims]
     for grp in groups:  # members agree on every other axis
         assert len({tuple(g.coords(r)[n] for n in others) for r in grp}) == 1
@@ -107,13 +113,13 @@ def test_groups_partition_the_grid_and_match_coords(case):
 @pytest.mark.parametrize(
     ("kwargs", "exc", "match"),
     [
-        (dict(shape=(2, 2), dim_names=("tp", "tp")), ValueError, r"repeats \['tp'\]"),
-        (dict(shape=(2, 0), dim_names=("tp", "dp")), ValueError, r"non-positive sizes \[0\]"),
-        (dict(shape=(2, -1), dim_names=("tp", "dp")), ValueError, "non-positive"),
-        (dict(shape=(2,), dim_names=("tp", "dp")), ValueError, "one size per name"),
-        (dict(shape=(2.0,), dim_names=("tp",)), TypeError, "must be ints"),
-        (dict(shape=(2,), dim_names=("",)), TypeError, "non-empty strings"),
-        (dict(shape=(2,), dim_names=("tp",), rank_offset=-1), ValueError, "negative"),
+        (dict(shape=(2, 2), axis_names=("tp", "tp")), ValueError, r"repeats \['tp'\]"),
+        (dict(shape=(2, 0), axis_names=("tp", "dp")), ValueError, r"non-positive sizes \[0\]"),
+        (dict(shape=(2, -1), axis_names=("tp", "dp")), ValueError, "non-positive"),
+        (dict(shape=(2,), axis_names=("tp", "dp")), ValueError, "one size per name"),
+        (dict(shape=(2.0,), axis_names=("tp",)), TypeError, "must be ints"),
+        (dict(shape=(2,), axis_names=("",)), TypeError, "non-empty strings"),
+        (dict(shape=(2,), axis_names=("tp",), rank_offset=-1), ValueError, "negative"),
     ],
 )
 def test_constructor_errors(kwargs, exc, match):

@@ -26,7 +26,15 @@ def test_ranges_tile_a_padded_vocab(vocab, tp, multiple):
     assert vocab <= ranges[-1][1] < vocab + tp * multiple
 
 
-@pytest.mark.parametrize("bad", [dict(vocab_size=0, tp_size=1), dict(vocab_size=8, tp_size=0)])
-def test_errors(bad):
-    with pytest.raises(ValueError, match="must be >= 1"):
+@pytest.mark.parametrize(
+    "bad, text",
+    [
+        (dict(vocab_size=0, tp_size=1), "vocab_size=0 must be an int >= 1"),
+        (dict(vocab_size=8, tp_size=0), "tp_size=0 must be an int >= 1"),
+    ],
+)
+def test_errors(bad, text):
+    with pytest.raises(ValueError, match=text):
         vocab_shard_ranges(**bad)
+    with pytest.raises(TypeError, match=r"vocab_size must be an int, got 8.0"):
+        vocab_shard_ranges(8.0, 2)

@@ -6,23 +6,35 @@ ranks and runs. Here every rank all-gathers all contributions and folds them its
 strictly in group rank order, with the same elementwise ops: same inputs, same bits.
 
 Cost: one all-gather; each rank receives ``(n - 1) * numel`` elements and holds
-``n * numel`` (use it for small tensors: losses, norms, statistics), plus, by default,
-one tiny all-gather of shape/dtype metadata so a mismatch raises on every rank instead of
-hanging or returning garbage.
+``n * numel`` (use it for small tensors: losses, norms, statistics), plus, by default
+(``check=True``), the agreement check (one small all-gather): ranks that pass another
+``op``, shape or dtype all raise the same error instead of hanging or silently folding
+different reductions.
 """
 
 from __future__ import annotations
 
-import zlib
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
+from mp_bridge.checks import FrozenSpec, agree, agreed, check_bool, check_group, check_tensor
 from mp_bridge.comm.collectives.primitives import all_gather_tensor, group_size
 
 __all__ = ["deterministic_all_reduce"]
 
 _OPS = ("sum", "mean", "max", "min")
+
+
+@dataclass(frozen=True)
+class ReduceSpec(FrozenSpec):
+    """What every rank of the group must pass alike."""
+
+    op: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    accumulate_dtype: torch.dtype
 
 
 def _op_name(op: object) -> str:
@@ -38,27 +50,28 @@ def _op_name(op: object) -> str:
     )
 
 
-def _meta(tensor: torch.Tensor) -> torch.Tensor:
-    # hash() of a tuple of ints is not salted (str hashes are), so it agrees across processes.
-    dtype_code = zlib.crc32(str(tensor.dtype).encode())
-    code = [tensor.dim(), tensor.numel(), hash(tuple(tensor.shape)), dtype_code]
-    return torch.tensor([code], dtype=torch.int64, device=tensor.device)
-
-
-def _check_same_everywhere(tensor: torch.Tensor, group: dist.ProcessGroup) -> None:
-    metas = all_gather_tensor(_meta(tensor), group, 0).tolist()
-    mine = _meta(tensor).tolist()[0]
-    odd = [r for r, m in enumerate(metas) if m != mine]
-    if odd:
-        raise ValueError(
-            f"deterministic_all_reduce: tensor shape/dtype differ across the group: this rank "
-            f"has shape {tuple(tensor.shape)} dtype {tensor.dtype}, group ranks {odd} differ "
-            "(ndim, numel, ...) = "
-            + ", ".join(f"{metas[r][:2]}" for r in odd)
-            + "; pass the same shape and dtype on every rank"
+def _parse(tensor: object, op: object, accumulate_dtype: object) -> ReduceSpec:
+    tensor = check_tensor("tensor", tensor)
+    name = _op_name(op)
+    if tensor.is_complex() or tensor.dtype == torch.bool:
+        raise TypeError(f"tensor must be real floating or integer, got dtype={tensor.dtype}")
+    floating = tensor.is_floating_point()
+    if not floating and name == "mean":
+        raise TypeError(f"op='mean' needs a floating tensor, got dtype={tensor.dtype}")
+    if accumulate_dtype is not None and (
+        not isinstance(accumulate_dtype, torch.dtype) or not accumulate_dtype.is_floating_point
+    ):
+        raise TypeError(
+            f"accumulate_dtype must be a floating torch.dtype or None, got {accumulate_dtype!r}"
         )
+    if floating:  # never accumulate below the input
+        acc = torch.promote_types(accumulate_dtype or tensor.dtype, tensor.dtype)
+    else:
+        acc = torch.int64
+    return ReduceSpec(name, tuple(tensor.shape), tensor.dtype, acc)
 
 
+@agreed("mp_bridge.comm.deterministic_all_reduce")
 def deterministic_all_reduce(
     tensor: torch.Tensor,
     group: dist.ProcessGroup | None = None,
@@ -76,32 +89,18 @@ def deterministic_all_reduce(
     input), then cast back; integer inputs sum exactly in int64 (``"mean"`` needs a
     floating tensor). Any strides are fine (the input is packed first). ``group=None`` is
     one process, not the world (groups are always explicit here): it returns a copy.
-    Collectives: one all-gather, plus one metadata all-gather when ``check``. Every rank
-    must call it with the same ``op`` and a tensor of the same shape and dtype.
+    Collectives: one all-gather, plus the agreement check's small all-gather when
+    ``check``: ranks with another ``op``, shape, dtype or ``accumulate_dtype`` all raise
+    the same :class:`~mp_bridge.checks.AgreementError` (a ``ValueError``).
     Not differentiable (no autograd Function): the result carries no graph.
     """
-    if not isinstance(tensor, torch.Tensor):
-        raise TypeError(f"tensor must be a torch.Tensor, got {type(tensor).__name__}")
-    op = _op_name(op)
-    floating = tensor.is_floating_point()
-    if tensor.is_complex() or tensor.dtype == torch.bool:
-        raise TypeError(f"tensor must be real floating or integer, got dtype={tensor.dtype}")
-    if not floating and op == "mean":
-        raise TypeError(f"op='mean' needs a floating tensor, got dtype={tensor.dtype}")
-    if accumulate_dtype is not None and (
-        not isinstance(accumulate_dtype, torch.dtype) or not accumulate_dtype.is_floating_point
-    ):
-        raise TypeError(
-            f"accumulate_dtype must be a floating torch.dtype or None, got {accumulate_dtype!r}"
-        )
-    if floating:
-        acc = accumulate_dtype or tensor.dtype
-        acc = torch.promote_types(acc, tensor.dtype)  # never accumulate below the input
-    else:
-        acc = torch.int64
+    spec = _parse(tensor, op, accumulate_dtype)
+    check_group("group", group, fix="group=None is one process")
+    check_bool("check", check)
+    op, acc = spec.op, spec.accumulate_dtype
     n = group_size(group)
     if n > 1 and check:
-        _check_same_everywhere(tensor, group)
+        agree("deterministic_all_reduce", group, spec, device=tensor.device, always=True)
     flat = tensor.detach().reshape(1, -1).contiguous()  # packs any strides
     parts = all_gather_tensor(flat, group, 0) if n > 1 else flat  # [n, numel], rank order
     out = parts[0].to(acc, copy=True)

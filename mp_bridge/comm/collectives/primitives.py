@@ -25,6 +25,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from mp_bridge.checks import forbid_double_backward
+
 __all__ = [
     "all_gather_tensor",
     "all_reduce_sum",
@@ -110,20 +112,6 @@ def _own_slice(x: torch.Tensor, group, dim: int) -> torch.Tensor:
         raise ValueError(f"cannot split dim {dim} of size {x.shape[dim]} into {n} equal parts")
     size = x.shape[dim] // n
     return x.narrow(dim, group_rank(group) * size, size).contiguous()
-
-
-def forbid_double_backward(name: str) -> None:
-    """Raise in a ``backward`` run with ``create_graph=True`` (grad mode is on there).
-
-    For autograd Functions whose backward is not built from differentiable ops or adjoint
-    Functions: a graph recorded through it would silently drop a collective.
-    """
-    if torch.is_grad_enabled():
-        raise RuntimeError(
-            f"{name} cannot differentiate twice: backward(create_graph=True) is not supported "
-            "(its backward runs a collective outside autograd, so a second derivative would "
-            "silently miss it); call backward() without create_graph"
-        )
 
 
 # ----------------------------------------------------------------- autograd ops
