@@ -4,8 +4,8 @@ Properties (hypothesis, up to 9 replicas and 12 images each, some replicas empty
 image is assigned exactly once and the per-rank splits move exactly those images (a
 simulated exchange); the same counts give the same plan whatever the container (TP
 peers); Graham's bound ``max ≤ mean + p_max·(m−1)/m``; the maximum falls strictly when
-anything moves and nothing moves otherwise; nothing moves when the heaviest replica has no image that fits
-the gap (equal loads included); cost units and replica labels do not change the plan.
+anything moves; nothing moves when the heaviest replica has no image that fits the gap
+(equal loads included); cost units and replica labels do not change the plan.
 Also the docstring's worked example, literal, and the argument errors.
 Tolerance: loads are ``math.fsum`` sums (correctly rounded), so the bounds are checked
 with a relative slack of ``1e-12`` of the total cost (a few ulps), never more.
