@@ -212,3 +212,21 @@ def test_relabeling_replicas_relabels_the_plan(data):
 def test_bad_arguments(tokens, kwargs, error, match):
     with pytest.raises(error, match=match):
         plan_balance(tokens, **kwargs)
+
+
+def test_one_process_balancer_keeps_its_plans(monkeypatch):
+    import mp_bridge.comm.bridge.balance as balance_module
+
+    calls = []
+    real = balance_module.plan_balance
+    monkeypatch.setattr(
+        balance_module, "plan_balance", lambda *a, **k: calls.append(a) or real(*a, **k)
+    )
+    balancer = balance_module.ImageBalancer(dp_group=None, c=1.0, cache_size=2)
+    x = torch.randn(6, 4)
+    for counts in ([3, 1, 2], [3, 1, 2], [2, 4], [3, 1, 2], [1, 5], [6], [3, 1, 2]):
+        y, plan = balancer.balance(x, counts)
+        assert y is x and plan.moved_images == 0 and plan.tokens == (tuple(counts),)
+    # an LRU of 2: the repeats of [3, 1, 2] hit until [1, 5] and [6] push it out
+    assert [a[0] for a in calls] == [((3, 1, 2),), ((2, 4),), ((1, 5),), ((6,),), ((3, 1, 2),)]
+    assert len(balancer.cache) == 2
