@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from mp_bridge.checks import (
+    FrozenSpec,
     agree,
     check_float,
     check_group,
@@ -58,23 +59,15 @@ _WHERE = "ImageBalancer.balance"
 
 
 @dataclass(frozen=True)
-class BalanceSpec:
-    """What every encoder rank must hold equal: the cost model and the row layout."""
+class BalanceSpec(FrozenSpec):
+    """What every encoder rank must hold equal: the cost model (``c``, ``cost``: the
+    callable's name), the rows' ``x.shape[1:]`` and dtype, and the count row's ``cap``."""
 
     c: float
     cost: str
     row_shape: tuple[int, ...]
     dtype: str
     cap: int
-
-    def fields(self) -> dict[str, object]:
-        return {
-            "c": self.c,
-            "cost": self.cost,
-            "row shape (x.shape[1:])": self.row_shape,
-            "dtype": self.dtype,
-            "cap": self.cap,
-        }
 
     def code(self) -> int:
         return zlib.crc32(repr(sorted(self.fields().items())).encode())
@@ -149,7 +142,7 @@ def _mismatch(rows: list[list[int]], cap: int) -> str | None:
                 continue
 
             def show(r):
-                shown = [v for v in r[n : n + min(r[2], cap)]]
+                shown = r[n : n + min(r[2], cap)]
                 more = "..." if r[2] > cap else ""
                 return f"rank {r[0]} passes {r[2]} images of {r[3]} tokens {shown}{more}"
 
