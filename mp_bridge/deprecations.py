@@ -40,6 +40,22 @@ DEPRECATIONS: dict[str, Deprecation] = {
             "mp_bridge.grid.make_grid(dim_names=...)", "make_grid(axis_names=...)", "0.3.0"
         ),
         Deprecation("mp_bridge.checks.check_group_arg", "mp_bridge.checks.check_group", "0.3.0"),
+        Deprecation(
+            "mp_bridge.models.ColocatedMimoModel(encoder, projection, llm, bridge, partition)",
+            "ColocatedMimoModel(encoder, projection, llm, make_mimo_groups(encoder_grid, "
+            "llm_grid), image_token_id=...)",
+            "0.3.0",
+        ),
+        Deprecation(
+            "mp_bridge.models.run_parity(encoder_dim_names=...)",
+            "run_parity(encoder_axis_names=...)",
+            "0.3.0",
+        ),
+        Deprecation(
+            "mp_bridge.models.run_parity(llm_dim_names=...)",
+            "run_parity(llm_axis_names=...)",
+            "0.3.0",
+        ),
     )
 }
 

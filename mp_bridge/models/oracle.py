@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import math
 import time
-import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -32,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from mp_bridge.checks import check_int
+from mp_bridge.deprecations import warn_deprecated
 from mp_bridge.grid import AXIS_NAMES, GridLayout, make_grid
 from mp_bridge.models.colocated.build import build_colocated_mimo, destroy_colocated_mimo
 from mp_bridge.models.colocated.parts import MimoFlow
@@ -140,7 +140,7 @@ def _renamed(old: str, value: Sequence[str] | None, new_value: Sequence[str]):
     new = old.replace("dim_names", "axis_names")
     if tuple(new_value) != AXIS_NAMES:
         raise ValueError(f"pass either {new}= or its deprecated name {old}=, not both")
-    warnings.warn(f"run_parity({old}=...) is deprecated; use {new}=", DeprecationWarning, 3)
+    warn_deprecated(f"mp_bridge.models.run_parity({old}=...)", stacklevel=4)
     return value
 
 

@@ -9,10 +9,10 @@ out looked up on its grids) and the ``partition`` given.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Mapping
 
 from mp_bridge.comm import PartitionAdapter
+from mp_bridge.deprecations import warn_deprecated
 from mp_bridge.models.colocated.groups import MimoGroups, groups_of_bridge
 
 __all__ = ["KEYWORDS", "legacy_groups"]
@@ -36,12 +36,9 @@ def legacy_groups(
             "ColocatedMimoModel(encoder, projection, llm, groups) takes no partition, "
             f"{', '.join(KEYWORDS)}: the MimoGroups holds them"
         )
-    warnings.warn(
-        "ColocatedMimoModel(encoder, projection, llm, bridge, partition, ...) is deprecated; "
-        "pass one MimoGroups: ColocatedMimoModel(encoder, projection, llm, "
-        "make_mimo_groups(encoder_grid, llm_grid), image_token_id=...)",
-        DeprecationWarning,
-        stacklevel=3,
+    warn_deprecated(
+        "mp_bridge.models.ColocatedMimoModel(encoder, projection, llm, bridge, partition)",
+        stacklevel=4,
     )
     if not isinstance(partition, PartitionAdapter):
         raise TypeError(
