@@ -149,7 +149,7 @@ def test_deprecated_constructor_form_warns_and_still_works():
     torch.manual_seed(0)
     reference = ReferenceMimo(CFG)
     new = _single_process(reference)
-    with pytest.warns(DeprecationWarning, match="pass one MimoGroups"):
+    with pytest.warns(DeprecationWarning, match=r"make_mimo_groups\(encoder_grid"):
         old = ColocatedMimoModel(
             new.encoder, new.projection, new.llm, _IdentityBridge(), PartitionAdapter(),
             image_token_id=CFG.image_token_id,
@@ -158,7 +158,7 @@ def test_deprecated_constructor_form_warns_and_still_works():
     args = (batch.input_ids, batch.labels, batch.loss_mask, batch.images)
     assert torch.equal(old(*args), new(*args))  # same modules, same math, same bits
     groups = MimoGroups.local()
-    with pytest.warns(DeprecationWarning, match="pass one MimoGroups"):
+    with pytest.warns(DeprecationWarning, match=r"make_mimo_groups\(encoder_grid"):
         kw = ColocatedMimoModel(
             new.encoder, new.projection, new.llm, groups.bridge, PartitionAdapter(),
             image_token_id=CFG.image_token_id, groups=groups,
@@ -179,7 +179,7 @@ def test_run_parity_dim_names_keywords_are_deprecated_aliases():
     from mp_bridge.grid import AXIS_NAMES
     from mp_bridge.models.oracle import _renamed
 
-    with pytest.warns(DeprecationWarning, match=r"use encoder_axis_names="):
+    with pytest.warns(DeprecationWarning, match=r"use run_parity\(encoder_axis_names="):
         assert _renamed("encoder_dim_names", ("dp", "tp"), AXIS_NAMES) == ("dp", "tp")
     assert _renamed("encoder_dim_names", None, ("tp", "dp")) == ("tp", "dp")
     with pytest.raises(ValueError, match="llm_axis_names= or its deprecated name llm_dim_names="):
