@@ -98,8 +98,9 @@ def make_route_group(plan: BridgePlan, rank: int, cp_group: dist.ProcessGroup | 
     """``(group, members, owned)``: this rank's route group (collective; a route group
     equal to a dest CP group reuses ``cp_group``). ``owned``: groups created."""
     mine, members_of, owned = None, (rank,), []
+    cp_groups = set(plan.cp_groups)  # a set: one lookup per group, not a scan of all
     for members in route_groups(plan):
-        if len(members) < 2 or members in plan.cp_groups:
+        if len(members) < 2 or members in cp_groups:
             if rank in members:
                 mine, members_of = (cp_group if len(members) > 1 else None), members
             continue
