@@ -30,7 +30,7 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
-from mp_bridge.checks import check_agreement, check_bool, check_group, check_int, check_tensor
+from mp_bridge.checks import agree, check_bool, check_group, check_int, check_tensor
 from mp_bridge.comm.collectives.primitives import (
     gather_along,
     gather_keep_grad,
@@ -46,6 +46,7 @@ from mp_bridge.comm.sequence.cut import (
     seq_len_divisor,
 )
 from mp_bridge.comm.sequence.padding import PaddedLayout, original_layout, pad_along, pad_layout
+from mp_bridge.comm.sequence.specs import ShardSpec, UnshardSpec
 
 __all__ = ["PAD_LABEL", "PartitionAdapter", "ShardedBatch"]
 
@@ -233,19 +234,18 @@ class PartitionAdapter:
         src = layout.source_index(device) if pad else None
 
         given = {name: t is not None for name, t in tokens}
-        check_agreement(  # the full batch is identical on every CP (and SP) rank
+        spec = ShardSpec(
+            None if embeddings is None else tuple(embeddings.shape),
+            None if embeddings is None else embeddings.dtype,
+            seq_len, layout.padded_bounds, tuple(sorted(given.items())),
+        )  # fmt: skip
+        agree(  # the full batch is identical on every CP (and SP) rank
             "PartitionAdapter.shard",
             [self.cp_group, self.tp_group if self.sequence_parallel else None],
-            {
-                "embeddings.shape": None if embeddings is None else tuple(embeddings.shape),
-                "embeddings.dtype": None if embeddings is None else embeddings.dtype,
-                "seq_len": seq_len,
-                "cu_seqlens": layout.padded_bounds,
-                "given": tuple(sorted(given.items())),
-            },
+            spec,
             identical={n: t for n, t in tokens if t is not None},
             device=device,
-        )  # fmt: skip
+        )
         if position_ids is None:
             position_ids = torch.arange(seq_len, device=device)
             if batch is not None:
@@ -345,14 +345,6 @@ class PartitionAdapter:
         sp = sequence_parallel
         full_len = x.shape[dim] * self.cp_size * (self.tp_size if sp else 1)
         self._check_len(full_len, sp, f"full sequence length (local {x.shape[dim]} x ranks)")
-        check_agreement(
-            "PartitionAdapter.unshard",
-            [self.tp_group if sp else None, self.cp_group],
-            {"x.shape": tuple(x.shape), "x.dtype": x.dtype, "seq_dim": dim, "sequence_parallel": sp,
-             "grad": grad, "seq_len": seq_len,
-             "cu_seqlens": None if cu_seqlens is None else str(cu_seqlens)},
-            device=x.device,
-        )  # fmt: skip
         bounds, keep = None, None
         if cu_seqlens is not None or seq_len is not None:
             layout = original_layout(
@@ -361,6 +353,9 @@ class PartitionAdapter:
             bounds = layout.padded_bounds
             if layout.padding:
                 keep = layout.kept_positions(x.device)
+        spec = UnshardSpec(tuple(x.shape), x.dtype, dim, sp, grad, seq_len, bounds)
+        agree("PartitionAdapter.unshard", [self.tp_group if sp else None, self.cp_group], spec,
+              device=x.device)  # fmt: skip
         order = cp_gather_order(full_len, self.cp_size, cu_seqlens=bounds, device=x.device)
 
         gather = gather_keep_grad if grad == "slice" else gather_along
