@@ -17,6 +17,7 @@ from mp_bridge.checks.agreement import (
 )
 from mp_bridge.comm.bridge.communicator import ColocatedBridgeCommunicator
 from mp_bridge.comm.bridge.counts import CountRow, check_sample_counts
+from mp_bridge.comm.bridge.groups import BridgeGroups, make_bridge_groups
 from mp_bridge.comm.bridge.plan import BridgeDirection, BridgePlan, format_rank_table, plan_bridge
 from mp_bridge.comm.bridge.ragged import exchange_rows
 from mp_bridge.comm.bridge.ragged_plan import RaggedRoute, route_ragged
@@ -55,6 +56,7 @@ from mp_bridge.comm.sequence.cut import (
 from mp_bridge.comm.sequence.mask import packed_sequence_mask
 from mp_bridge.comm.sequence.padding import PaddedLayout, pad_layout
 from mp_bridge.comm.sequence.partition import PAD_LABEL, PartitionAdapter, ShardedBatch
+from mp_bridge.comm.sequence.samples import sample_sums
 
 __all__ = [
     # differentiable collectives (primitives.py)
@@ -76,6 +78,8 @@ __all__ = [
     "BridgePlan",
     "BridgeDirection",
     "ColocatedBridgeCommunicator",
+    "BridgeGroups",
+    "make_bridge_groups",
     "RaggedRoute",
     "route_ragged",
     "exchange_rows",
@@ -89,7 +93,6 @@ __all__ = [
     "check_sample_counts",
     "format_rank_table",
     # context parallelism
-    "cp_factor",
     "cp_gather_order",
     "cp_shard_indices",
     "cp_shard_indices_packed",
@@ -104,6 +107,7 @@ __all__ = [
     "PAD_LABEL",
     "PaddedLayout",
     "pad_layout",
+    "sample_sums",
     "deterministic_all_reduce",
     # agreement checks (agreement.py)
     "AgreementError",
@@ -112,4 +116,6 @@ __all__ = [
     "checks_enabled",
     "fingerprint",
     "run_checked",
+    # deprecated alias (DeprecationWarning when called): seq_len_divisor
+    "cp_factor",
 ]

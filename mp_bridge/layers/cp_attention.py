@@ -23,17 +23,20 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
+from mp_bridge.checks import agree, check_bool, check_group, check_tensor
 from mp_bridge.comm import (
-    check_agreement,
-    check_group_arg,
+    PaddedLayout,
     gather_kv,
     group_rank,
     group_size,
+    normalize_cu_seqlens,
     packed_sequence_mask,
+    seq_len_divisor,
 )
 
 __all__ = ["context_parallel_attention"]
@@ -43,8 +46,7 @@ _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        check_tensor(name, t)
         if t.dim() != 4:
             raise ValueError(f"{name} has shape {tuple(t.shape)}; expected [b, s_local, heads, d]")
         if not t.dtype.is_floating_point:
@@ -57,6 +59,11 @@ def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
             "dtype first, e.g. k.to(q.dtype)"
         )
     b, s, hq, d = q.shape
+    if hq == 0 or k.shape[2] == 0 or d == 0:
+        raise ValueError(
+            f"q {tuple(q.shape)} and k/v {tuple(k.shape)} must have at least one head and a "
+            f"head dim >= 1 ([b, s_local, heads, d]); check the TP split of the heads"
+        )
     if (k.shape[0], k.shape[1], k.shape[3]) != (b, s, d):
         raise ValueError(
             f"q {tuple(q.shape)} and k/v {tuple(k.shape)} must agree on b, s_local and d"
@@ -79,10 +86,7 @@ def check_softmax_scale(scale: object) -> float:
 
 
 def _check_positions(position_ids: torch.Tensor, b: int, s: int) -> torch.Tensor:
-    if not isinstance(position_ids, torch.Tensor):
-        raise TypeError(f"position_ids must be a torch.Tensor, got {type(position_ids).__name__}")
-    if position_ids.dtype.is_floating_point or position_ids.dtype == torch.bool:
-        raise TypeError(f"position_ids has dtype {position_ids.dtype}; expected an integer dtype")
+    check_tensor("position_ids", position_ids, dtype="int", fix="the original token positions")
     pos = position_ids.unsqueeze(0) if position_ids.dim() == 1 else position_ids
     if pos.dim() != 2 or pos.shape[1] != s or pos.shape[0] not in (1, b):
         raise ValueError(
@@ -90,6 +94,37 @@ def _check_positions(position_ids: torch.Tensor, b: int, s: int) -> torch.Tensor
             "(original positions of the local tokens)"
         )
     return pos.to(torch.int64)
+
+
+@dataclass(frozen=True)
+class _AttentionSpec:
+    """What the CP ranks of one attention call compare before the K/V all-gather."""
+
+    q_shape: tuple[int, ...]
+    k_shape: tuple[int, ...]
+    dtype: torch.dtype
+    causal: bool
+    positions: bool
+    softmax_scale: float
+    cu_seqlens: tuple[int, ...] | None
+
+    def fields(self) -> dict[str, object]:
+        return {
+            "q.shape": self.q_shape, "k.shape": self.k_shape, "dtype": self.dtype,
+            "causal": self.causal, "position_ids given": self.positions,
+            "softmax_scale": self.softmax_scale, "cu_seqlens": self.cu_seqlens,
+        }  # fmt: skip
+
+
+def _parse_packed(cu_seqlens: object, cp: int, s_local: int) -> PaddedLayout | None:
+    """``cu_seqlens`` as a packed layout (parsed once here unless it already is one);
+    ``None`` for plain input (``None``, or a plain ``ShardedBatch.layout``)."""
+    if cu_seqlens is None:
+        return None
+    if isinstance(cu_seqlens, PaddedLayout):
+        return cu_seqlens if cu_seqlens.packed else None
+    bounds = normalize_cu_seqlens(cu_seqlens, seq_len_divisor(cp), total=s_local * cp)
+    return PaddedLayout(bounds[-1], bounds[-1], tuple(bounds), tuple(bounds), cp, 1)
 
 
 def context_parallel_attention(
@@ -100,7 +135,7 @@ def context_parallel_attention(
     cp_group: dist.ProcessGroup | None = None,
     position_ids: torch.Tensor | None = None,
     causal: bool = True,
-    cu_seqlens: Sequence[int] | torch.Tensor | None = None,
+    cu_seqlens: PaddedLayout | Sequence[int] | torch.Tensor | None = None,
     softmax_scale: float | None = None,
 ) -> torch.Tensor:
     """Attention of the local queries over the keys of the whole CP group.
@@ -117,44 +152,43 @@ def context_parallel_attention(
             must be laid out as ``cp_shard_indices_packed(cu_seqlens, cp, rank)``
             (``PartitionAdapter.shard`` does this). Queries only see keys of their own
             sequence; positions may be packed indices or restart at 0 per sequence. When
-            the adapter padded the documents, pass ``ShardedBatch.cu_seqlens`` (the padded
-            layout) and its ``position_ids``: padding sits after each document's tokens,
-            so causal attention never shows it to a real query.
+            the adapter padded the documents, pass ``ShardedBatch.layout`` (parsed once per
+            step: no layer parses it again, and the mask is built once per layout) or
+            ``ShardedBatch.cu_seqlens``, with its ``position_ids``: padding sits after each
+            document's tokens, so causal attention never shows it to a real query. A plain
+            ``ShardedBatch.layout`` means no packing.
         softmax_scale: default ``1/sqrt(d)``.
 
     Returns ``[b, s_local, hq, d]`` in ``q.dtype``; scores, softmax and the weighted sum
     of V are computed in fp32 for fp16/bf16 inputs. Collectives: see the module docstring.
     Every CP rank must pass the same shapes (not checkable without a collective).
     """
-    check_group_arg("cp_group", cp_group)
+    check_group("cp_group", cp_group)
     _check_qkv(q, k, v)
     b, s, hq, d = q.shape
     hk = k.shape[2]
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal must be a bool, got {causal!r}")
+    check_bool("causal", causal)
     if position_ids is None and causal:
         raise ValueError("position_ids=None needs causal=False; pass the original positions")
     pos = None if position_ids is None else _check_positions(position_ids, b, s).to(q.device)
     n, rank = group_size(cp_group), group_rank(cp_group)
+    layout = _parse_packed(cu_seqlens, n, s)
     same_seq = None
-    if cu_seqlens is not None:
+    if layout is not None:
         if b != 1:
             raise ValueError(
                 f"packed input (cu_seqlens given) needs b == 1, got q of shape "
                 f"{tuple(q.shape)}; flatten the batch into one packed sequence"
             )
-        same_seq = packed_sequence_mask(cu_seqlens, n, rank, seq_len=s * n, device=q.device)
+        same_seq = packed_sequence_mask(layout, n, rank, seq_len=s * n, device=q.device)
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(d)
     softmax_scale = check_softmax_scale(softmax_scale)
-    check_agreement(
-        "context_parallel_attention",
-        cp_group,
-        {"q.shape": tuple(q.shape), "k.shape": tuple(k.shape), "dtype": q.dtype,
-         "causal": causal, "position_ids given": pos is not None, "softmax_scale": softmax_scale,
-         "cu_seqlens": None if cu_seqlens is None else str(list(map(int, cu_seqlens)))},
-        device=q.device,
+    spec = _AttentionSpec(
+        tuple(q.shape), tuple(k.shape), q.dtype, causal, pos is not None, softmax_scale,
+        None if layout is None else layout.padded_bounds,
     )  # fmt: skip
+    agree("context_parallel_attention", cp_group, spec, device=q.device)
 
     # ---- the one collective (forward) / reduce-scatter (backward)
     kv = torch.stack([k, v])  # [2, b, s, hk, d]

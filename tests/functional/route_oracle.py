@@ -134,11 +134,17 @@ def check_route(src: dict, dest: dict, n_samples: int, *, direction: str, sp: bo
     )
     with ColocatedBridgeCommunicator(src_grid, dest_grid) as bridge:
         assert bridge.direction.name == direction, bridge.plan
+        bridge.prepare_route()  # the route groups are made once, outside the per-call budget
         with CollectiveCounter() as fwd:
             y = bridge.route(
                 x, tokens_per_sample=tps, image_mask=mask, partition=partition, cu_seqlens=cu
             )
         assert torch.equal(y, want), "route rows are not the oracle's local image rows"
+        # The layout shard() built (ShardedBatch.layout) replaces cu_seqlens, unparsed.
+        layout = partition.layout(mask.shape[-1], cu_seqlens=cu)
+        y2 = bridge.route(x.detach(), tokens_per_sample=tps, image_mask=mask, partition=partition,
+                          layout=layout)  # fmt: skip
+        assert torch.equal(y2, want), "route(layout=...) differs from route(cu_seqlens=...)"
         _check_partition_contract(partition, batch, mask, cu, d_samples, y, pieces, dc["tp"])
         with CollectiveCounter() as bwd:
             (y * batch.W[rows]).sum().backward()

@@ -41,7 +41,9 @@ def test_non_nesting_orders_rejected_before_any_group():
     )
     before = _live_groups()
     with pytest.raises(ValueError, match=r"do not nest: rank 2 has src coords .*dest coords"):
-        ColocatedBridgeCommunicator(src_grid, dest_grid, src_name="src", dest_name="dest")
+        ColocatedBridgeCommunicator(
+            src_grid, dest_grid, src_module_name="src", dest_module_name="dest"
+        )
     assert _live_groups() == before
 
 
@@ -97,8 +99,11 @@ def test_destroy_is_idempotent_and_frees_groups():
     src_grid, dest_grid = _grids(dict(tp=2, dp=4), dict(tp=2, cp=2, dp=2))
     before = _live_groups()
     bridge = ColocatedBridgeCommunicator(src_grid, dest_grid)
-    # One gather group and one route group (the LLM DP replica, tp x cp) per rank; CP is
-    # the grid's.
+    # One gather group per rank; CP is the grid's; the route group (the LLM DP replica,
+    # tp x cp) is made only when asked for, once.
+    assert _live_groups() == before + 1
+    bridge.prepare_route()
+    bridge.prepare_route()
     assert _live_groups() == before + 2
     bridge.destroy()
     bridge.destroy()
@@ -132,7 +137,7 @@ def test_fifty_build_destroy_cycles_do_not_leak_and_gather_the_written_group():
 def test_bridge_api_as_spelled_in_issue_3():
     src, dest = make_grid(tp=2, dp=2, create=()), make_grid(tp=1, cp=2, dp=2, create=())
     bridge = ColocatedBridgeCommunicator(
-        src, dest, dim_mapping=None, src_name="vision", dest_name="lm"
+        src, dest, dim_mapping=None, src_module_name="vision", dest_module_name="lm"
     )
     assert bridge.direction is BridgeDirection.EQUAL and bridge.scale == 1
     assert bridge.plan.gather_group_of(dist.get_rank()) == (dist.get_rank(),)

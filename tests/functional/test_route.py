@@ -170,6 +170,9 @@ def test_route_validation_raises_before_any_collective():
     part = PartitionAdapter(cp_group=cp_g, tp_group=tp_g)
     x, mask = torch.randn(4, H), torch.zeros(4, 6, dtype=torch.bool)
     with ColocatedBridgeCommunicator(src_grid, dest_grid) as bridge:
+        # The route groups are made on every rank before validation (a rank raising first
+        # would leave the others in new_group); made here, the calls below need nothing.
+        bridge.prepare_route()
         with CollectiveCounter() as counter:
             with pytest.raises(TypeError, match=r"image_mask must be a bool tensor"):
                 bridge.route(x, tokens_per_sample=[2, 2], image_mask=mask.long(), partition=part)
@@ -251,6 +254,7 @@ def test_fan_out_without_image_tokens_sends_no_shard_ids():
     part = PartitionAdapter(cp_group=dest_grid.get_pg("cp"), tp_group=dest_grid.get_pg("tp"))
     x = torch.randn(0, H, requires_grad=True)
     with ColocatedBridgeCommunicator(src_grid, dest_grid) as bridge:
+        bridge.prepare_route()  # group creation is not part of a call's budget
         with CollectiveCounter() as fwd:
             y = bridge.route(
                 x,

@@ -8,8 +8,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mp_bridge.comm import cp_shard_indices, cp_shard_indices_packed
-from mp_bridge.comm.sequence.cut import cp_factor, cp_gather_order
+from mp_bridge.comm import cp_shard_indices, cp_shard_indices_packed, seq_len_divisor
+from mp_bridge.comm.sequence.cut import cp_gather_order
 
 
 def _ids(t: torch.Tensor) -> list[int]:
@@ -35,7 +35,7 @@ def test_cp1_is_identity_for_any_length():
     assert _ids(cp_shard_indices(7, 1, 0)) == list(range(7))
     assert _ids(cp_shard_indices_packed([0, 3, 8], 1, 0)) == list(range(8))
     assert _ids(cp_gather_order(5, 1, cu_seqlens=[0, 5])) == list(range(5))
-    assert (cp_factor(1), cp_factor(2), cp_factor(3)) == (1, 4, 6)
+    assert (seq_len_divisor(1), seq_len_divisor(2), seq_len_divisor(3)) == (1, 4, 6)
 
 
 def test_cu_seqlens_forms():
@@ -65,9 +65,9 @@ def test_errors_name_the_factor():
         cp_shard_indices(6, 2, 0)
     with pytest.raises(ValueError, match=r"cp_rank=2 is out of range for cp_size=2"):
         cp_shard_indices(8, 2, 2)
-    with pytest.raises(ValueError, match=r"cp_size=0 must be >= 1"):
+    with pytest.raises(ValueError, match=r"cp_size=0 must be an int >= 1"):
         cp_shard_indices(8, 0, 0)
-    with pytest.raises(TypeError, match=r"seq_len must be an int, got float"):
+    with pytest.raises(TypeError, match=r"seq_len must be an int, got 8.0"):
         cp_shard_indices(8.0, 2, 0)
     with pytest.raises(ValueError, match=r"lengths \[6\] are not: pad each sequence"):
         cp_shard_indices_packed([0, 4, 10], 2, 0)

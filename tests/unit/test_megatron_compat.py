@@ -124,9 +124,12 @@ def test_mimo_model_module_names_the_needed_version():
 def test_communicator_accepts_megatron_keywords_and_rejects_conflicts():
     # Name normalization is checked before any group or world is needed (the world check
     # comes after it), so a conflict is reported even without torch.distributed.
-    with pytest.raises(ValueError, match=r"src_name='a' and its megatron spelling"):
+    with (
+        pytest.warns(DeprecationWarning, match=r"src_name=...\) is deprecated"),
+        pytest.raises(ValueError, match=r"src_name='a' and its megatron spelling"),
+    ):
         ColocatedBridgeCommunicator(None, None, src_module_name="b", src_name="a")
-    with pytest.raises(TypeError, match=r"dest_name must be a str, got int"):
+    with pytest.raises(TypeError, match=r"dest_module_name must be a str, got int"):
         ColocatedBridgeCommunicator(None, None, dest_module_name=3)
 
 

@@ -16,17 +16,18 @@ def test_literal_values():
     assert seq_len_divisor(3, 1, sequence_parallel=True) == 6
 
 
-def test_cp_factor_is_the_documented_alias():
-    assert [cp_factor(cp) for cp in (1, 2, 3)] == [1, 4, 6]
+def test_cp_factor_is_a_deprecated_alias():
+    with pytest.warns(DeprecationWarning, match=r"use seq_len_divisor\(cp\)"):
+        assert [cp_factor(cp) for cp in (1, 2, 3)] == [1, 4, 6]
 
 
 @pytest.mark.parametrize(
     "args, kwargs, exc, text",
     [
-        ((0,), {}, ValueError, "cp_size=0 must be >= 1"),
+        ((0,), {}, ValueError, "cp_size=0 must be an int >= 1"),
         ((2.0,), {}, TypeError, "cp_size must be an int"),
-        ((2, 0), {}, ValueError, "tp_size=0 must be >= 1"),
-        ((2, 2), {"sequence_parallel": 1}, TypeError, "sequence_parallel must be a bool"),
+        ((2, 0), {}, ValueError, "tp_size=0 must be an int >= 1"),
+        ((2, 2), {"sequence_parallel": 1}, TypeError, "sequence_parallel must be True or False"),
     ],
 )
 def test_bad_input(args, kwargs, exc, text):

@@ -12,10 +12,11 @@ from .counts import (
     counts_agree,
     counts_fingerprint,
 )
+from .groups import BridgeGroups, make_bridge_groups, make_route_group, make_world_group
 from .plan import BridgeDirection, BridgePlan, format_rank_table, plan_bridge
 from .ragged import bridge_ragged, check_tokens_per_sample, exchange_rows
 from .ragged_plan import RaggedRoute, check_member_headers, route_ragged
-from .route import make_route_group, make_world_group, route_image_rows
+from .route import RouteCall, parse_route, route_image_rows, run_route
 from .route_plan import (
     RankRoute,
     RouteCache,
@@ -44,6 +45,11 @@ __all__ = [
     "RaggedRoute",
     "check_member_headers",
     "route_ragged",
+    "BridgeGroups",
+    "make_bridge_groups",
+    "RouteCall",
+    "parse_route",
+    "run_route",
     "make_route_group",
     "make_world_group",
     "route_image_rows",

@@ -20,6 +20,7 @@ import enum
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from mp_bridge.checks import check_int
 from mp_bridge.grid import AXIS_NAMES, GridLayout
 from mp_bridge.table import format_table
 
@@ -69,6 +70,15 @@ class BridgePlan:
     def _check_rank(self, rank: int) -> None:
         self.src.coords(rank)  # raises a ValueError naming the valid range
 
+    def check_member(self, rank: int, call: str) -> None:
+        """``ValueError`` unless ``rank`` is one of the bridged ranks (the one membership
+        check: every entry point that needs this rank's coordinates calls it first)."""
+        if rank not in self.src.ranks:
+            raise ValueError(
+                f"rank {rank} is outside the bridged grids {self.src!r}; call {call} only on "
+                f"ranks {list(self.src.ranks)}"
+            )
+
     def gather_group_of(self, rank: int) -> tuple[int, ...]:
         """Members of ``rank``'s gather group in concatenation order (``(rank,)`` if EQUAL)."""
         self._check_rank(rank)
@@ -91,8 +101,7 @@ class BridgePlan:
         shard), EQUAL the local batch (the piece is all of it). E.g. FAN_IN scale 2, slot 1:
         ``slice_for(rank, 4) == (2, 2)``.
         """
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 0:
-            raise ValueError(f"batch_size={batch_size!r} must be a non-negative int")
+        check_int("batch_size", batch_size, low=0)
         if batch_size % self.scale:
             raise ValueError(
                 f"batch_size={batch_size} is not divisible by the bridge scale {self.scale} "

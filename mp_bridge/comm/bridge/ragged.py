@@ -37,6 +37,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from mp_bridge.checks import is_int
 from mp_bridge.comm.bridge.plan import BridgeDirection, BridgePlan
 from mp_bridge.comm.bridge.ragged_plan import check_member_headers, route_ragged
 from mp_bridge.comm.collectives.primitives import (
@@ -72,7 +73,7 @@ def check_tokens_per_sample(tokens_per_sample: object, num_tokens: int) -> tuple
         values = t.tolist()
     elif isinstance(tokens_per_sample, Sequence) and not isinstance(tokens_per_sample, str):
         values = list(tokens_per_sample)
-        bad = [v for v in values if isinstance(v, bool) or not isinstance(v, int)]
+        bad = [v for v in values if not is_int(v)]
         if bad:
             raise ValueError(
                 f"tokens_per_sample={values} has non-int entries {bad[:4]}; pass a flat "
@@ -236,11 +237,7 @@ def bridge_ragged(
     """
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
-    if rank not in plan.src.ranks:
-        raise ValueError(
-            f"rank {rank} is outside the bridged grids {plan.src!r}; call "
-            f"communicate_ragged() only on ranks {list(plan.src.ranks)}"
-        )
+    plan.check_member(rank, "communicate_ragged()")
     if x.dim() < 1:
         raise ValueError(
             f"x has shape {tuple(x.shape)}; pass the flat tokens [T, *rest] (e.g. [T, h])"

@@ -31,6 +31,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from mp_bridge.checks import is_int
 from mp_bridge.comm.bridge.plan import BridgeDirection, BridgePlan
 
 __all__ = ["RaggedRoute", "check_member_headers", "route_ragged"]
@@ -70,7 +71,7 @@ class RaggedRoute:
 
 def _check_counts(name: str, counts: Sequence[int]) -> tuple[int, ...]:
     out = tuple(counts)
-    bad = [c for c in out if isinstance(c, bool) or not isinstance(c, int) or c < 0]
+    bad = [c for c in out if not is_int(c) or c < 0]
     if bad:
         raise ValueError(
             f"{name}={list(out)} has entries {bad} that are not non-negative ints; pass one "

@@ -35,10 +35,12 @@ with a repeated layout skip planning.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
+from mp_bridge.checks import forbid_double_backward
 from mp_bridge.comm.bridge.counts import check_sample_counts
 from mp_bridge.comm.bridge.plan import BridgeDirection, BridgePlan
 from mp_bridge.comm.bridge.ragged import check_tokens_per_sample
@@ -47,47 +49,14 @@ from mp_bridge.comm.bridge.route_plan import (
     RouteCache,
     image_token_shards,
     plan_route,
-    route_groups,
     route_needs,
 )
-from mp_bridge.comm.collectives.primitives import (
-    all_gather_tensor,
-    forbid_double_backward,
-    group_size,
-)
+from mp_bridge.comm.collectives.primitives import all_gather_tensor, group_size
+from mp_bridge.comm.sequence.padding import PaddedLayout
 from mp_bridge.comm.sequence.partition import PartitionAdapter
+from mp_bridge.comm.sequence.samples import sample_sums
 
-__all__ = ["make_route_group", "make_world_group", "route_image_rows"]
-
-
-def make_route_group(plan: BridgePlan, rank: int, cp_group: dist.ProcessGroup | None):
-    """``(group, members, owned)``: this rank's route group (collective: every rank of
-    the world creates every group of size > 1 in the same order; a route group equal to
-    a dest CP group, i.e. dest tp = 1, reuses ``cp_group``). ``owned``: groups created."""
-    mine, members_of, owned = None, (rank,), []
-    for members in route_groups(plan):
-        if len(members) < 2 or members in plan.cp_groups:
-            if rank in members:
-                mine, members_of = (cp_group if len(members) > 1 else None), members
-            continue
-        pg = dist.new_group(list(members))
-        if rank in members:
-            mine, members_of = pg, members
-            owned.append(pg)
-    return mine, members_of, owned
-
-
-def make_world_group(plan: BridgePlan, rank: int, world: int):
-    """``(group, owned)``: a group of every rank of the grids (the count check): the
-    default group when they cover the ``world`` ranks, else a new one (collective: every
-    rank creates it); ``None`` for a one-rank grid or a rank outside it."""
-    ranks = plan.src.ranks
-    if len(ranks) == 1:
-        return None, []
-    if ranks == range(world):
-        return dist.group.WORLD, []
-    pg = dist.new_group(list(ranks))
-    return (pg, [pg]) if rank in ranks else (None, [])
+__all__ = ["RouteCall", "parse_route", "route_image_rows", "run_route"]
 
 
 def _exchange(rows: torch.Tensor, send: Sequence[torch.Tensor], recv: Sequence[int], group):
@@ -117,7 +86,9 @@ class _RouteRows(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        forbid_double_backward("ColocatedBridgeCommunicator.route")
+        forbid_double_backward(
+            "ColocatedBridgeCommunicator.route", "its backward fans each gradient out"
+        )
         route = ctx.route
         grad_x = grad.new_zeros((route.x_rows, *grad.shape[1:]))
         grad_x[route.bwd_keep_x.to(grad.device)] = grad[route.bwd_keep_y.to(grad.device)]
@@ -128,32 +99,21 @@ class _RouteRows(torch.autograd.Function):
         return grad_x, None, None, None
 
 
-def _mask_counts(mask: torch.Tensor, bounds) -> list[int]:
-    if bounds is None:
-        return mask.sum(1).tolist()
-    c = torch.cat([torch.zeros(1, dtype=torch.long), mask.long().cumsum(0)])
-    return [int(c[b] - c[a]) for a, b in zip(bounds[:-1], bounds[1:])]
+@dataclass(frozen=True)
+class RouteCall:
+    """One rank's parsed ``route`` arguments (local validation done, no collective yet).
+
+    ``counts``: ``tokens_per_sample`` as ints; ``mask``: ``image_mask`` on the CPU;
+    ``layout``: the LLM batch's parsed layout; ``pieces``: SP pieces per CP shard."""
+
+    x: torch.Tensor
+    counts: tuple[int, ...]
+    mask: torch.Tensor
+    layout: PaddedLayout
+    pieces: int
 
 
-def _check_inputs(x, image_mask, cu_seqlens, partition, plan: BridgePlan, rank: int):
-    if rank not in plan.src.ranks:
-        raise ValueError(
-            f"rank {rank} is outside the bridged grids {plan.src!r}; call route() only on "
-            f"ranks {list(plan.src.ranks)}"
-        )
-    if not isinstance(x, torch.Tensor) or x.dim() < 1:
-        raise ValueError(f"x must be the flat image tokens [T, *rest] (e.g. [T, h]), got {x!r}")
-    if not isinstance(image_mask, torch.Tensor) or image_mask.dtype != torch.bool:
-        raise TypeError(
-            f"image_mask must be a bool tensor ([B, S], or [T] with cu_seqlens), got "
-            f"{getattr(image_mask, 'dtype', type(image_mask).__name__)}"
-        )
-    want = 1 if cu_seqlens is not None else 2
-    if image_mask.dim() != want:
-        raise ValueError(
-            f"image_mask has shape {tuple(image_mask.shape)}; expected "
-            + ("[T] for packed input (cu_seqlens given)" if want == 1 else "[B, S] (plain)")
-        )
+def _check_partition(partition: object, plan: BridgePlan, rank: int) -> int:
     if not isinstance(partition, PartitionAdapter):
         raise TypeError(f"partition must be a PartitionAdapter, got {type(partition).__name__}")
     d = plan.dest.coords(rank)
@@ -171,13 +131,72 @@ def _check_inputs(x, image_mask, cu_seqlens, partition, plan: BridgePlan, rank: 
     return tp if sp else 1
 
 
-def route_image_rows(
-    x: torch.Tensor,
+def parse_route(
+    x: object,
     tokens_per_sample: object,
-    image_mask: torch.Tensor,
-    partition: PartitionAdapter,
+    image_mask: object,
+    partition: object,
     *,
-    cu_seqlens=None,
+    cu_seqlens: object = None,
+    layout: PaddedLayout | None = None,
+    plan: BridgePlan,
+    rank: int,
+) -> RouteCall:
+    """Validate one rank's ``route`` arguments (``ValueError``/``TypeError``, no collective).
+
+    ``layout`` (``ShardedBatch.layout``) is used as is; without it the layout is parsed
+    here from ``image_mask``'s length and ``cu_seqlens``."""
+    plan.check_member(rank, "route()")
+    if not isinstance(x, torch.Tensor) or x.dim() < 1:
+        raise ValueError(f"x must be the flat image tokens [T, *rest] (e.g. [T, h]), got {x!r}")
+    if not isinstance(image_mask, torch.Tensor) or image_mask.dtype != torch.bool:
+        raise TypeError(
+            f"image_mask must be a bool tensor ([B, S], or [T] with cu_seqlens), got "
+            f"{getattr(image_mask, 'dtype', type(image_mask).__name__)}"
+        )
+    pieces = _check_partition(partition, plan, rank)
+    if layout is not None:
+        if not isinstance(layout, PaddedLayout):
+            raise TypeError(
+                f"layout must be a PaddedLayout (ShardedBatch.layout) or None, got "
+                f"{type(layout).__name__}"
+            )
+        if cu_seqlens is not None:
+            raise ValueError("pass cu_seqlens or layout (ShardedBatch.layout), not both")
+        if (layout.cp, layout.pieces) != (partition.cp_size, pieces):
+            raise ValueError(
+                f"layout was cut for cp={layout.cp}, {layout.pieces} SP pieces but {partition!r} "
+                f"cuts for cp={partition.cp_size}, {pieces}; pass the layout this partition built"
+            )
+    packed = (layout.bounds is not None) if layout is not None else cu_seqlens is not None
+    want = 1 if packed else 2
+    if image_mask.dim() != want:
+        raise ValueError(
+            f"image_mask has shape {tuple(image_mask.shape)}; expected "
+            + ("[T] for packed input (cu_seqlens given)" if packed else "[B, S] (plain)")
+        )
+    if layout is None:
+        layout = partition.layout(image_mask.shape[-1], cu_seqlens=cu_seqlens)
+    elif layout.seq_len != image_mask.shape[-1]:
+        raise ValueError(
+            f"layout describes {layout.seq_len} tokens but image_mask has shape "
+            f"{tuple(image_mask.shape)}; pass the layout of this batch"
+        )
+    counts = check_tokens_per_sample(tokens_per_sample, x.shape[0])
+    mask = image_mask.detach().cpu()
+    n_dest = mask.shape[0] if layout.bounds is None else len(layout.bounds) - 1
+    k = plan.scale
+    if plan.direction is BridgeDirection.FAN_IN and n_dest % k:
+        raise ValueError(
+            f"image_mask holds {n_dest} samples but FAN_IN with scale {k} joins {k} equal "
+            f"encoder batches; pass the whole LLM DP batch (a multiple of {k} samples)"
+        )
+    return RouteCall(x, counts, mask, layout, pieces)
+
+
+def run_route(
+    call: RouteCall,
+    *,
     plan: BridgePlan,
     rank: int,
     group: dist.ProcessGroup | None,
@@ -185,23 +204,10 @@ def route_image_rows(
     world_group: dist.ProcessGroup | None,
     cache: RouteCache | None = None,
 ) -> torch.Tensor:
-    """One rank's ``route``; see ``ColocatedBridgeCommunicator.route``.
-
-    ``group``/``members``: this rank's route group; ``world_group``: every rank of the
-    grids (the count check); ``cache``: the communicator's plans (``None``: plan anew).
-    """
-    pieces = _check_inputs(x, image_mask, cu_seqlens, partition, plan, rank)
-    counts = check_tokens_per_sample(tokens_per_sample, x.shape[0])
-    layout = partition.layout(image_mask.shape[-1], cu_seqlens=cu_seqlens)
-    mask = image_mask.detach().cpu()
-    n_dest = mask.shape[0] if layout.bounds is None else len(layout.bounds) - 1
-    k, direction = plan.scale, plan.direction
-    fan_in, fan_out = direction is BridgeDirection.FAN_IN, direction is BridgeDirection.FAN_OUT
-    if fan_in and n_dest % k:
-        raise ValueError(
-            f"image_mask holds {n_dest} samples but FAN_IN with scale {k} joins {k} equal "
-            f"encoder batches; pass the whole LLM DP batch (a multiple of {k} samples)"
-        )
+    """The collectives of one rank's ``route`` on parsed arguments (module docstring)."""
+    x, layout, mask, pieces = call.x, call.layout, call.mask, call.pieces
+    fan_in = plan.direction is BridgeDirection.FAN_IN
+    fan_out = plan.direction is BridgeDirection.FAN_OUT
     shards = image_token_shards(mask, layout)
 
     # ---- metadata 1 (every rank of the grids, fixed size): the count check
@@ -209,8 +215,8 @@ def route_image_rows(
         plan,
         rank,
         world_group,
-        encoder_counts=counts,
-        llm_counts=_mask_counts(mask, layout.bounds),
+        encoder_counts=call.counts,
+        llm_counts=sample_sums(mask, layout).tolist(),
         device=x.device,
     )
     by_rank = {r.rank: r for r in rows}
@@ -245,3 +251,31 @@ def route_image_rows(
     assert route.x_rows == x.shape[0], (route, x.shape)
     exchange = fan_in and len(members) > 1
     return _RouteRows.apply(x, route, group, exchange)
+
+
+def route_image_rows(
+    x: torch.Tensor,
+    tokens_per_sample: object,
+    image_mask: torch.Tensor,
+    partition: PartitionAdapter,
+    *,
+    cu_seqlens=None,
+    layout: PaddedLayout | None = None,
+    plan: BridgePlan,
+    rank: int,
+    group: dist.ProcessGroup | None,
+    members: tuple[int, ...],
+    world_group: dist.ProcessGroup | None,
+    cache: RouteCache | None = None,
+) -> torch.Tensor:
+    """One rank's ``route`` (:func:`parse_route` then :func:`run_route`); see
+    ``ColocatedBridgeCommunicator.route``. ``group``/``members``: this rank's route group;
+    ``world_group``: every rank of the grids; ``cache``: plans (``None``: plan anew)."""
+    call = parse_route(
+        x, tokens_per_sample, image_mask, partition, cu_seqlens=cu_seqlens, layout=layout,
+        plan=plan, rank=rank,
+    )  # fmt: skip
+    return run_route(
+        call, plan=plan, rank=rank, group=group, members=members, world_group=world_group,
+        cache=cache,
+    )  # fmt: skip

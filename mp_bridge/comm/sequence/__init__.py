@@ -13,9 +13,9 @@ from .cut import (
 from .mask import packed_sequence_mask
 from .padding import PaddedLayout, pad_layout
 from .partition import PAD_LABEL, PartitionAdapter, ShardedBatch
+from .samples import sample_sums
 
 __all__ = [
-    "cp_factor",
     "cp_gather_order",
     "cp_shard_indices",
     "cp_shard_indices_packed",
@@ -27,4 +27,7 @@ __all__ = [
     "PAD_LABEL",
     "PartitionAdapter",
     "ShardedBatch",
+    "sample_sums",
+    # deprecated alias (DeprecationWarning when called): seq_len_divisor
+    "cp_factor",
 ]

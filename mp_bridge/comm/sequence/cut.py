@@ -15,9 +15,14 @@ Example, ``S = 8``, ``cp = 2`` (chunks of 2)::
 from __future__ import annotations
 
 import operator
+import warnings
 from collections.abc import Sequence
 
 import torch
+
+from mp_bridge.checks import check_bool, check_int
+
+_COMPLEX = (torch.complex64, torch.complex128)
 
 __all__ = [
     "cp_factor",
@@ -29,17 +34,9 @@ __all__ = [
 ]
 
 
-def _check_int(name: str, value: object, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
-    if value < minimum:
-        raise ValueError(f"{name}={value} must be >= {minimum}")
-    return value
-
-
 def _check_cp(cp_size: object, cp_rank: object) -> tuple[int, int]:
-    cp = _check_int("cp_size", cp_size, 1)
-    rank = _check_int("cp_rank", cp_rank, 0)
+    cp = check_int("cp_size", cp_size, low=1)
+    rank = check_int("cp_rank", cp_rank, low=0)
     if rank >= cp:
         raise ValueError(f"cp_rank={rank} is out of range for cp_size={cp}; use 0..{cp - 1}")
     return cp, rank
@@ -54,15 +51,18 @@ def seq_len_divisor(cp_size: int, tp_size: int = 1, *, sequence_parallel: bool =
     ``seq_len_divisor(2, 3, sequence_parallel=True) == 12``,
     ``seq_len_divisor(1, 3, sequence_parallel=True) == 3``.
     """
-    cp = _check_int("cp_size", cp_size, 1)
-    tp = _check_int("tp_size", tp_size, 1)
-    if not isinstance(sequence_parallel, bool):
-        raise TypeError(f"sequence_parallel must be a bool, got {sequence_parallel!r}")
+    cp = check_int("cp_size", cp_size, low=1)
+    tp = check_int("tp_size", tp_size, low=1)
+    check_bool("sequence_parallel", sequence_parallel)
     return (2 * cp if cp > 1 else 1) * (tp if sequence_parallel else 1)
 
 
-#: Former name of :func:`seq_len_divisor` for CP alone, ``cp_factor(cp)``; kept as an alias.
-cp_factor = seq_len_divisor
+def cp_factor(cp_size: int) -> int:
+    """Deprecated: ``seq_len_divisor(cp_size)`` (``DeprecationWarning``)."""
+    warnings.warn(
+        "cp_factor(cp) is deprecated; use seq_len_divisor(cp)", DeprecationWarning, stacklevel=2
+    )
+    return seq_len_divisor(cp_size)
 
 
 def normalize_cu_seqlens(
@@ -76,12 +76,18 @@ def normalize_cu_seqlens(
     NumPy ints, or a 1-D integer tensor. Raises ``ValueError``/``TypeError``.
     """
     if isinstance(cu_seqlens, torch.Tensor):
-        if cu_seqlens.dim() != 1 or cu_seqlens.dtype.is_floating_point or cu_seqlens.is_complex():
+        dtype = cu_seqlens.dtype
+        if cu_seqlens.dim() != 1 or dtype.is_floating_point or dtype in (torch.bool,) + _COMPLEX:
             raise TypeError(
                 f"cu_seqlens must be a 1-D integer tensor, got shape {tuple(cu_seqlens.shape)} "
-                f"dtype {cu_seqlens.dtype}"
+                f"dtype {cu_seqlens.dtype}; e.g. torch.tensor([0, 8, 24])"
             )
         values = [int(v) for v in cu_seqlens.tolist()]
+    elif isinstance(cu_seqlens, bool) or not hasattr(cu_seqlens, "__iter__"):
+        raise TypeError(
+            f"cu_seqlens must be a 1-D integer tensor or a list of ints, got "
+            f"{type(cu_seqlens).__name__} {cu_seqlens!r}; e.g. [0, 8, 24] for lengths 8 and 16"
+        )
     else:
         values = list(cu_seqlens)
         try:
@@ -122,7 +128,7 @@ def cp_shard_indices(
     ``cp_size=1`` keeps ``arange(seq_len)`` for any length.
     """
     cp, rank = _check_cp(cp_size, cp_rank)
-    seq_len = _check_int("seq_len", seq_len, 0)
+    seq_len = check_int("seq_len", seq_len, low=0)
     if cp == 1:
         return torch.arange(seq_len, device=device)
     if seq_len % (2 * cp):
@@ -174,7 +180,7 @@ def cp_gather_order(
     ``gathered.index_select(d, cp_gather_order(...).argsort())`` restores sequence order.
     ``S=8, cp=2`` -> [0, 1, 6, 7, 2, 3, 4, 5].
     """
-    cp = _check_int("cp_size", cp_size, 1)
+    cp = check_int("cp_size", cp_size, low=1)
     if cu_seqlens is None:
         parts = [cp_shard_indices(seq_len, cp, r, device=device) for r in range(cp)]
     else:

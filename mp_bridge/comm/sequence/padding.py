@@ -21,7 +21,7 @@ Example, ``cp = 2``, ``cu_seqlens = [0, 3, 8]``: documents 3 and 5 become 4 and 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -32,7 +32,7 @@ from mp_bridge.comm.sequence.cut import (
     seq_len_divisor,
 )
 
-__all__ = ["PaddedLayout", "pad_layout"]
+__all__ = ["PaddedLayout", "original_layout", "pad_along", "pad_layout"]
 
 
 def _round_up(n: int, f: int) -> int:
@@ -47,6 +47,11 @@ class PaddedLayout:
     - ``bounds`` / ``padded_bounds``: cumulative document lengths before / after (packed),
       else ``None``. ``padded_bounds`` may end with one padding-only document (SP).
     - ``cp``, ``pieces``: CP size and SP pieces per CP shard (``tp`` with SP, else 1).
+
+    The parsed form of a (packed) batch: built once per step by ``PartitionAdapter.shard``
+    (``ShardedBatch.layout``) and passed to ``route``, ``context_parallel_attention`` and
+    :func:`~mp_bridge.comm.sequence.mask.packed_sequence_mask`, which then trust it. Masks
+    derived from it are cached on it (every attention layer of a step reuses one).
     """
 
     seq_len: int
@@ -55,6 +60,18 @@ class PaddedLayout:
     padded_bounds: tuple[int, ...] | None
     cp: int
     pieces: int
+    _cache: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
+
+    @property
+    def packed(self) -> bool:
+        """Whether the layout holds packed documents (``cu_seqlens`` given)."""
+        return self.bounds is not None
+
+    def cached(self, key: object, make):
+        """``make()`` once per ``key`` for this layout (derived tensors reused by layers)."""
+        if key not in self._cache:
+            self._cache[key] = make()
+        return self._cache[key]
 
     @property
     def padding(self) -> int:
@@ -127,3 +144,49 @@ def pad_layout(
     return PaddedLayout(
         seq_len, padded_bounds[-1], tuple(bounds), tuple(padded_bounds), cp_size, pieces
     )
+
+
+def pad_along(t: torch.Tensor, dim: int, src: torch.Tensor, fill: object) -> torch.Tensor:
+    """``t`` laid out along ``dim`` by ``src`` (padded position -> original index, ``-1``
+    for padding), padding filled with ``fill``; ``fill=None`` (positions) continues each
+    padding run after the last real token: ``p + 1, p + 2, ...``."""
+    src = src.to(t.device)
+    real = src >= 0
+    shape = [1] * t.dim()
+    shape[dim] = src.numel()
+    if fill is None:
+        ar = torch.arange(src.numel(), device=t.device)
+        last = torch.where(real, ar, -1).cummax(0).values.clamp(min=0)
+        base = t.index_select(dim, src[last].clamp(min=0))
+        return base + (ar - last).reshape(shape).to(t.dtype)
+    gathered = t.index_select(dim, src.clamp(min=0))
+    filler = torch.tensor(fill, dtype=t.dtype, device=t.device)
+    return torch.where(real.reshape(shape), gathered, filler)
+
+
+def original_layout(
+    full_len: int,
+    seq_len: int | None,
+    cu_seqlens: Sequence[int] | torch.Tensor | None,
+    cp_size: int,
+    tp_size: int,
+    sequence_parallel: bool,
+) -> PaddedLayout:
+    """The layout ``shard`` padded the original sequence (``seq_len`` tokens, or the packed
+    ``cu_seqlens``) to; ``ValueError`` unless it is ``full_len`` tokens (``unshard``)."""
+    if cu_seqlens is not None:
+        cu_seqlens = normalize_cu_seqlens(cu_seqlens, 1)
+        total = cu_seqlens[-1]
+        if seq_len is not None and seq_len != total:
+            raise ValueError(f"seq_len={seq_len} but cu_seqlens ends at {total}; pass one")
+        seq_len = total
+    layout = pad_layout(
+        seq_len, cp_size, tp_size, sequence_parallel=sequence_parallel, cu_seqlens=cu_seqlens
+    )
+    if layout.padded_len != full_len:
+        what = "cu_seqlens" if cu_seqlens is not None else f"seq_len={seq_len}"
+        raise ValueError(
+            f"{what} pads to {layout.padded_len} tokens but the gathered sequence has "
+            f"{full_len}; pass the original seq_len / cu_seqlens given to shard()"
+        )
+    return layout

@@ -30,7 +30,7 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
-from mp_bridge.checks.agreement import check_agreement, check_group_arg
+from mp_bridge.checks import agree, check_bool, check_group, check_int, check_tensor
 from mp_bridge.comm.collectives.primitives import (
     gather_along,
     gather_keep_grad,
@@ -45,7 +45,8 @@ from mp_bridge.comm.sequence.cut import (
     normalize_cu_seqlens,
     seq_len_divisor,
 )
-from mp_bridge.comm.sequence.padding import PaddedLayout, pad_layout
+from mp_bridge.comm.sequence.padding import PaddedLayout, original_layout, pad_along, pad_layout
+from mp_bridge.comm.sequence.specs import ShardSpec, UnshardSpec
 
 __all__ = ["PAD_LABEL", "PartitionAdapter", "ShardedBatch"]
 
@@ -75,6 +76,9 @@ class ShardedBatch:
       ``context_parallel_attention`` takes these.
     - ``token_mask``: bool CP-local ``[S/cp]``, ``True`` at real tokens, ``False`` at
       padding; ``None`` when nothing was padded.
+    - ``layout``: the parsed :class:`PaddedLayout` of the step (plain or packed): pass it
+      to ``route(layout=...)`` and ``context_parallel_attention(cu_seqlens=...)`` so
+      neither parses ``cu_seqlens`` again.
     """
 
     embeddings: torch.Tensor | None
@@ -84,28 +88,11 @@ class ShardedBatch:
     cu_seqlens: torch.Tensor | None
     input_ids: torch.Tensor | None = None
     token_mask: torch.Tensor | None = None
+    layout: PaddedLayout | None = None
 
 
 def _token_dim(t: torch.Tensor) -> int:
     return 0 if t.dim() == 1 else 1
-
-
-def _pad_along(t: torch.Tensor, dim: int, src: torch.Tensor, fill: object) -> torch.Tensor:
-    """``t`` laid out along ``dim`` by ``src`` (padded position -> original index, ``-1``
-    for padding), padding filled with ``fill``; ``fill=None`` (positions) continues each
-    padding run after the last real token: ``p + 1, p + 2, ...``."""
-    src = src.to(t.device)
-    real = src >= 0
-    shape = [1] * t.dim()
-    shape[dim] = src.numel()
-    if fill is None:
-        ar = torch.arange(src.numel(), device=t.device)
-        last = torch.where(real, ar, -1).cummax(0).values.clamp(min=0)
-        base = t.index_select(dim, src[last].clamp(min=0))
-        return base + (ar - last).reshape(shape).to(t.dtype)
-    gathered = t.index_select(dim, src.clamp(min=0))
-    filler = torch.tensor(fill, dtype=t.dtype, device=t.device)
-    return torch.where(real.reshape(shape), gathered, filler)
 
 
 class PartitionAdapter:
@@ -144,12 +131,10 @@ class PartitionAdapter:
         sequence_parallel: bool = False,
         seq_dim: int = 1,
     ) -> None:
-        if not isinstance(sequence_parallel, bool):
-            raise TypeError(f"sequence_parallel must be a bool, got {sequence_parallel!r}")
-        if isinstance(seq_dim, bool) or not isinstance(seq_dim, int):
-            raise TypeError(f"seq_dim must be an int, got {seq_dim!r}")
-        check_group_arg("cp_group", cp_group)
-        check_group_arg("tp_group", tp_group)
+        check_bool("sequence_parallel", sequence_parallel)
+        check_int("seq_dim", seq_dim)
+        check_group("cp_group", cp_group)
+        check_group("tp_group", tp_group)
         self.cp_group = cp_group
         self.tp_group = tp_group
         self.sequence_parallel = sequence_parallel
@@ -249,19 +234,18 @@ class PartitionAdapter:
         src = layout.source_index(device) if pad else None
 
         given = {name: t is not None for name, t in tokens}
-        check_agreement(  # the full batch is identical on every CP (and SP) rank
+        spec = ShardSpec(
+            None if embeddings is None else tuple(embeddings.shape),
+            None if embeddings is None else embeddings.dtype,
+            seq_len, layout.padded_bounds, tuple(sorted(given.items())),
+        )  # fmt: skip
+        agree(  # the full batch is identical on every CP (and SP) rank
             "PartitionAdapter.shard",
             [self.cp_group, self.tp_group if self.sequence_parallel else None],
-            {
-                "embeddings.shape": None if embeddings is None else tuple(embeddings.shape),
-                "embeddings.dtype": None if embeddings is None else embeddings.dtype,
-                "seq_len": seq_len,
-                "cu_seqlens": layout.padded_bounds,
-                "given": tuple(sorted(given.items())),
-            },
+            spec,
             identical={n: t for n, t in tokens if t is not None},
             device=device,
-        )  # fmt: skip
+        )
         if position_ids is None:
             position_ids = torch.arange(seq_len, device=device)
             if batch is not None:
@@ -272,7 +256,7 @@ class PartitionAdapter:
             if t is None:
                 return None
             if pad:
-                t = _pad_along(t, d, src, fill)
+                t = pad_along(t, d, src, fill)
             if self.cp_size == 1:
                 return t
             return t.index_select(d, idx.to(t.device))
@@ -296,6 +280,7 @@ class PartitionAdapter:
             cu_seqlens=cu,
             input_ids=take(input_ids, _token_dim(input_ids) if input_ids is not None else 0),
             token_mask=token_mask,
+            layout=layout,
         )
 
     def layout(self, seq_len: int, *, cu_seqlens: CuSeqlens | None = None) -> PaddedLayout:
@@ -349,8 +334,8 @@ class PartitionAdapter:
             raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
         if grad not in ("slice", "sum"):
             raise ValueError(f"grad={grad!r}; use 'slice' (replicated gradient) or 'sum'")
-        if sequence_parallel is not None and not isinstance(sequence_parallel, bool):
-            raise TypeError(f"sequence_parallel must be a bool or None, got {sequence_parallel!r}")
+        if sequence_parallel is not None:
+            check_bool("sequence_parallel", sequence_parallel, fix="or None (the default)")
         if seq_dim is None:
             seq_dim = 0 if x.dim() == 1 else self.seq_dim
         dim = self._seq_dim(x, seq_dim, "x")
@@ -360,20 +345,17 @@ class PartitionAdapter:
         sp = sequence_parallel
         full_len = x.shape[dim] * self.cp_size * (self.tp_size if sp else 1)
         self._check_len(full_len, sp, f"full sequence length (local {x.shape[dim]} x ranks)")
-        check_agreement(
-            "PartitionAdapter.unshard",
-            [self.tp_group if sp else None, self.cp_group],
-            {"x.shape": tuple(x.shape), "x.dtype": x.dtype, "seq_dim": dim, "sequence_parallel": sp,
-             "grad": grad, "seq_len": seq_len,
-             "cu_seqlens": None if cu_seqlens is None else str(cu_seqlens)},
-            device=x.device,
-        )  # fmt: skip
         bounds, keep = None, None
         if cu_seqlens is not None or seq_len is not None:
-            layout = self._original_layout(full_len, seq_len, cu_seqlens)
+            layout = original_layout(
+                full_len, seq_len, cu_seqlens, self.cp_size, self.tp_size, self.sequence_parallel
+            )
             bounds = layout.padded_bounds
             if layout.padding:
                 keep = layout.kept_positions(x.device)
+        spec = UnshardSpec(tuple(x.shape), x.dtype, dim, sp, grad, seq_len, bounds)
+        agree("PartitionAdapter.unshard", [self.tp_group if sp else None, self.cp_group], spec,
+              device=x.device)  # fmt: skip
         order = cp_gather_order(full_len, self.cp_size, cu_seqlens=bounds, device=x.device)
 
         gather = gather_keep_grad if grad == "slice" else gather_along
@@ -384,32 +366,10 @@ class PartitionAdapter:
             x = x.index_select(dim, order.argsort())
         return x if keep is None else x.index_select(dim, keep)
 
-    def _original_layout(
-        self, full_len: int, seq_len: int | None, cu_seqlens: CuSeqlens | None
-    ) -> PaddedLayout:
-        """The layout ``shard`` padded the original sequence to; it must be ``full_len``."""
-        if cu_seqlens is not None:
-            if isinstance(cu_seqlens, torch.Tensor):
-                total = int(cu_seqlens[-1]) if cu_seqlens.numel() else 0
-            else:
-                total = int(list(cu_seqlens)[-1]) if len(cu_seqlens) else 0
-            if seq_len is not None and seq_len != total:
-                raise ValueError(f"seq_len={seq_len} but cu_seqlens ends at {total}; pass one")
-            seq_len = total
-        layout = self.layout(seq_len, cu_seqlens=cu_seqlens)
-        if layout.padded_len != full_len:
-            what = "cu_seqlens" if cu_seqlens is not None else f"seq_len={seq_len}"
-            raise ValueError(
-                f"{what} pads to {layout.padded_len} tokens but the gathered sequence has "
-                f"{full_len}; pass the original seq_len / cu_seqlens given to shard()"
-            )
-        return layout
-
     # ------------------------------------------------------------------ validation
     @staticmethod
     def _seq_dim(t: torch.Tensor, seq_dim: int, name: str) -> int:
-        if isinstance(seq_dim, bool) or not isinstance(seq_dim, int):
-            raise TypeError(f"seq_dim must be an int, got {seq_dim!r}")
+        check_int("seq_dim", seq_dim)
         if not -t.dim() <= seq_dim < t.dim():
             raise ValueError(
                 f"seq_dim={seq_dim} is out of range for {name} of shape {tuple(t.shape)}; "
@@ -419,8 +379,7 @@ class PartitionAdapter:
 
     @staticmethod
     def _check_token_tensor(name: str, t: torch.Tensor, seq_len: int, batch: int | None) -> None:
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        check_tensor(name, t, dtype="int" if name in ("input_ids", "position_ids") else None)
         if t.dim() == 1:
             ok = t.shape[0] == seq_len
         else:

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 import torch
 
-from mp_bridge.comm import normalize_cu_seqlens
+from mp_bridge.comm import normalize_cu_seqlens, sample_sums
 
 __all__ = [
     "check_cu_seqlens",
@@ -51,9 +51,7 @@ def check_cu_seqlens(cu_seqlens: object, total: int) -> torch.Tensor:
 
 def document_sums(values: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
     """Per-document sums ``[B]`` (int64, on ``values.device``) of 1-D ``values [T]``."""
-    ends = torch.cat([values.new_zeros(1, dtype=torch.int64), values.to(torch.int64).cumsum(0)])
-    cu = cu_seqlens.to(ends.device)
-    return ends[cu[1:]] - ends[cu[:-1]]
+    return sample_sums(values, cu_seqlens)
 
 
 def placeholder_counts(
@@ -61,10 +59,7 @@ def placeholder_counts(
 ) -> torch.Tensor:
     """``[b]`` int64 image placeholders per sample (on ``input_ids.device``): per row of
     ``[b, S]`` ids, or per document of packed ``[T]`` ids with ``cu_seqlens``."""
-    is_image = input_ids == image_token_id
-    if cu_seqlens is None:
-        return is_image.sum(1).to(torch.int64)
-    return document_sums(is_image.reshape(-1), cu_seqlens)
+    return sample_sums(input_ids == image_token_id, cu_seqlens)
 
 
 def rows_per_document(image: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,48 @@
+"""The communicator's module names in megatron-core's spelling, and the deprecated one.
+
+megatron-core's ``MimoModel`` builds its ``ColocatedBridgeCommunicator`` with
+``src_module_name=`` / ``dest_module_name=`` (megatron-core 0.18-0.19); ours takes the same
+keywords in the same positions, so it can replace megatron's unchanged. ``src_name=`` /
+``dest_name=`` on the communicator are deprecated spellings of the same two names.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+__all__ = ["bridge_names"]
+
+
+def _one(canonical: str, value: object, old: str, old_value: object, default: str) -> str:
+    if old_value is not None:
+        warnings.warn(
+            f"ColocatedBridgeCommunicator({old}=...) is deprecated; pass {canonical}= "
+            f"(megatron-core's keyword)",
+            DeprecationWarning,
+            stacklevel=4,
+        )
+        if value is not None and value != old_value:
+            raise ValueError(
+                f"{old}={old_value!r} and its megatron spelling {canonical}={value!r} "
+                f"disagree; pass {canonical} alone"
+            )
+        value = old_value
+    if value is None:
+        return default
+    if not isinstance(value, str):
+        raise TypeError(f"{canonical} must be a str, got {type(value).__name__}")
+    return value
+
+
+def bridge_names(
+    src_module_name: object,
+    dest_module_name: object,
+    src_name: object = None,
+    dest_name: object = None,
+) -> tuple[str, str]:
+    """``(src, dest)`` names for messages and ``plan.describe()`` (default ``'encoder'`` /
+    ``'llm'``); the deprecated ``src_name`` / ``dest_name`` warn and must agree."""
+    return (
+        _one("src_module_name", src_module_name, "src_name", src_name, "encoder"),
+        _one("dest_module_name", dest_module_name, "dest_name", dest_name, "llm"),
+    )
