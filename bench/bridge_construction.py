@@ -8,15 +8,16 @@ and the checks. Methods, each timed in a fresh process (alternated, ``--repeats`
 - ``ours``: this tree's ``ColocatedBridgeCommunicator`` (gather and world groups; the route
   groups wait for the first ``route``);
 - ``ours+route``: the same, then ``prepare_route()`` (what a routing user pays once);
-- ``base``: the communicator of ``--base`` (a source tree of an earlier commit, e.g. the
-  commit this branch started from), which made every group up front;
+- ``base``: the communicator of ``--base`` (a git revision of this repository, extracted
+  with ``git archive`` into a temporary folder, or a source tree), e.g. ``3446951``, the
+  last commit whose communicator made every group up front;
 - ``megatron``: megatron-core's own ``ColocatedBridgeCommunicator`` (>= 0.18), whose
   hard-coded ``backend='nccl'`` is dropped so it runs on the fake backend.
 
 Usage (the layout of the issue: tp2·dp8192 -> tp4·dp4096, 16,384 ranks)::
 
     python bench/bridge_construction.py --src 2x8192 --dest 4x4096 --repeats 3 \\
-        --base /tmp/base_tree
+        --base 3446951 --python .venv-mcore019/bin/python
 
 Prints a Markdown table (median and spread over the repeats) with the command, the Python,
 megatron-core's version and the load average. Never asserts on time.
@@ -31,6 +32,7 @@ import shlex
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 METHODS = ("ours", "ours+route", "base", "megatron")
@@ -94,17 +96,30 @@ def _version(python: str) -> str:
     return out.stdout.strip() or "not importable"
 
 
+def _extract(revision: str) -> str:
+    """``mp_bridge/`` of git ``revision`` of this repository, unpacked into a temp folder."""
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = tempfile.mkdtemp(prefix=f"mp_bridge_{revision}_")
+    tar = subprocess.run(
+        ["git", "-C", repo, "archive", revision, "mp_bridge"], check=True, capture_output=True
+    ).stdout
+    subprocess.run(["tar", "-x", "-C", out], input=tar, check=True)
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--src", type=_layout, default=(2, 8192), help="encoder TPxDP")
     p.add_argument("--dest", type=_layout, default=(4, 4096), help="LLM TPxDP")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--methods", default=",".join(METHODS))
-    p.add_argument("--base", default=None, help="source tree for the 'base' method")
+    p.add_argument("--base", default=None, help="git revision or source tree for 'base'")
     p.add_argument("--python", default=sys.executable, help="interpreter of every method")
     p.add_argument("--timeout", type=float, default=600.0)
     args = p.parse_args()
     methods = [m for m in args.methods.split(",") if m and (m != "base" or args.base)]
+    if args.base and not os.path.isdir(args.base):
+        args.base = _extract(args.base)
     world = args.src[0] * args.src[1]
 
     times: dict[str, list[float]] = {m: [] for m in methods}
