@@ -25,6 +25,7 @@ from .route_plan import (
     route_groups,
     route_needs,
 )
+from .stage_plan import Piece, StageDelivery, Transfer, plan_stage_delivery
 
 __all__ = [
     "ColocatedBridgeCommunicator",
@@ -53,6 +54,10 @@ __all__ = [
     "make_route_group",
     "make_world_group",
     "route_image_rows",
+    "Piece",
+    "StageDelivery",
+    "Transfer",
+    "plan_stage_delivery",
     "RankRoute",
     "RouteCache",
     "image_token_shards",

@@ -1,7 +1,7 @@
 """Who talks to whom in the colocated bridge: a pure plan from two grid layouts.
 
 The bridge moves an activation from the encoder (src) layout TP×DP to the LLM (dest)
-layout TP×CP×DP on the same ranks. The global batch is split over DP in contiguous blocks
+layout TP×CP×PP×DP on the same ranks. The global batch is split over DP in contiguous blocks
 by DP index in both grids, and the input is TP-replicated inside a src DP replica. With
 ``k`` the DP ratio, each rank's dest shard is either the concatenation of ``k`` src shards
 (FAN_IN: one all-gather) or one ``1/k`` slot of its src shard (FAN_OUT: a local narrow).
@@ -9,6 +9,11 @@ by DP index in both grids, and the input is TP-replicated inside a src DP replic
 Example, encoder ``tp=2,dp=4`` -> LLM ``tp=2,cp=2,dp=2`` (tp fastest in both):
 FAN_IN with scale 2; rank 0 (src dp 0) and rank 2 (src dp 1) both feed LLM replica 0, so
 ``gather_group_of(0) == (0, 2)`` and ``slice_for(2, batch_size=4) == (2, 2)``.
+
+With LLM PP > 1 (the encoder keeps PP = 1 over all ranks) only the LLM's first stage
+consumes encoder rows; the gather groups and nesting rule are unchanged (an LLM DP
+replica now spans its stages), and :mod:`mp_bridge.comm.bridge.stage_plan` says which
+holder sends each piece to each first-stage consumer, so later stages receive nothing.
 
 This module never imports ``torch.distributed``: everything is computed from coordinates,
 so any ``dim_names`` order works whenever the two layouts nest, and it is unit-testable.
@@ -44,7 +49,8 @@ class BridgePlan:
 
     - ``gather_groups``: FAN_IN one group per (dest dp j, src tp t): the ``scale`` ranks
       with src dp in ``[j·k, j·k+k)`` and src tp ``t``, ordered by src dp. FAN_OUT one per
-      (src dp i, dest tp t, dest cp c): the ranks with dest dp in ``[i·k, i·k+k)``, ordered
+      (src dp i, dest tp t, dest cp c, dest pp p): the ranks with dest dp in
+      ``[i·k, i·k+k)``, ordered
       by dest dp. EQUAL: one single-rank group per rank (``scale == 1``; nothing to
       gather, no process group is created). Every rank sits in exactly one group of
       ``scale`` members. Member order is the concatenation order of the batch pieces (it
@@ -66,6 +72,20 @@ class BridgePlan:
     def cp_size(self) -> int:
         """Dest CP size (1 means no CP all-reduce in backward)."""
         return self.dest.axis_size("cp")
+
+    @property
+    def pp_size(self) -> int:
+        """Dest PP size: the LLM's pipeline stages (only stage 0 consumes encoder rows)."""
+        return self.dest.axis_size("pp")
+
+    def stage_of(self, rank: int) -> int:
+        """``rank``'s LLM pipeline stage (0 when dest PP = 1)."""
+        self._check_rank(rank)
+        return self.dest.coords(rank).get("pp", 0)
+
+    def consumes(self, rank: int) -> bool:
+        """Whether ``rank`` consumes encoder outputs: it sits on the LLM's first stage."""
+        return self.stage_of(rank) == 0
 
     def _check_rank(self, rank: int) -> None:
         self.src.coords(rank)  # raises a ValueError naming the valid range
@@ -223,11 +243,11 @@ def _validate(src: GridLayout, dest: GridLayout, src_name: str, dest_name: str) 
                 f"{name} grid {layout!r} has axes {unknown} the bridge does not understand; "
                 f"only {list(AXIS_NAMES)} may have size > 1"
             )
-        if layout.axis_size("pp") > 1:
-            raise ValueError(
-                f"{name} grid {layout!r} has pp={layout.axis_size('pp')}; the colocated bridge "
-                f"supports pp=1 only (bridge each pipeline stage separately)"
-            )
+    if src.axis_size("pp") > 1:
+        raise ValueError(
+            f"{src_name} grid {src!r} has pp={src.axis_size('pp')}; the encoder runs whole on "
+            f"every rank (src pp=1 only); pipeline the {dest_name} grid instead (its pp axis)"
+        )
     if src.axis_size("cp") > 1:
         raise ValueError(
             f"{src_name} grid {src!r} has cp={src.axis_size('cp')}; the bridge input must hold "
@@ -249,20 +269,21 @@ def _nesting_error(
         f"{dest_name} coords {dest.coords(rank)}, but the bridge needs {rule}, so this rank "
         f"would receive another replica's samples (got {src_name} dim_names={src.dim_names}, "
         f"{dest_name} dim_names={dest.dim_names}). Order the axes so DP blocks line up, "
-        f"e.g. dp slowest in both grids: {src_name} ('tp', 'dp'), {dest_name} ('tp', 'cp', 'dp')"
+        f"e.g. dp slowest in both grids: {src_name} ('tp', 'dp'), {dest_name} "
+        f"('tp', 'cp', 'pp', 'dp')"
     )
 
 
 def plan_bridge(
     src: GridLayout, dest: GridLayout, *, src_name: str = "src", dest_name: str = "dest"
 ) -> BridgePlan:
-    r"""Plan the bridge from ``src`` (TP×DP) to ``dest`` (TP×CP×DP) on the same ranks.
+    r"""Plan the bridge from ``src`` (TP×DP) to ``dest`` (TP×CP×PP×DP) on the same ranks.
 
     ``src`` and ``dest`` are :class:`GridLayout`\ s (a ``HyperCommGrid`` is read with
     ``GridLayout.from_grid``; no process group is touched).
 
     Raises ``ValueError`` (before any group exists) when: the grids cover different ranks;
-    ``tp``/``dp`` axes are missing; src CP > 1; PP > 1 on either side; the DP sizes do not
+    ``tp``/``dp`` axes are missing; src CP > 1; src PP > 1; the DP sizes do not
     divide one another; or the layouts do not nest (checked for every rank: FAN_IN
     ``src_dp // k == dest_dp``, FAN_OUT ``dest_dp // k == src_dp``, EQUAL equal), naming the
     first offending rank with both coordinate sets.
@@ -296,7 +317,7 @@ def plan_bridge(
     elif direction is BridgeDirection.FAN_OUT:
         for r in dest.ranks:
             d = dest.coords(r)
-            key = (d["dp"] // k, d["tp"], d.get("cp", 0))
+            key = (d["dp"] // k, d["tp"], d.get("cp", 0), d.get("pp", 0))
             buckets.setdefault(key, []).append((d["dp"], r))
     else:  # EQUAL: each rank is its own (trivial) gather group, like cp_groups at cp=1
         for r in src.ranks:

@@ -9,7 +9,8 @@ hold the ``k`` LLM replicas it feeds); the nesting of the layouts makes these se
 Tokens are named by their index ``g`` in the route group's **batch**: the samples of the
 group in order (FAN_IN the LLM batch, FAN_OUT the encoder batch), their image tokens
 sample-major. Member ``m`` *holds* a contiguous range of ``g`` (its encoder batch) and
-*needs* the image tokens of its local shard: with the load-balanced CP cut and the SP
+*needs* the image tokens of its local shard (none on a later LLM pipeline stage: only
+stage 0 consumes encoder rows): with the load-balanced CP cut and the SP
 split, a shard's tokens are in ascending ``g`` order, so a shard is fully described by the
 shard id (``cp_rank·pieces + sp_piece``) of every image token (:func:`image_token_shards`).
 
@@ -116,7 +117,8 @@ def route_needs(
 
     ``src_totals``: image tokens of each encoder DP replica of the group (by src dp);
     ``dest_shards``: :func:`image_token_shards` of each LLM DP replica (by dest dp);
-    ``pieces``: SP pieces per CP shard (the LLM tp with SP, else 1).
+    ``pieces``: SP pieces per CP shard (the LLM tp with SP, else 1). With LLM PP > 1 a
+    member off the first stage needs nothing (it still holds and sends its rows).
     """
     fan_out = plan.direction is BridgeDirection.FAN_OUT
     src_dps, dest_dps = sorted(src_totals), sorted(dest_shards)
@@ -133,6 +135,9 @@ def route_needs(
         s, d = plan.src.coords(m)["dp"], plan.dest.coords(m)
         size = sum(len(v) for v in dest_shards.values()) if fan_out else src_totals[s]
         holds.append((src_start[s], src_start[s] + size))
+        if not plan.consumes(m):  # a later LLM stage: holds and sends, consumes nothing
+            needs.append(torch.zeros(0, dtype=torch.long))
+            continue
         shard = d.get("cp", 0) * pieces + (d["tp"] if pieces > 1 else 0)
         needs.append(dest_start[d["dp"]] + torch.nonzero(dest_shards[d["dp"]] == shard).reshape(-1))
     return holds, needs
