@@ -1,7 +1,11 @@
-"""TP/CP building blocks of the distributed encoder and LLM, and full-state sharding."""
+"""TP/CP building blocks of the distributed encoder and LLM (whole, or in pipeline stages
+run by ``LLMPipeline``), and full-state sharding."""
 
 from .encoder import TPEncoder, TPProjection, bidirectional_attention
 from .llm import TPLLM
+from .llm_stages import TPLLMStage, stage_layers
+from .pipeline import LLMPipeline, PipelineStepSpec
+from .pipeline_capacity import agree_capacity, packed_length, pad_packed_to
 from .sharding import (
     FullStateMixin,
     ShardSpec,
@@ -27,6 +31,13 @@ __all__ = [
     "TPProjection",
     "bidirectional_attention",
     "TPLLM",
+    "TPLLMStage",
+    "stage_layers",
+    "LLMPipeline",
+    "PipelineStepSpec",
+    "agree_capacity",
+    "packed_length",
+    "pad_packed_to",
     "FullStateMixin",
     "ShardSpec",
     "gather_full_state",
