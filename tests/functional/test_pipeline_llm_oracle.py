@@ -32,9 +32,12 @@ TP2_PP4_DP1 = dict(tp=2, pp=4, dp=1)
 CASES = {
     "tp2pp2dp2-M1": dict(TP2_PP2_DP2, microbatches=1),
     "tp2pp2dp2-M2": dict(TP2_PP2_DP2, microbatches=2),
+    "tp2pp2dp2-M4": dict(TP2_PP2_DP2, microbatches=4),
     "tp2pp2dp2-M4-sp": dict(TP2_PP2_DP2, microbatches=4, sequence_parallel=True),
     "tp1cp2pp2dp2-M1": dict(TP1_CP2_PP2_DP2, microbatches=1),
+    "tp1cp2pp2dp2-M2": dict(TP1_CP2_PP2_DP2, microbatches=2),
     "tp1cp2pp2dp2-M4": dict(TP1_CP2_PP2_DP2, microbatches=4),
+    "tp2pp4dp1-M1": dict(TP2_PP4_DP1, microbatches=1),
     "tp2pp4dp1-M2-sp": dict(TP2_PP4_DP1, microbatches=2, sequence_parallel=True),
     "tp2pp4dp1-M4": dict(TP2_PP4_DP1, microbatches=4),
     "packed-tp1cp2pp2dp2-M2": dict(TP1_CP2_PP2_DP2, microbatches=2, packed=True),
