@@ -34,7 +34,7 @@ def run(args: argparse.Namespace) -> int:
     dest = layout_from_flag("--llm", args.llm, args.world)
     print(f"world {args.world}: encoder {src!r} -> llm {dest!r}\n")
     try:
-        plan = plan_bridge(src, dest, src_name="encoder", dest_name="llm")
+        plan = plan_bridge(src, dest, src_name="encoder", dest_name="llm", pipeline=True)
     except ValueError:
         # Show where every rank sits so the nesting error can be read against it.
         print(format_rank_table(src, dest, "encoder", "llm"))

@@ -179,6 +179,7 @@ def test_plan_bridge_reads_hyper_comm_grids_as_written(monkeypatch):
         (L(tp=8), GridLayout((8,), ("tp",)), r"dest grid .* has no axis \['dp'\]"),
         (L(tp=2, cp=2, dp=2), L(tp=2, dp=4), r"src grid .* has cp=2; .*src cp=1"),
         (L(tp=2, pp=2, dp=2), L(tp=2, dp=4), r"src grid .* has pp=2; .*pp=1 only"),
+        (L(tp=2, dp=4), L(tp=2, pp=2, dp=2), r"dest grid .* has pp=2; .*pipeline=True"),
         (L(tp=3, dp=4), L(tp=2, dp=6), r"src dp=4 and dest dp=6 do not divide one another"),
         (
             GridLayout((2, 2, 2), ("tp", "ep", "dp")),

@@ -28,7 +28,7 @@ P = Piece
 
 # ------------------------------------------------------------ literal plans
 def test_tp2_dp4_to_tp2_pp2_dp2():
-    plan = plan_bridge(L(tp=2, dp=4), L(tp=2, pp=2, dp=2))
+    plan = plan_bridge(L(tp=2, dp=4), L(tp=2, pp=2, dp=2), pipeline=True)
     assert plan.direction is BridgeDirection.FAN_IN and plan.scale == 2 and plan.pp_size == 2
     assert [plan.stage_of(r) for r in range(8)] == [0, 0, 1, 1, 0, 0, 1, 1]
     sd = plan_stage_delivery(plan)
@@ -42,7 +42,7 @@ def test_tp2_dp4_to_tp2_pp2_dp2():
 
 
 def test_tp1_dp8_to_tp1_cp2_pp2_dp2():
-    plan = plan_bridge(L(tp=1, dp=8), L(tp=1, cp=2, pp=2, dp=2))
+    plan = plan_bridge(L(tp=1, dp=8), L(tp=1, cp=2, pp=2, dp=2), pipeline=True)
     assert plan.direction is BridgeDirection.FAN_IN and plan.scale == 4
     assert [r for r in range(8) if plan.consumes(r)] == [0, 1, 4, 5]
     sd = plan_stage_delivery(plan)
@@ -54,7 +54,7 @@ def test_tp1_dp8_to_tp1_cp2_pp2_dp2():
 
 
 def test_tp2_dp4_to_tp2_pp4_dp1():
-    plan = plan_bridge(L(tp=2, dp=4), L(tp=2, pp=4, dp=1))
+    plan = plan_bridge(L(tp=2, dp=4), L(tp=2, pp=4, dp=1), pipeline=True)
     assert plan.direction is BridgeDirection.FAN_IN and plan.scale == 4
     sd = plan_stage_delivery(plan)
     assert [plan.stage_of(r) for r in range(8)] == [0, 0, 1, 1, 2, 2, 3, 3]
@@ -65,10 +65,10 @@ def test_tp2_dp4_to_tp2_pp4_dp1():
 
 
 def test_equal_and_fan_out_move_gradients_only():
-    eq = plan_stage_delivery(plan_bridge(L(tp=4, dp=2), L(tp=2, pp=2, dp=2)))
+    eq = plan_stage_delivery(plan_bridge(L(tp=4, dp=2), L(tp=2, pp=2, dp=2), pipeline=True))
     assert eq.plan.direction is BridgeDirection.EQUAL and eq.forward == ()
     assert eq.receives(2, backward=True) == {0: (P(0, 0),)}
-    fo = plan_stage_delivery(plan_bridge(L(tp=8, dp=1), L(tp=2, pp=2, dp=2)))
+    fo = plan_stage_delivery(plan_bridge(L(tp=8, dp=1), L(tp=2, pp=2, dp=2), pipeline=True))
     assert fo.plan.direction is BridgeDirection.FAN_OUT and fo.forward == ()
     # Every encoder rank needs the whole src batch's gradient: pieces (0,0) and (0,1).
     assert fo.receives(2, backward=True) == {0: (P(0, 0),), 4: (P(0, 1),)}
@@ -76,12 +76,13 @@ def test_equal_and_fan_out_move_gradients_only():
 
 
 def test_axis_order_pp_first_nests():
-    plan = plan_bridge(L(tp=2, dp=4), L(tp=2, pp=2, dp=2, order=("pp", "tp", "cp", "dp")))
+    dest = L(tp=2, pp=2, dp=2, order=("pp", "tp", "cp", "dp"))
+    plan = plan_bridge(L(tp=2, dp=4), dest, pipeline=True)
     assert [r for r in range(8) if plan.consumes(r)] == [0, 2, 4, 6]
 
 
 def test_piece_rows_ragged():
-    sd = plan_stage_delivery(plan_bridge(L(tp=2, dp=4), L(tp=2, pp=2, dp=2)))
+    sd = plan_stage_delivery(plan_bridge(L(tp=2, dp=4), L(tp=2, pp=2, dp=2), pipeline=True))
     assert sd.piece_rows(0, P(1, 0), (3, 0, 2, 5), side="dest") == (3, 10)
     assert sd.piece_rows(2, P(1, 0), (2, 5), side="src") == (0, 7)
     with pytest.raises(ValueError, match=r"Piece\(2,1\) is not in rank 0's dest batch"):
@@ -93,7 +94,7 @@ def test_piece_rows_ragged():
 def test_route_needs_later_stage_needs_nothing():
     import torch
 
-    plan = plan_bridge(L(tp=2, dp=4), L(tp=2, pp=2, dp=2))
+    plan = plan_bridge(L(tp=2, dp=4), L(tp=2, pp=2, dp=2), pipeline=True)
     shards = torch.tensor([0, 0, 0])  # three image tokens, one shard (cp 1, no SP)
     holds, needs = route_needs(
         plan, (0, 1, 2, 3), pieces=1, src_totals={0: 1, 1: 2}, dest_shards={0: shards}
@@ -117,7 +118,14 @@ def test_route_needs_later_stage_needs_nothing():
 )
 def test_pp_errors(src, dest, match):
     with pytest.raises(ValueError, match=match):
-        plan_bridge(src, dest)
+        plan_bridge(src, dest, pipeline=True)
+
+
+def test_dest_pp_needs_a_pipeline_caller():
+    with pytest.raises(ValueError, match=r"dest grid .* has pp=2; .*pass pipeline=True"):
+        plan_bridge(L(tp=2, dp=4), L(tp=2, pp=2, dp=2))
+    with pytest.raises(TypeError, match="pipeline must be True or False"):
+        plan_bridge(L(tp=2, dp=4), L(tp=2, dp=4), pipeline=1)
 
 
 def test_stage_delivery_needs_a_plan():
@@ -147,7 +155,7 @@ def pp_pairs(draw):
 def test_every_piece_reaches_each_first_stage_consumer_once(pair):
     src, dest = pair
     try:
-        plan = plan_bridge(src, dest)
+        plan = plan_bridge(src, dest, pipeline=True)
     except ValueError as exc:
         assume(False)
         raise AssertionError from exc  # unreachable

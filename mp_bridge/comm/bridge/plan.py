@@ -10,9 +10,9 @@ Example, encoder ``tp=2,dp=4`` -> LLM ``tp=2,cp=2,dp=2`` (tp fastest in both):
 FAN_IN with scale 2; rank 0 (src dp 0) and rank 2 (src dp 1) both feed LLM replica 0, so
 ``gather_group_of(0) == (0, 2)`` and ``slice_for(2, batch_size=4) == (2, 2)``.
 
-With LLM PP > 1 (the encoder keeps PP = 1 over all ranks) only the LLM's first stage
-consumes encoder rows; the gather groups and nesting rule are unchanged (an LLM DP
-replica now spans its stages), and :mod:`mp_bridge.comm.bridge.stage_plan` says which
+With LLM PP > 1 (``pipeline=True``; the encoder keeps PP = 1 over all ranks) only the
+LLM's first stage consumes encoder rows; the gather groups and nesting rule are unchanged
+(an LLM DP replica now spans its stages), and :mod:`mp_bridge.comm.bridge.stage_plan` says which
 holder sends each piece to each first-stage consumer, so later stages receive nothing.
 
 This module never imports ``torch.distributed``: everything is computed from coordinates,
@@ -25,7 +25,7 @@ import enum
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from mp_bridge.checks import check_int
+from mp_bridge.checks import check_bool, check_int
 from mp_bridge.grid import AXIS_NAMES, GridLayout
 from mp_bridge.table import format_table
 
@@ -275,7 +275,12 @@ def _nesting_error(
 
 
 def plan_bridge(
-    src: GridLayout, dest: GridLayout, *, src_name: str = "src", dest_name: str = "dest"
+    src: GridLayout,
+    dest: GridLayout,
+    *,
+    src_name: str = "src",
+    dest_name: str = "dest",
+    pipeline: bool = False,
 ) -> BridgePlan:
     r"""Plan the bridge from ``src`` (TP×DP) to ``dest`` (TP×CP×PP×DP) on the same ranks.
 
@@ -287,9 +292,21 @@ def plan_bridge(
     divide one another; or the layouts do not nest (checked for every rank: FAN_IN
     ``src_dp // k == dest_dp``, FAN_OUT ``dest_dp // k == src_dp``, EQUAL equal), naming the
     first offending rank with both coordinate sets.
+
+    ``pipeline=True`` admits dest PP > 1: the caller then delivers to the first stage only
+    (:func:`~mp_bridge.comm.bridge.stage_plan.plan_stage_delivery`). Without it dest PP > 1
+    is a ``ValueError``: the all-gather bridge would hand every stage encoder rows and
+    give a later stage's encoder replica no gradient.
     """
+    check_bool("pipeline", pipeline)
     src, dest = _as_layout("src", src), _as_layout("dest", dest)
     _validate(src, dest, src_name, dest_name)
+    if dest.axis_size("pp") > 1 and not pipeline:
+        raise ValueError(
+            f"{dest_name} grid {dest!r} has pp={dest.axis_size('pp')}; only a caller that "
+            f"delivers encoder rows to the first stage alone may bridge into a pipelined "
+            f"{dest_name}: pass pipeline=True and use plan_stage_delivery(plan)"
+        )
     dps, dpd = src.axis_size("dp"), dest.axis_size("dp")
     if dps > dpd:
         direction, k = BridgeDirection.FAN_IN, dps // dpd

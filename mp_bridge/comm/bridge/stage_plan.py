@@ -1,10 +1,10 @@
 """Who sends which batch piece to whom when the LLM runs in pipeline stages: pure.
 
-With LLM PP > 1 the encoder still runs on every rank (src PP = 1) but only the LLM's first
-stage (``pp == 0``) consumes its outputs. The batch is cut into **pieces**: the samples
-one src DP block and one dest DP block share (nesting makes each piece a whole block of
-one of them). Piece ``(i, j)`` (src dp ``i``, dest dp ``j``) exists when FAN_IN
-``i // k == j``, FAN_OUT ``j // k == i``, EQUAL ``i == j``.
+With LLM PP > 1 (``plan_bridge(..., pipeline=True)``) the encoder still runs on every rank
+(src PP = 1) but only the LLM's first stage (``pp == 0``) consumes its outputs. The batch
+is cut into **pieces**: the samples one src DP block and one dest DP block share (nesting
+makes each piece a whole block of one of them). Piece ``(i, j)`` (src dp ``i``, dest dp
+``j``) exists when FAN_IN ``i // k == j``, FAN_OUT ``j // k == i``, EQUAL ``i == j``.
 
 - **holders** of ``(i, j)``: every rank with src dp ``i`` (the encoder TP replicas);
 - **consumers**: every first-stage rank with dest dp ``j`` (its TP and CP ranks).
