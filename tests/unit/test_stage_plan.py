@@ -103,6 +103,53 @@ def test_route_needs_later_stage_needs_nothing():
     assert [n.tolist() for n in needs] == [[0, 1, 2], [0, 1, 2], [], []]
 
 
+@pytest.mark.parametrize(
+    ("src", "dest", "pieces"),
+    [
+        (L(tp=2, dp=4), L(tp=2, pp=2, dp=2), 1),
+        (L(tp=2, dp=4), L(tp=2, pp=2, dp=2), 2),  # SP: each TP rank its own piece
+        (L(tp=1, dp=8), L(tp=1, cp=2, pp=2, dp=2), 1),
+        (L(tp=2, dp=4), L(tp=2, pp=4, dp=1), 1),
+    ],
+)
+def test_route_targets_the_first_stage_at_the_byte_bound(src, dest, pieces):
+    """route_needs + plan_route with PP: a later stage receives no row; a first-stage rank
+    receives exactly the rows of its shard it does not hold; every holder gets each held
+    row's gradient once (its own consumption or one message)."""
+    import torch
+
+    from mp_bridge.comm.bridge import plan_route, route_groups
+
+    plan = plan_bridge(src, dest, pipeline=True)
+    cp = dest.axis_size("cp")
+    for members in route_groups(plan):
+        s_dps = sorted({src.coords(m)["dp"] for m in members})
+        d_dps = sorted({dest.coords(m)["dp"] for m in members})
+        src_totals = {d: 3 + d for d in s_dps}  # uneven image tokens per encoder replica
+        total = sum(src_totals.values())
+        # one LLM replica here (FAN_IN): tokens spread round-robin over its shards
+        assert len(d_dps) == 1
+        dest_shards = {d_dps[0]: torch.arange(total) % (cp * pieces)}
+        holds, needs = route_needs(
+            plan, members, pieces=pieces, src_totals=src_totals, dest_shards=dest_shards
+        )
+        routes = [plan_route(members, r, holds, needs) for r in members]
+        for i, (r, route) in enumerate(zip(members, routes)):
+            got = sum(route.fwd_rows()[1])
+            if not plan.consumes(r):
+                assert route.n_local == 0 and got == 0
+                continue
+            held = ((needs[i] >= holds[i][0]) & (needs[i] < holds[i][1])).sum()
+            assert got == len(needs[i]) - int(held)
+            # a first-stage rank's rows come only from holders that have them
+            for j, n in enumerate(route.recv_y):
+                assert len(n) == 0 or holds[j][1] > holds[j][0]
+        for i, route in enumerate(routes):  # backward: each held row's gradient once
+            a, b = holds[i]
+            own = sum(int(((n >= a) & (n < b)).sum()) for n in needs[i : i + 1])
+            assert sum(route.bwd_rows()[1]) + own == b - a
+
+
 # ------------------------------------------------------------- error paths
 @pytest.mark.parametrize(
     ("src", "dest", "match"),
