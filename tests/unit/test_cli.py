@@ -104,3 +104,14 @@ def test_cli_plan_bad_specs_one_line_naming_the_flag(capsys, argv, match):
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and err.startswith("mp-bridge plan: error:")
     assert re.search(match, err), err
+
+
+def test_plan_pipelined_llm_shows_stage_and_what_goes_where(capsys):
+    assert main(["plan", "--encoder", "tp=2,dp=4", "--llm", "tp=2,pp=2,dp=2"]) == 0
+    out = capsys.readouterr().out
+    assert "llm pp 2: stage 0 consumes encoder rows" in out
+    table = out[out.index("llm pp 2") :]
+    by_rank = {r[0]: r[1:] for r in (ln.split() for ln in table.splitlines() if ln[:1].isdigit())}
+    # rank 0 (stage 0) gets piece (1,0) from rank 2; rank 2 (stage 1) only sends.
+    assert by_rank["0"] == ["0", "(0,0)", "(1,0)", "-", "2:(1,0)", "-"]
+    assert by_rank["2"] == ["1", "-", "0:(1,0)", "-", "0:(1,0)"]
