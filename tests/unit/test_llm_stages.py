@@ -97,6 +97,8 @@ def test_pipeline_errors():
         pipe.step(2, position_ids=[pos, pos[:, :6]], inputs=lambda m: None)
     with pytest.raises(ValueError, match="stage 0 needs inputs=callable"):
         pipe.step(1, position_ids=[pos])
+    with pytest.raises(ValueError, match=r"labels\[0\] has shape \(1, 6\) but its position_ids"):
+        pipe.step(1, position_ids=[pos], inputs=len, labels=[pos[:, :6]], loss_mask=[pos])
     with pytest.raises(RuntimeError, match="stage 1 has no embedding"):
         stage.embed_tokens(torch.zeros(1, 8, dtype=torch.long))
 

@@ -155,8 +155,31 @@ class LLMPipeline:
         ``labels[m]``, ``loss_mask[m]`` CP-local with ``position_ids[m]``'s shape.
         """
         st = self.stage
+        device = next(st.parameters()).device
+        try:  # every stage's own input error reaches every stage (agree), never a hang
+            spec, step = self._parse(
+                n_microbatches, position_ids, cu_seqlens, inputs, labels, loss_mask
+            )
+            error = None
+        except (TypeError, ValueError) as exc:
+            spec, step, error = None, None, exc
+        if self.pp_group is not None:
+            rejected = PipelineStepSpec(0, st.n_stages, self.schedule, (), (), False, "")
+            agree("LLMPipeline.step", self.pp_group, spec or rejected, device=device, error=error)
+        if error is not None:
+            raise error
+        if st.is_last:
+            count = sum(t.to(torch.float32).sum() for t in step["loss_mask"]).reshape(1)
+            if self.loss_group is not None and group_size(self.loss_group) > 1:
+                dist.all_reduce(count, group=self.loss_group)
+            step["count"] = count.clamp(min=1.0)
+        return self._run(step, spec, device)
+
+    def _parse(self, n_microbatches, position_ids, cu_seqlens, inputs, labels, loss_mask):
+        """``(spec, step data)``, or ``ValueError``/``TypeError`` naming the argument."""
+        st = self.stage
         m = check_int("n_microbatches", n_microbatches, low=1)
-        pos = [self._check_list("position_ids", position_ids, m)[i] for i in range(m)]
+        pos = list(self._check_list("position_ids", position_ids, m))
         cu = (
             [None] * m
             if cu_seqlens is None
@@ -171,36 +194,30 @@ class LLMPipeline:
                 f"stage's buffers are static: pad every microbatch to one capacity "
                 f"(pipeline_capacity.pad_packed_to)"
             )
+        step = {"inputs": inputs, "position_ids": pos, "cu_seqlens": cu, "count": None}
         if st.is_first and not callable(inputs):
             raise ValueError(f"stage 0 needs inputs=callable(m) -> embeddings, got {inputs!r}")
         if st.is_last:
-            labels = [
-                t.reshape(1, -1) if packed else t for t in self._check_list("labels", labels, m)
-            ]
-            loss_mask = [
-                t.reshape(1, -1) if packed else t
-                for t in self._check_list("loss_mask", loss_mask, m)
-            ]
+            for name, values in (("labels", labels), ("loss_mask", loss_mask)):
+                values = [
+                    t.reshape(1, -1) if packed else t for t in self._check_list(name, values, m)
+                ]
+                bad = [i for i, t in enumerate(values) if tuple(t.shape) != tuple(pos[i].shape)]
+                if bad:
+                    raise ValueError(
+                        f"{name}[{bad[0]}] has shape {tuple(values[bad[0]].shape)} but its "
+                        f"position_ids {tuple(pos[bad[0]].shape)}; pass the CP-local tensors "
+                        f"of the same shard"
+                    )
+                step[name] = values
         b, s = pos[0].shape
-        tp = group_size(st.tp_group)
-        s_act = s // tp if st.sequence_parallel else s
-        dtype = next(st.parameters()).dtype
-        device = next(st.parameters()).device
+        s_act = s // group_size(st.tp_group) if st.sequence_parallel else s
         spec = PipelineStepSpec(
             n_microbatches=m, n_stages=st.n_stages, schedule=self.schedule,
             activation_shape=(s_act, b, st.cfg.llm_hidden), position_shape=(b, s),
-            packed=packed, dtype=str(dtype),
+            packed=packed, dtype=str(next(st.parameters()).dtype),
         )  # fmt: skip
-        if self.pp_group is not None:
-            agree("LLMPipeline.step", self.pp_group, spec, device=device)
-        step = {"inputs": inputs, "position_ids": pos, "cu_seqlens": cu, "count": None}
-        if st.is_last:
-            count = sum(t.to(torch.float32).sum() for t in loss_mask).reshape(1)
-            if self.loss_group is not None and group_size(self.loss_group) > 1:
-                dist.all_reduce(count, group=self.loss_group)
-            step.update(labels=labels, loss_mask=loss_mask, count=count.clamp(min=1.0))
-        loss = self._run(step, spec, dtype, device)
-        return loss
+        return spec, step
 
     @staticmethod
     def _check_list(name: str, value, m: int) -> Sequence:
@@ -209,8 +226,9 @@ class LLMPipeline:
             raise ValueError(f"{name} must be a list of {m} microbatch entries, got {got}")
         return value
 
-    def _run(self, step: dict, spec: PipelineStepSpec, dtype, device) -> torch.Tensor:
+    def _run(self, step: dict, spec: PipelineStepSpec, device) -> torch.Tensor:
         st, m = self.stage, spec.n_microbatches
+        dtype = next(st.parameters()).dtype
         index = torch.zeros(1, dtype=torch.long, device=device)
         # requires_grad in the examples: the receive buffers are made from their metadata,
         # and a buffer without it gets no gradient to send back.
@@ -221,7 +239,7 @@ class LLMPipeline:
             torch.zeros(1, dtype=torch.float32, device=device) if st.is_last else (hidden, index)
         )
         if self.pp_group is None:  # one stage: no pipeline, run the microbatches in turn
-            return self._run_local(step, m)
+            return self._run_local(step, m, device)
         pipe = PipelineStage(
             _StageCall(st, step), st.stage, st.n_stages, device,
             input_args=in_args, output_args=out_args, group=self.pp_group,
@@ -242,14 +260,13 @@ class LLMPipeline:
         dist.broadcast(total, src=last, group=self.pp_group)
         return total.reshape(())
 
-    def _run_local(self, step: dict, m: int) -> torch.Tensor:
+    def _run_local(self, step: dict, m: int, device) -> torch.Tensor:
         call = _StageCall(self.stage, step)
-        total = 0.0
+        out = torch.zeros(1, dtype=torch.float32, device=device)
         for i in range(m):
-            loss = call(torch.tensor([i])).sum()
+            loss = call(torch.tensor([i], device=device)).sum()
             loss.backward()
-            total += float(loss)
-        out = torch.tensor([total], dtype=torch.float32)
+            out += loss.detach()
         if self.loss_group is not None and group_size(self.loss_group) > 1:
             dist.all_reduce(out, group=self.loss_group)
         return out.reshape(())
