@@ -16,7 +16,15 @@ than its tolerance (the teeth case checks that it does).
 
 from __future__ import annotations
 
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from mp_bridge.checks import AgreementError
 from mp_bridge.models import MimoConfig
+from mp_bridge.models.parallel import LLMPipeline, TPLLMStage
 from mp_bridge.testing import DistributedWorld
 from tests.functional.pipeline_oracle import run_pipeline_parity
 
@@ -67,3 +75,24 @@ def test_teeth_a_dropped_microbatch_fails_every_metric():
     assert r["leaf_grad"] > GRAD_RTOL, summary
     assert r["param_grad"] > GRAD_RTOL, summary
     assert r["weight"] > WEIGHT_RTOL, summary
+
+
+@world.case(world_size=2)
+def test_a_bad_input_on_one_stage_is_the_same_error_on_every_stage():
+    os.environ["MP_BRIDGE_CHECK"] = "1"
+    try:
+        rank = dist.get_rank()
+        pp = dist.new_group([0, 1])
+        stage = TPLLMStage(CFG, stage=rank, n_stages=2)
+        pos = torch.arange(8).expand(1, 8)
+        bad = pos[:, :6]  # the last stage's labels do not match its positions
+        with pytest.raises(
+            AgreementError, match=r"rank 1 rejected its input: ValueError: labels\[0\] has shape"
+        ):
+            LLMPipeline(stage, pp_group=pp).step(
+                1, position_ids=[pos], inputs=(lambda m: None) if rank == 0 else None,
+                labels=[bad] if rank == 1 else None, loss_mask=[pos] if rank == 1 else None,
+            )  # fmt: skip
+        dist.destroy_process_group(pp)
+    finally:
+        del os.environ["MP_BRIDGE_CHECK"]
