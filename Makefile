@@ -17,7 +17,7 @@ TRITON_SPEC ?= triton==3.9.0
 VENV_LATEST := .venv-mcore019
 BIN_LATEST := $(VENV_LATEST)/bin
 
-.PHONY: install install-megatron-latest test test-megatron-latest demo plan lint bench clean gpu-wheels
+.PHONY: install install-megatron-latest test test-fast test-megatron-latest demo plan lint bench clean gpu-wheels
 
 $(BIN)/.installed: setup.py
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -51,6 +51,18 @@ lint: install
 
 test: install lint
 	$(BIN)/python -m pytest -q tests
+
+# The quick loop while editing (under a minute on a quiet 2-core machine): every unit test
+# plus one functional case per wing (bridge, partition, fused loss, the routed MIMO step).
+# Run `make test` (lint + the whole suite, what CI runs) before pushing.
+SMOKE := \
+  "tests/functional/test_bridge.py::test_bridge_layout_of_eight_ranks[fan_in_k4_cp2]" \
+  "tests/functional/test_partition.py::test_partition_cp2_sp_tp2_against_literal_token_lists" \
+  "tests/functional/test_fused_loss.py::test_fused_matches_full_vocab_oracle_fp32" \
+  "tests/functional/test_models_oracle_routed.py::test_routed_ragged_parity_with_one_process[fan_in_cp2]"
+
+test-fast: install
+	$(BIN)/python -m pytest -q -x tests/unit $(SMOKE)
 
 # The whole suite against megatron-core $(MCORE_LATEST) (includes the MimoModel integration
 # tests, which skip on 0.16).
