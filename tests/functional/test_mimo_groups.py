@@ -123,7 +123,7 @@ def test_plain_model_creates_no_group_and_names_a_missing_one():
     before = _live_groups()
     # The deprecated form (bridge, partition) still works for one release, with a warning.
     with (
-        pytest.warns(DeprecationWarning, match="pass one MimoGroups"),
+        pytest.warns(DeprecationWarning, match=r"make_mimo_groups\(encoder_grid"),
         pytest.raises(
             ValueError, match=r"llm_dp_cp_group was not given and grid .* no \['dp', 'cp'\]"
         ),
@@ -131,7 +131,7 @@ def test_plain_model_creates_no_group_and_names_a_missing_one():
         ColocatedMimoModel(*parts, image_token_id=CFG.image_token_id)
     dp_cp = llm.create_pg(["dp", "cp"])  # collective: every rank, as the grid contract says
     before = _live_groups()
-    with pytest.warns(DeprecationWarning, match="pass one MimoGroups"):
+    with pytest.warns(DeprecationWarning, match=r"make_mimo_groups\(encoder_grid"):
         model = ColocatedMimoModel(*parts, image_token_id=CFG.image_token_id)
     assert _live_groups() == before
     assert model.llm_dp_cp_group is dp_cp and model.encoder_dp_group is enc.get_pg("dp")
