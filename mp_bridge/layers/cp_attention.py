@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from mp_bridge.checks import agree, check_bool, check_group, check_tensor
+from mp_bridge.checks import agree, agreed, check_bool, check_group, check_tensor
 from mp_bridge.comm import (
     PaddedLayout,
     gather_kv,
@@ -127,6 +127,7 @@ def _parse_packed(cu_seqlens: object, cp: int, s_local: int) -> PaddedLayout | N
     return PaddedLayout(bounds[-1], bounds[-1], tuple(bounds), tuple(bounds), cp, 1)
 
 
+@agreed("mp_bridge.layers.context_parallel_attention")
 def context_parallel_attention(
     q: torch.Tensor,
     k: torch.Tensor,
