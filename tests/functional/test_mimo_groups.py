@@ -149,7 +149,7 @@ def test_make_mimo_groups_refuses_a_layout_before_any_group():
         )
     with pytest.raises(ValueError, match=r"do not nest"):
         make_mimo_groups(
-            make_grid(tp=2, dp=2, dim_names=("dp", "tp", "cp", "pp"), create=()),
+            make_grid(tp=2, dp=2, axis_names=("dp", "tp", "cp", "pp"), create=()),
             make_grid(tp=2, dp=2, create=()),
         )
     assert _live_groups() == before

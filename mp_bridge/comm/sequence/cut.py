@@ -15,12 +15,12 @@ Example, ``S = 8``, ``cp = 2`` (chunks of 2)::
 from __future__ import annotations
 
 import operator
-import warnings
 from collections.abc import Sequence
 
 import torch
 
 from mp_bridge.checks import check_bool, check_int
+from mp_bridge.deprecations import warn_deprecated
 
 _COMPLEX = (torch.complex64, torch.complex128)
 
@@ -59,9 +59,7 @@ def seq_len_divisor(cp_size: int, tp_size: int = 1, *, sequence_parallel: bool =
 
 def cp_factor(cp_size: int) -> int:
     """Deprecated: ``seq_len_divisor(cp_size)`` (``DeprecationWarning``)."""
-    warnings.warn(
-        "cp_factor(cp) is deprecated; use seq_len_divisor(cp)", DeprecationWarning, stacklevel=2
-    )
+    warn_deprecated("mp_bridge.comm.cp_factor")
     return seq_len_divisor(cp_size)
 
 

@@ -19,7 +19,7 @@ from mp_bridge.checks import (
     check_bool,
     check_choice,
     check_float,
-    check_group_arg,
+    check_group,
     is_int,
 )
 from mp_bridge.checks import forbid_double_backward as _forbid_double_backward
@@ -66,7 +66,7 @@ def check_vocab_size(vocab_size: object, padded: int, v_local: int, tp_size: int
 
 def check_shard(v_local: int, vocab_size: object, tp_group: dist.ProcessGroup | None) -> VocabShard:
     """This rank's :class:`VocabShard` of ``v_local`` rows; ``vocab_size`` validated."""
-    check_group_arg("tp_group", tp_group)
+    check_group("tp_group", tp_group)
     tp = group_size(tp_group)
     vocab = check_vocab_size(vocab_size, v_local * tp, v_local, tp)
     return VocabShard.of_rank(tp, v_local, rank=group_rank(tp_group), vocab_size=vocab)
