@@ -50,7 +50,7 @@ from mp_bridge.comm.sequence.specs import ShardSpec, UnshardSpec
 
 __all__ = ["PAD_LABEL", "PartitionAdapter", "ShardedBatch"]
 
-CuSeqlens = Sequence[int] | torch.Tensor
+CuSeqlens = PaddedLayout | Sequence[int] | torch.Tensor
 
 #: Label written at padding tokens (the usual ``ignore_index``).
 PAD_LABEL = -100

@@ -147,7 +147,9 @@ def make_mimo_groups(encoder_grid: Any, llm_grid: Any) -> MimoGroups:
     megatron ``HyperCommGrid`` s (``make_grid``) on the same ranks. Groups they already hold
     are reused; missing ones are created on them (``create_pg``), encoder grid first, in
     the order of the module table; then the bridge is built. The layouts are checked
-    (``plan_bridge``) before any collective.
+    (``plan_bridge``) and agreed over the world (:class:`GridsSpec`) before any group is
+    made. The bridge's route group is not made here: the routed flow's first step makes it
+    (``route``; every rank of the grids runs that step), a gather-flow model never does.
 
     Collective: every rank of the world calls it with the same grids, in the same order
     as its other group creations, even ranks outside the grids.
