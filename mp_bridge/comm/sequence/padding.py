@@ -27,9 +27,9 @@ import torch
 
 from mp_bridge.comm.sequence.cut import (
     cp_shard_indices,
-    cp_shard_indices_packed,
     normalize_cu_seqlens,
     seq_len_divisor,
+    shard_indices_of_bounds,
 )
 
 __all__ = ["PaddedLayout", "original_layout", "pad_along", "pad_layout"]
@@ -110,7 +110,7 @@ class PaddedLayout:
         """Padded positions CP rank ``cp_rank`` keeps, in its local order (the CP cut)."""
         if self.padded_bounds is None:
             return cp_shard_indices(self.padded_len, self.cp, cp_rank, device=device)
-        return cp_shard_indices_packed(self.padded_bounds, self.cp, cp_rank, device=device)
+        return shard_indices_of_bounds(self.padded_bounds, self.cp, cp_rank, device=device)
 
     def shard_of_position(self, device: torch.device | str | None = None) -> torch.Tensor:
         """LongTensor ``[padded_len]``: the shard ``cp_rank·pieces + piece`` holding each
