@@ -32,7 +32,7 @@ from typing import Any
 import torch.distributed as dist
 from megatron.core.hyper_comm_grid import HyperCommGrid
 
-from mp_bridge.checks import FrozenSpec, agree, agreed, check_group
+from mp_bridge.checks import FrozenSpec, agreed, check_group
 from mp_bridge.comm import ColocatedBridgeCommunicator, group_size, plan_bridge
 from mp_bridge.grid import MISSING_PG_ERRORS, GridLayout, destroy_grid
 from mp_bridge.models.colocated.local import LocalBridge
@@ -127,8 +127,8 @@ class MimoGroups:
 
 @dataclass(frozen=True)
 class GridsSpec(FrozenSpec):
-    """What every rank of the world builds the model's groups on: both layouts (shape,
-    axis names, rank offset)."""
+    """The grids a model's groups are built on: both layouts (shape, axis names, rank
+    offset)."""
 
     encoder: tuple[tuple[int, ...], tuple[str, ...], int]
     llm: tuple[tuple[int, ...], tuple[str, ...], int]
@@ -147,8 +147,9 @@ def make_mimo_groups(encoder_grid: Any, llm_grid: Any) -> MimoGroups:
     megatron ``HyperCommGrid`` s (``make_grid``) on the same ranks. Groups they already hold
     are reused; missing ones are created on them (``create_pg``), encoder grid first, in
     the order of the module table; then the bridge is built. The layouts are checked
-    (``plan_bridge``) and agreed over the world (:class:`GridsSpec`) before any group is
-    made. The bridge's route group is not made here: the routed flow's first step makes it
+    (``plan_bridge``) before any collective; the ranks agree on them in the bridge's
+    constructor (over the world: the ranks outside the grids, which build only the bridge,
+    take part). The bridge's route group is not made here: the routed flow's first step makes it
     (``route``; every rank of the grids runs that step), a gather-flow model never does.
 
     Collective: every rank of the world calls it with the same grids, in the same order
@@ -160,9 +161,7 @@ def make_mimo_groups(encoder_grid: Any, llm_grid: Any) -> MimoGroups:
                 f"{name} must be a megatron HyperCommGrid (make_grid returns one), got "
                 f"{type(grid).__name__}; a GridLayout holds no process groups"
             )
-    layouts = [GridLayout.from_grid(g) for g in (encoder_grid, llm_grid)]
-    plan_bridge(*layouts)
-    agree("make_mimo_groups", dist.group.WORLD, GridsSpec.of(*layouts))
+    plan_bridge(GridLayout.from_grid(encoder_grid), GridLayout.from_grid(llm_grid))
     groups = {
         field: grid_group(grid, axes, create=True)
         for grid, table in ((encoder_grid, ENCODER_AXES), (llm_grid, LLM_AXES))
