@@ -63,7 +63,7 @@ def _timed(fns, iters: int) -> list[list[float]]:
 
 
 def _block(layout, rank: int, batch: int) -> range:
-    per = batch // layout.dim("dp")
+    per = batch // layout.axis_size("dp")
     dp = layout.coords(rank)["dp"]
     return range(dp * per, (dp + 1) * per)
 

@@ -122,7 +122,7 @@ def _bound_rows(model, batch, llm_rows, enc_layout, rank) -> int:
         piece = local.shape[1] // part.tp_size
         local = local.narrow(1, part.tp_rank * piece, piece)
     needed = set(local[local >= 0].tolist())
-    per = batch.batch_size // enc_layout.dim("dp")
+    per = batch.batch_size // enc_layout.axis_size("dp")
     dp = enc_layout.coords(rank)["dp"]
     held = set(range(sum(counts[: dp * per]), sum(counts[: (dp + 1) * per])))
     return len(needed - held) + len(held - needed)
@@ -139,10 +139,10 @@ def _layout_rows(cfg, batch, llm: dict, sp: bool, iters: int) -> dict:
     try:
         enc_l, llm_l = GridLayout.from_grid(enc_grid), GridLayout.from_grid(llm_grid)
         e_dp, l_dp = enc_l.coords(rank)["dp"], llm_l.coords(rank)["dp"]
-        images = batch.encoder_shard(e_dp, enc_l.dim("dp"))
-        text = [dp_shard(t, l_dp, llm_l.dim("dp")) for t in (batch.input_ids, batch.labels)]
-        mask = dp_shard(batch.loss_mask, l_dp, llm_l.dim("dp"))
-        per = batch.batch_size // llm_l.dim("dp")
+        images = batch.encoder_shard(e_dp, enc_l.axis_size("dp"))
+        text = [dp_shard(t, l_dp, llm_l.axis_size("dp")) for t in (batch.input_ids, batch.labels)]
+        mask = dp_shard(batch.loss_mask, l_dp, llm_l.axis_size("dp"))
+        per = batch.batch_size // llm_l.axis_size("dp")
         llm_rows = slice(l_dp * per, (l_dp + 1) * per)
         params = list(model.parameters())
 

@@ -33,16 +33,16 @@ ORDER = ("tp", "cp", "pp", "dp")
 
 def _rank_bytes(sp: bool) -> dict[str, int]:
     rank = dist.get_rank()
-    src_grid = make_grid(**SRC, dim_names=ORDER, create=())
-    dest_grid = make_grid(**DEST, dim_names=ORDER, create=("cp", "tp"))
+    src_grid = make_grid(**SRC, axis_names=ORDER, create=())
+    dest_grid = make_grid(**DEST, axis_names=ORDER, create=("cp", "tp"))
     s_lay, d_lay = GridLayout.from_grid(src_grid), GridLayout.from_grid(dest_grid)
     gen = torch.Generator().manual_seed(0)
-    n = B_SRC * s_lay.dim("dp")
+    n = B_SRC * s_lay.axis_size("dp")
     masks = torch.zeros(n, S, dtype=torch.bool)
     for i in range(n):
         masks[i, torch.randperm(S, generator=gen)[:S_IMG]] = True
     dest_dp = d_lay.coords(rank)["dp"]
-    b_dest = n // d_lay.dim("dp")
+    b_dest = n // d_lay.axis_size("dp")
     x = torch.randn(B_SRC * S_IMG, H, requires_grad=True)
     part = PartitionAdapter(
         cp_group=dest_grid.get_pg("cp"), tp_group=dest_grid.get_pg("tp"), sequence_parallel=sp

@@ -48,8 +48,8 @@ def _masks(n: int) -> torch.Tensor:
 
 
 def _rank_times() -> list[tuple[float, float]]:
-    src_grid = make_grid(**SRC, dim_names=ORDER, create=())
-    dest_grid = make_grid(**DEST, dim_names=ORDER, create=("cp", "tp"))
+    src_grid = make_grid(**SRC, axis_names=ORDER, create=())
+    dest_grid = make_grid(**DEST, axis_names=ORDER, create=("cp", "tp"))
     masks = _masks(B_SRC * SRC["dp"])
     x = torch.randn(B_SRC * S_IMG, H, requires_grad=True)
     part = PartitionAdapter(

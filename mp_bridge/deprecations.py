@@ -39,6 +39,17 @@ DEPRECATIONS: dict[str, Deprecation] = {
         Deprecation(
             "mp_bridge.grid.make_grid(dim_names=...)", "make_grid(axis_names=...)", "0.3.0"
         ),
+        Deprecation("mp_bridge.comm.cp_factor", "seq_len_divisor(cp)", "0.3.0"),
+        Deprecation(
+            "mp_bridge.comm.ColocatedBridgeCommunicator(src_name=...)",
+            "ColocatedBridgeCommunicator(src_module_name=...) (megatron-core's keyword)",
+            "0.3.0",
+        ),
+        Deprecation(
+            "mp_bridge.comm.ColocatedBridgeCommunicator(dest_name=...)",
+            "ColocatedBridgeCommunicator(dest_module_name=...) (megatron-core's keyword)",
+            "0.3.0",
+        ),
         Deprecation("mp_bridge.checks.check_group_arg", "mp_bridge.checks.check_group", "0.3.0"),
         Deprecation(
             "mp_bridge.models.ColocatedMimoModel(encoder, projection, llm, bridge, partition)",

@@ -120,7 +120,7 @@ class BridgeRun:
 
 def dp_rows(layout: GridLayout, rank: int, batch: int) -> slice:
     """Data contract: the global batch is split over DP in contiguous blocks by DP index."""
-    per = batch // layout.dim("dp")
+    per = batch // layout.axis_size("dp")
     i = layout.coords(rank)["dp"]
     return slice(i * per, (i + 1) * per)
 
@@ -152,7 +152,7 @@ def run_bridge(
         y = from_map(bridge.communicate(x))
     if y.dtype != dtype or not torch.equal(y, x_all[dp_rows(dest, rank, batch)]):
         problems.append(f"{src} -> {dest}: forward is not the dest shard")
-    cp, c = dest.dim("cp"), dest.coords(rank).get("cp", 0)
+    cp, c = dest.axis_size("cp"), dest.coords(rank).get("cp", 0)
     idx = ref_cut(torch.arange(seq), 0, cp, c).to(y.device)
     w_dest = w_all[dp_rows(dest, rank, batch)]
     with CollectiveCounter() as bwd:
@@ -174,8 +174,8 @@ def bridge_mismatches(
 
     ``layouts``: hand the communicator ``GridLayout``s instead of the grids.
     """
-    src_grid = make_grid(**src, rank_offset=offset, dim_names=src_order, create=())
-    dest_grid = make_grid(**dest, rank_offset=offset, dim_names=dest_order, create=())
+    src_grid = make_grid(**src, rank_offset=offset, axis_names=src_order, create=())
+    dest_grid = make_grid(**dest, rank_offset=offset, axis_names=dest_order, create=())
     sl, dl = GridLayout.from_grid(src_grid), GridLayout.from_grid(dest_grid)
     args = (sl, dl) if layouts else (src_grid, dest_grid)
     with ColocatedBridgeCommunicator(*args, dim_mapping=mapping) as bridge:

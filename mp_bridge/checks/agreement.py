@@ -22,11 +22,14 @@ measured cost. ``always=True`` (the model step) checks whatever the variable say
 Tools that observe collectives (``mp_bridge.testing.CollectiveCounter``) ask
 :func:`in_agreement_check` to tell this check's collectives from the operation's own.
 
-Two exchanges stay outside this mechanism because they carry data the call itself needs,
+Three exchanges stay outside this mechanism because they carry data the call itself needs,
 not only a verdict: the bridge's per-sample count rows (``comm/bridge/counts.py``: every
 rank of the world needs every replica's counts to compare encoder samples with LLM image
-positions) and the ragged FAN_IN header (``comm/bridge/ragged.py``: each member's token
-count sizes the gather's output). Both raise the same error on every rank, as here.
+positions), the ragged FAN_IN header (``comm/bridge/ragged.py``: each member's token
+count sizes the gather's output) and the image balancer's count rows
+(``comm/bridge/balance.py``: the plan is made from every replica's counts; the row carries
+a code of the frozen ``BalanceSpec``, compared through ``agree`` when it differs). All
+raise the same error on every rank, as here.
 
 What it cannot see: a rank that never calls the check (e.g. ``masked_mean`` given the
 group on one rank only). Under ``MP_BRIDGE_CHECK=1`` the ranks that did call it wait at

@@ -37,6 +37,9 @@ ENTRY_POINTS: dict[str, str] = {
     "mp_bridge.comm.ColocatedBridgeCommunicator.communicate_ragged": "bridge",
     "mp_bridge.comm.ColocatedBridgeCommunicator.route": "bridge",
     "mp_bridge.comm.exchange_rows": "bridge",
+    "mp_bridge.comm.ImageBalancer.plan": "bridge",
+    "mp_bridge.comm.ImageBalancer.balance": "bridge",
+    "mp_bridge.comm.ImageBalancer.restore": "bridge",
     # comm: sequence
     "mp_bridge.comm.PartitionAdapter.shard": "sequence",
     "mp_bridge.comm.PartitionAdapter.unshard": "sequence",
@@ -58,7 +61,7 @@ ENTRY_POINTS: dict[str, str] = {
     "mp_bridge.models.make_mimo_groups": "models",
     "mp_bridge.models.build_colocated_mimo": "models",
     "mp_bridge.models.ColocatedMimoModel.forward": "models",
-    "mp_bridge.models.ColocatedMimoModel.check_step": "models",
+    "mp_bridge.models.ColocatedMimoModel.parse_and_agree": "models",
     "mp_bridge.models.ColocatedMimoModel.sync_gradients": "models",
 }
 

@@ -15,6 +15,8 @@ from mp_bridge.checks.agreement import (
     fingerprint,
     run_checked,
 )
+from mp_bridge.comm.bridge.balance import ImageBalancer
+from mp_bridge.comm.bridge.balance_plan import BalancePlan, plan_balance
 from mp_bridge.comm.bridge.communicator import ColocatedBridgeCommunicator
 from mp_bridge.comm.bridge.counts import CountRow, check_sample_counts
 from mp_bridge.comm.bridge.groups import BridgeGroups, make_bridge_groups
@@ -89,6 +91,9 @@ __all__ = [
     "route_groups",
     "route_needs",
     "RouteCache",
+    "ImageBalancer",
+    "BalancePlan",
+    "plan_balance",
     "CountRow",
     "check_sample_counts",
     "format_rank_table",

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from mp_bridge.checks import agree, check_bool, check_group, check_tensor
+from mp_bridge.checks import agree, agreed, check_bool, check_group, check_tensor
 from mp_bridge.comm import (
     PaddedLayout,
     gather_kv,
@@ -124,9 +124,10 @@ def _parse_packed(cu_seqlens: object, cp: int, s_local: int) -> PaddedLayout | N
     if isinstance(cu_seqlens, PaddedLayout):
         return cu_seqlens if cu_seqlens.packed else None
     bounds = normalize_cu_seqlens(cu_seqlens, seq_len_divisor(cp), total=s_local * cp)
-    return PaddedLayout(bounds[-1], bounds[-1], tuple(bounds), tuple(bounds), cp, 1)
+    return PaddedLayout.of_documents(bounds, cp)
 
 
+@agreed("mp_bridge.layers.context_parallel_attention")
 def context_parallel_attention(
     q: torch.Tensor,
     k: torch.Tensor,

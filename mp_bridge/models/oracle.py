@@ -203,10 +203,10 @@ def run_parity(
     init_state = {k: v.clone() for k, v in reference.state_dict().items()}
 
     enc_grid = make_grid(
-        tp=encoder_tp, dp=encoder_dp, dim_names=encoder_axis_names, create=("tp", "dp")
+        tp=encoder_tp, dp=encoder_dp, axis_names=encoder_axis_names, create=("tp", "dp")
     )
     llm_grid = make_grid(
-        tp=llm_tp, cp=llm_cp, dp=llm_dp, dim_names=llm_axis_names,
+        tp=llm_tp, cp=llm_cp, dp=llm_dp, axis_names=llm_axis_names,
         create=("tp", "cp", "dp", ("dp", "cp")),
     )  # fmt: skip
     model = build_colocated_mimo(

@@ -46,7 +46,7 @@ class RaggedBatch:
         self.W = torch.randn(total, *rest, generator=gen).to(device)
 
     def samples(self, layout: GridLayout, rank: int) -> range:
-        per = len(self.counts) // layout.dim("dp")
+        per = len(self.counts) // layout.axis_size("dp")
         dp = layout.coords(rank)["dp"]
         return range(dp * per, (dp + 1) * per)
 
@@ -56,8 +56,8 @@ class RaggedBatch:
 
 
 def grids(src: dict, dest: dict, *, src_order=ORDER, dest_order=ORDER):
-    return make_grid(**src, dim_names=src_order, create=()), make_grid(
-        **dest, dim_names=dest_order, create=("cp",)
+    return make_grid(**src, axis_names=src_order, create=()), make_grid(
+        **dest, axis_names=dest_order, create=("cp",)
     )
 
 
@@ -76,7 +76,7 @@ def check_ragged(
     device, rank = current_device(), dist.get_rank()
     src_grid, dest_grid = grids(src, dest, **orders)
     s_lay, d_lay = GridLayout.from_grid(src_grid), GridLayout.from_grid(dest_grid)
-    cp, cd = d_lay.dim("cp"), d_lay.coords(rank).get("cp", 0)
+    cp, cd = d_lay.axis_size("cp"), d_lay.coords(rank).get("cp", 0)
     batch = RaggedBatch(counts, rest, device)
     src_tok, dest_tok = batch.tokens(s_lay, rank), batch.tokens(d_lay, rank)
     local = [counts[s] for s in batch.samples(s_lay, rank)]
@@ -144,7 +144,7 @@ def _cp_owned_mask(batch, s_lay, d_lay, rank, cd, cp, rest) -> torch.Tensor:
     """1 on ``rank``'s src tokens whose dest position j (in the dest batch holding them)
     has ``j % cp == cd``: the gradient a CP rank would pass back without the all-reduce."""
     src_tok = batch.tokens(s_lay, rank)
-    per = len(batch.counts) // d_lay.dim("dp")
+    per = len(batch.counts) // d_lay.axis_size("dp")
     mask = []
     for t in range(src_tok.start, src_tok.stop):
         sample = next(s for s in range(len(batch.counts)) if batch.starts[s + 1] > t)
@@ -162,7 +162,7 @@ def check_double_backward(src: dict, dest: dict, counts: list[int]) -> None:
     device, rank = current_device(), dist.get_rank()
     src_grid, dest_grid = grids(src, dest)
     s_lay, d_lay = GridLayout.from_grid(src_grid), GridLayout.from_grid(dest_grid)
-    cp, cd = d_lay.dim("cp"), d_lay.coords(rank).get("cp", 0)
+    cp, cd = d_lay.axis_size("cp"), d_lay.coords(rank).get("cp", 0)
     batch = RaggedBatch(counts, (H,), device)
     V = torch.randn(batch.X.shape, generator=torch.Generator().manual_seed(5)).to(device)
     src_tok, dest_tok = batch.tokens(s_lay, rank), batch.tokens(d_lay, rank)

@@ -47,7 +47,7 @@ class RouteBatch:
         self.packed = packed
 
     def samples(self, layout: GridLayout, rank: int) -> range:
-        per = len(self.lengths) // layout.dim("dp")
+        per = len(self.lengths) // layout.axis_size("dp")
         dp = layout.coords(rank)["dp"]
         return range(dp * per, (dp + 1) * per)
 
@@ -104,8 +104,8 @@ def ref_local_tokens(lengths, packed, cp, c, pieces, t):
 
 
 def grids(src: dict, dest: dict):
-    src_grid = make_grid(**src, dim_names=ORDER, create=())
-    return src_grid, make_grid(**dest, dim_names=ORDER, create=("cp", "tp"))
+    src_grid = make_grid(**src, axis_names=ORDER, create=())
+    return src_grid, make_grid(**dest, axis_names=ORDER, create=("cp", "tp"))
 
 
 def check_route(src: dict, dest: dict, n_samples: int, *, direction: str, sp: bool, packed: bool):
@@ -115,7 +115,7 @@ def check_route(src: dict, dest: dict, n_samples: int, *, direction: str, sp: bo
     src_grid, dest_grid = grids(src, dest)
     s_lay, d_lay = GridLayout.from_grid(src_grid), GridLayout.from_grid(dest_grid)
     dc = d_lay.coords(rank)
-    cp, tp = d_lay.dim("cp"), d_lay.dim("tp")
+    cp, tp = d_lay.axis_size("cp"), d_lay.axis_size("tp")
     pieces = tp if sp and tp > 1 else 1
     s_samples, d_samples = batch.samples(s_lay, rank), batch.samples(d_lay, rank)
     x = batch.X[batch.token_rows(s_samples)].clone().requires_grad_()

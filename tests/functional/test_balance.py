@@ -64,7 +64,7 @@ def _params(seed: int = 11):
 
 
 def _grid(tp: int, dp: int):
-    return make_grid(tp=tp, dp=dp, dim_names=ORDER, create=("tp", "dp"))
+    return make_grid(tp=tp, dp=dp, axis_names=ORDER, create=("tp", "dp"))
 
 
 def _row_bytes(width: int) -> int:

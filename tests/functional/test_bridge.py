@@ -37,8 +37,8 @@ ORDER = ("tp", "cp", "pp", "dp")
 
 
 def _grids(src, dest, *, src_order=ORDER, dest_order=ORDER, dest_groups=("cp",)):
-    src_grid = make_grid(**src, dim_names=src_order, create=())
-    dest_grid = make_grid(**dest, dim_names=dest_order, create=dest_groups)
+    src_grid = make_grid(**src, axis_names=src_order, create=())
+    dest_grid = make_grid(**dest, axis_names=dest_order, create=dest_groups)
     return src_grid, dest_grid
 
 
@@ -62,8 +62,8 @@ def _check_case(src, dest, direction, scale, *, flat=False, noncontig=False, **g
         assert not torch.equal(run.grad_without_cp_reduce, run.expected_grad)
     fwd, bwd = run.forward, run.backward
     # Collective budget (DESIGN.md) and bytes received, exactly.
-    m = (B // GridLayout.from_grid(src_grid).dim("dp")) * S * H * 4  # src shard bytes
-    m_dest = (B // GridLayout.from_grid(dest_grid).dim("dp")) * S * H * 4
+    m = (B // GridLayout.from_grid(src_grid).axis_size("dp")) * S * H * 4  # src shard bytes
+    m_dest = (B // GridLayout.from_grid(dest_grid).axis_size("dp")) * S * H * 4
     want_fwd = {"all_gather": 1} if direction is BridgeDirection.FAN_IN else {}
     want_bwd = {"all_gather": 1} if direction is BridgeDirection.FAN_OUT else {}
     if cp > 1:

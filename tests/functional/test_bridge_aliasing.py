@@ -40,7 +40,7 @@ def _layout(tp=1, cp=1, dp=1) -> GridLayout:
 
 
 def _rows(layout: GridLayout, rank: int) -> slice:
-    per = B // layout.dim("dp")
+    per = B // layout.axis_size("dp")
     dp = layout.coords(rank)["dp"]
     return slice(dp * per, (dp + 1) * per)
 
@@ -57,7 +57,7 @@ def _check(src: GridLayout, dest: GridLayout, direction: BridgeDirection) -> Non
     gen = torch.Generator().manual_seed(11)
     X = torch.randn(B, S, H, generator=gen).to(device)
     W = torch.randn(B, S, H, generator=gen).to(device)
-    cp, cp_rank = dest.dim("cp"), dest.coords(rank)["cp"]
+    cp, cp_rank = dest.axis_size("cp"), dest.coords(rank)["cp"]
     index = _cp_index(cp, cp_rank).to(device)
     for flat in (False, True):
         mapping = {"b": 0, "h": 1} if flat else None
@@ -127,7 +127,7 @@ def test_no_grad_output_is_owned_too():
     rank = dist.get_rank()
     for src, dest, _ in CASES.values():
         with ColocatedBridgeCommunicator(src, dest) as bridge:
-            x = torch.full((B // src.dim("dp"), S, H), float(rank), device=current_device())
+            x = torch.full((B // src.axis_size("dp"), S, H), float(rank), device=current_device())
             with torch.no_grad():
                 bridge.communicate(x).zero_()
             assert torch.equal(x, torch.full_like(x, float(rank)))

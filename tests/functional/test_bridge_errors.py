@@ -23,7 +23,7 @@ ORDER = ("tp", "cp", "pp", "dp")
 
 
 def _grids(src, dest, *, src_order=ORDER, dest_groups=("cp",)):
-    src_grid = make_grid(**src, dim_names=src_order, create=())
+    src_grid = make_grid(**src, axis_names=src_order, create=())
     dest_grid = make_grid(**dest, create=dest_groups)
     return src_grid, dest_grid
 

@@ -45,11 +45,11 @@ LITERAL_GRIDS = {
     ),
     # dp fastest: rank = d + 4·t.
     "dp_first_tp2_dp4": (
-        dict(tp=2, dp=4, dim_names=("dp", "tp", "cp", "pp")),
+        dict(tp=2, dp=4, axis_names=("dp", "tp", "cp", "pp")),
         {"tp": [[0, 4], [1, 5], [2, 6], [3, 7]], "dp": [[0, 1, 2, 3], [4, 5, 6, 7]]},
     ),
     "tp4_dp2_two_axes": (
-        dict(tp=4, dp=2, dim_names=("tp", "dp")),
+        dict(tp=4, dp=2, axis_names=("tp", "dp")),
         {"tp": [[0, 1, 2, 3], [4, 5, 6, 7]], "dp": [[0, 4], [1, 5], [2, 6], [3, 7]]},
     ),
 }
@@ -67,7 +67,7 @@ def test_groups_hold_the_written_ranks(kwargs, groups):
 @world.case
 def test_default_order_is_tp_cp_pp_dp():
     layout = GridLayout.from_grid(make_grid(tp=2, cp=2, dp=2, create=()))
-    assert layout.dim_names == ("tp", "cp", "pp", "dp")
+    assert layout.axis_names == ("tp", "cp", "pp", "dp")
 
 
 @world.case
@@ -83,9 +83,9 @@ def test_world_too_small_is_a_clear_error():
     with pytest.raises(ValueError, match=r"needs 16 ranks .* world has only 8"):
         make_grid(tp=2, dp=8)
     with pytest.raises(ValueError, match=r"omits \['cp'\], whose sizes are not 1"):
-        make_grid(tp=2, cp=2, dim_names=("tp", "dp"))
+        make_grid(tp=2, cp=2, axis_names=("tp", "dp"))
     with pytest.raises(ValueError, match=r"unknown axes \['ep'\]"):
-        make_grid(tp=2, dim_names=("tp", "ep"))
+        make_grid(tp=2, axis_names=("tp", "ep"))
     with pytest.raises(ValueError, match="not both"):
         make_grid(tp=2, create=["tp"], groups=["tp"])
     with pytest.raises(ValueError, match=r"unknown axis name\(s\) \['ep'\]"):
@@ -95,11 +95,11 @@ def test_world_too_small_is_a_clear_error():
 @world.case
 def test_positional_sizes_subset_dim_names_and_groups_alias():
     # DESIGN.md spells make_grid(tp, cp, pp, dp, *, groups=...); a 2-axis grid needs no cp.
-    grid = make_grid(2, 1, 1, 4, dim_names=("tp", "dp"), groups=[("tp", "dp")])
+    grid = make_grid(2, 1, 1, 4, axis_names=("tp", "dp"), groups=[("tp", "dp")])
     layout = GridLayout.from_grid(grid)
     assert layout == GridLayout((2, 4), ("tp", "dp"))
     assert _members(grid.get_pg(["tp", "dp"])) == list(range(8))
-    default = make_grid(tp=4, dp=2, dim_names=("tp", "dp"))  # creates tp and dp only
+    default = make_grid(tp=4, dp=2, axis_names=("tp", "dp"))  # creates tp and dp only
     assert _members(default.get_pg("tp")) == _written_group(
         [[0, 1, 2, 3], [4, 5, 6, 7]], dist.get_rank()
     )
@@ -131,7 +131,7 @@ def test_make_grid_errors_name_the_argument_and_dp_first_groups_on_four_ranks():
         make_grid(dp=2.0)
     with pytest.raises(ValueError, match="needs 8 ranks .* world has only 4"):
         make_grid(tp=4, dp=2)
-    grid = make_grid(tp=2, dp=2, dim_names=("dp", "tp"), groups=("tp",))
+    grid = make_grid(tp=2, dp=2, axis_names=("dp", "tp"), groups=("tp",))
     # dp fastest: rank = d + 2·t, so a TP group holds ranks d and d + 2.
     want = _written_group([[0, 2], [1, 3]], dist.get_rank())
     assert _members(grid.get_pg("tp")) == want

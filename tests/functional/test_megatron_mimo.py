@@ -135,9 +135,9 @@ def _coords(grid, axis: str) -> int:
 
 
 def _grids(enc, llm, llm_order=("tp", "cp", "pp", "dp")):
-    enc_grid = make_grid(**enc, dim_names=("tp", "cp", "pp", "dp"), create=())
+    enc_grid = make_grid(**enc, axis_names=("tp", "cp", "pp", "dp"), create=())
     llm_grid = make_grid(
-        **llm, dim_names=llm_order, create=("tp", "cp", "pp", "dp", ("dp", "cp"), ("tp", "cp"))
+        **llm, axis_names=llm_order, create=("tp", "cp", "pp", "dp", ("dp", "cp"), ("tp", "cp"))
     )
     return enc_grid, llm_grid
 

@@ -60,6 +60,10 @@ DP4__CP2_DP2 = {
 }
 
 
+#: The deprecated constructor form's warning (its row of mp_bridge.deprecations).
+LEGACY_FORM = r"ColocatedMimoModel\(encoder, projection, llm, bridge, partition\) is deprecated"
+
+
 @world.case
 def test_groups_created_on_bare_grids_hold_the_hand_written_ranks_and_destroy_frees_all():
     before = _live_groups()
@@ -86,7 +90,11 @@ def test_groups_the_grids_hold_are_reused():
     groups = make_mimo_groups(enc, llm)
     assert _members(groups) == TP2_DP2__TP2_CP2[dist.get_rank()]
     assert groups.encoder_dp is enc.get_pg("dp") and groups.llm_dp_cp is llm.get_pg(["dp", "cp"])
-    # only the bridge's gather group (FAN_IN 2 -> 1) and route group (the LLM replica)
+    # only the bridge's gather group (FAN_IN 2 -> 1): the route group is made on the first
+    # route (the routed flow's first step), so a gather-flow model never pays for it
+    assert _live_groups() == before + 1
+    groups.bridge.prepare_route()  # the route group (the LLM replica), once
+    groups.bridge.prepare_route()
     assert _live_groups() == before + 2
     groups.destroy()
 
@@ -123,7 +131,7 @@ def test_plain_model_creates_no_group_and_names_a_missing_one():
     before = _live_groups()
     # The deprecated form (bridge, partition) still works for one release, with a warning.
     with (
-        pytest.warns(DeprecationWarning, match=r"make_mimo_groups\(encoder_grid"),
+        pytest.warns(DeprecationWarning, match=LEGACY_FORM),
         pytest.raises(
             ValueError, match=r"llm_dp_cp_group was not given and grid .* no \['dp', 'cp'\]"
         ),
@@ -131,7 +139,7 @@ def test_plain_model_creates_no_group_and_names_a_missing_one():
         ColocatedMimoModel(*parts, image_token_id=CFG.image_token_id)
     dp_cp = llm.create_pg(["dp", "cp"])  # collective: every rank, as the grid contract says
     before = _live_groups()
-    with pytest.warns(DeprecationWarning, match=r"make_mimo_groups\(encoder_grid"):
+    with pytest.warns(DeprecationWarning, match=LEGACY_FORM):
         model = ColocatedMimoModel(*parts, image_token_id=CFG.image_token_id)
     assert _live_groups() == before
     assert model.llm_dp_cp_group is dp_cp and model.encoder_dp_group is enc.get_pg("dp")
@@ -149,7 +157,7 @@ def test_make_mimo_groups_refuses_a_layout_before_any_group():
         )
     with pytest.raises(ValueError, match=r"do not nest"):
         make_mimo_groups(
-            make_grid(tp=2, dp=2, dim_names=("dp", "tp", "cp", "pp"), create=()),
+            make_grid(tp=2, dp=2, axis_names=("dp", "tp", "cp", "pp"), create=()),
             make_grid(tp=2, dp=2, create=()),
         )
     assert _live_groups() == before

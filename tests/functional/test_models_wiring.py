@@ -64,8 +64,10 @@ def _shards(batch, enc, llm):
     rank = dist.get_rank()
     e, d = (GridLayout.from_grid(g) for g in (enc, llm))
     ed, ld = e.coords(rank)["dp"], d.coords(rank)["dp"]
-    text = [dp_shard(t, ld, d.dim("dp")) for t in (batch.input_ids, batch.labels, batch.loss_mask)]
-    return text, dp_shard(batch.images, ed, e.dim("dp"))
+    text = [
+        dp_shard(t, ld, d.axis_size("dp")) for t in (batch.input_ids, batch.labels, batch.loss_mask)
+    ]
+    return text, dp_shard(batch.images, ed, e.axis_size("dp"))
 
 
 def _rel(got: torch.Tensor, want: torch.Tensor) -> float:

@@ -244,7 +244,7 @@ def layout_pairs(draw):
 
 def _samples(layout: GridLayout, rank: int, batch: int) -> list[int]:
     """Brute-force data contract: global samples a rank holds (contiguous DP blocks)."""
-    per = batch // layout.dim("dp")
+    per = batch // layout.axis_size("dp")
     dp = layout.coords(rank)["dp"]
     return list(range(dp * per, (dp + 1) * per))
 
@@ -253,7 +253,7 @@ def _samples(layout: GridLayout, rank: int, batch: int) -> list[int]:
 @given(layout_pairs())
 def test_plan_matches_the_data_contract(pair):
     src, dest = pair
-    dps, dpd = src.dim("dp"), dest.dim("dp")
+    dps, dpd = src.axis_size("dp"), dest.axis_size("dp")
     assume(dps % dpd == 0 or dpd % dps == 0)
     batch = 2 * max(dps, dpd)
     held = {r: (_samples(src, r, batch), _samples(dest, r, batch)) for r in src.ranks}
@@ -277,7 +277,7 @@ def test_plan_matches_the_data_contract(pair):
     cp_members = sorted(r for g in plan.cp_groups for r in g)
     assert cp_members == list(src.ranks)
     for g in plan.cp_groups:
-        assert len(g) == dest.dim("cp")
+        assert len(g) == dest.axis_size("cp")
         assert len({(dest.coords(r)["tp"], dest.coords(r)["dp"]) for r in g}) == 1
 
     for r in src.ranks:

@@ -88,7 +88,7 @@ def test_defaults_pass_every_check_for_any_world(world):
     enc, llm = _validate(args)  # raises on a layout the demo cannot run
     assert (
         args.batch_size >= 8
-        and args.batch_size % enc.dim("dp") == args.batch_size % llm.dim("dp") == 0
+        and args.batch_size % enc.axis_size("dp") == args.batch_size % llm.axis_size("dp") == 0
     )
 
 
@@ -96,7 +96,7 @@ def test_written_axis_order_is_the_grid_order():
     # `mp-bridge plan` and the demo read a spec the same way: first axis written = fastest.
     args = _args(world=8, encoder="dp=4,tp=2", llm="dp=4,tp=2")
     enc, llm = _validate(args)
-    assert enc.dim_names[:2] == ("dp", "tp") and enc.coords(1) == {"dp": 1, "tp": 0}
+    assert enc.axis_names[:2] == ("dp", "tp") and enc.coords(1) == {"dp": 1, "tp": 0}
     args = _args(world=8, encoder="dp=4,tp=2", llm="tp=2,cp=2,dp=2")
     with pytest.raises(ValueError, match="layouts do not nest: rank 2"):
         _validate(args)

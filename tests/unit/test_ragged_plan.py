@@ -145,7 +145,7 @@ def _bridgeable_layouts() -> list[tuple[GridLayout, GridLayout]]:
 
 def _block(layout: GridLayout, rank: int, batch: int) -> range:
     """Contract: samples of ``rank`` = contiguous block number dp of batch/DP samples."""
-    per = batch // layout.dim("dp")
+    per = batch // layout.axis_size("dp")
     dp = layout.coords(rank)["dp"]
     return range(dp * per, (dp + 1) * per)
 
@@ -167,7 +167,7 @@ def _pieces(tokens: list[int], slot_tokens: tuple[int, ...]) -> list[list[int]]:
 def test_routes_match_the_data_contract(data):
     src, dest = data.draw(st.sampled_from(_bridgeable_layouts()))
     plan = plan_bridge(src, dest)
-    dps, dpd = src.dim("dp"), dest.dim("dp")
+    dps, dpd = src.axis_size("dp"), dest.axis_size("dp")
     batch = math.lcm(dps, dpd) * data.draw(st.integers(0, 3))
     counts = data.draw(st.lists(st.integers(0, 5), min_size=batch, max_size=batch))
     if batch and data.draw(st.booleans()):  # one src rank holds only text-only samples

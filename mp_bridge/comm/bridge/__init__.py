@@ -1,7 +1,9 @@
-"""The colocated bridge: pure plans (dense, ragged, routed), the communicator that executes
-them, and the per-sample count check.
+"""The colocated bridge: pure plans (dense, ragged, routed, balanced), the communicator that
+executes them, the encoder image balancer, and the per-sample count check.
 """
 
+from .balance import ImageBalancer
+from .balance_plan import BalancePlan, plan_balance
 from .communicator import ColocatedBridgeCommunicator
 from .counts import (
     ROW_SIZE,
@@ -28,6 +30,9 @@ from .route_plan import (
 from .stage_plan import Piece, StageDelivery, Transfer, plan_stage_delivery
 
 __all__ = [
+    "BalancePlan",
+    "ImageBalancer",
+    "plan_balance",
     "ColocatedBridgeCommunicator",
     "ROW_SIZE",
     "CountRow",

@@ -41,6 +41,7 @@ import torch.distributed as dist
 from mp_bridge.checks import (
     FrozenSpec,
     agree,
+    agreed,
     check_float,
     check_group,
     check_int,
@@ -52,7 +53,7 @@ from mp_bridge.comm.bridge.balance_plan import BalancePlan, image_costs, plan_ba
 from mp_bridge.comm.bridge.route_plan import RouteCache
 from mp_bridge.comm.collectives.primitives import all_gather_tensor, group_rank, group_size
 
-__all__ = ["BalanceSpec", "ImageBalancer", "move_images", "return_images"]
+__all__ = ["BalanceSpec", "ImageBalancer", "RestoreSpec", "move_images", "return_images"]
 
 HEADER = ("rank", "replica", "images", "tokens", "counts print", "spec code", "costs print")
 _WHERE = "ImageBalancer.balance"
@@ -107,6 +108,17 @@ def _local_costs(costs: object, n: int) -> torch.Tensor | None:
             f"pass one finite cost >= 0 per image of this replica, shape ({n},)"
         )
     return flat
+
+
+@dataclass(frozen=True)
+class RestoreSpec(FrozenSpec):
+    """What the replicas of one :meth:`ImageBalancer.restore` compare: the rows' shape and
+    dtype, and the plan (every replica's counts and where each image was encoded)."""
+
+    row_shape: tuple[int, ...]
+    dtype: str
+    tokens: tuple[tuple[int, ...], ...]
+    dest: tuple[tuple[int, ...], ...]
 
 
 def count_row(rank, replica, counts, costs, spec: BalanceSpec) -> list[int]:
@@ -296,6 +308,7 @@ class ImageBalancer:
         name = "t^2+c*t" if self.cost is None else getattr(self.cost, "__qualname__", "cost")
         return BalanceSpec(self.c, name, tuple(x.shape[1:]), str(x.dtype), self.cap)
 
+    @agreed("mp_bridge.comm.ImageBalancer.plan")
     def plan(
         self, x: torch.Tensor, tokens_per_image: object, *, costs: torch.Tensor | None = None
     ) -> BalancePlan:
@@ -315,6 +328,7 @@ class ImageBalancer:
         key = (tokens, self.c, None if flat is None else flat.numpy().tobytes())
         return self.cache.get(key, lambda: plan_balance(tokens, c=self.c, cost=flat))
 
+    @agreed("mp_bridge.comm.ImageBalancer.balance")
     def balance(
         self, x: torch.Tensor, tokens_per_image: object, *, costs: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, BalancePlan]:
@@ -323,6 +337,13 @@ class ImageBalancer:
         plan = self.plan(x, tokens_per_image, costs=costs)
         return move_images(x, plan, self.replica, self.dp_group), plan
 
+    @agreed("mp_bridge.comm.ImageBalancer.restore")
     def restore(self, y: torch.Tensor, plan: BalancePlan) -> torch.Tensor:
-        """Per-row results ``[T_after, *rest]`` back to the source order ``[T_before, *rest]``."""
+        """Per-row results ``[T_after, *rest]`` back to the source order ``[T_before, *rest]``.
+
+        The replicas agree (over ``dp_group``) on the rows' shape and dtype and on the
+        plan (:class:`RestoreSpec`) before the move."""
+        _check_rows("y", y, sum(plan.tokens_after(self.replica)), "the encoded")
+        spec = RestoreSpec(tuple(y.shape[1:]), str(y.dtype), plan.tokens, plan.dest)
+        agree("ImageBalancer.restore", self.dp_group, spec, device=y.device)
         return return_images(y, plan, self.replica, self.dp_group)

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from mp_bridge.checks import agree, check_tensor
+from mp_bridge.checks import FrozenSpec, agree, agreed, check_tensor
 from mp_bridge.comm.bridge.dense import bridge_dense, check_dim_mapping
 from mp_bridge.comm.bridge.groups import BridgeGroups, make_bridge_groups
 from mp_bridge.comm.bridge.names import bridge_names
@@ -45,6 +45,20 @@ class _RowsSpec:
         return {"x.shape": self.shape, "x.dtype": self.dtype, "x.device": self.device}
 
 
+@dataclass(frozen=True)
+class _BuildSpec(FrozenSpec):
+    """What every rank of the world builds the communicator with: both layouts (shape,
+    axis names, offset) and the dim mapping (names only label messages: not compared)."""
+
+    src: tuple[tuple[int, ...], tuple[str, ...], int]
+    dest: tuple[tuple[int, ...], tuple[str, ...], int]
+    dim_mapping: tuple[tuple[str, int], ...]
+
+
+def _layout_key(layout: GridLayout) -> tuple[tuple[int, ...], tuple[str, ...], int]:
+    return tuple(layout.shape), tuple(layout.axis_names), layout.rank_offset
+
+
 class ColocatedBridgeCommunicator:
     """Move an activation from ``src_grid``'s layout (TP×DP) to ``dest_grid``'s (TP×CP×DP).
 
@@ -58,7 +72,8 @@ class ColocatedBridgeCommunicator:
     Construction is collective over the whole world: every rank (even one outside the
     grids) builds the communicator with the same arguments, in the same order as its
     other group creations. It validates the layouts (``plan_bridge``) and ``dim_mapping``
-    before creating any group, then makes the gather groups, the dest CP group and the
+    and agrees on them over the world (:class:`_BuildSpec`) before creating any group,
+    then makes the gather groups, the dest CP group and the
     world group (:mod:`mp_bridge.comm.bridge.groups`, which says who owns which), and ends
     with one world barrier. The route groups are made on the first ``route`` (every rank of
     the grids calls it) or by ``prepare_route()``, which a rank outside the grids must call
@@ -81,6 +96,7 @@ class ColocatedBridgeCommunicator:
     the groups it made.
     """
 
+    @agreed("mp_bridge.comm.ColocatedBridgeCommunicator.__init__")
     def __init__(
         self,
         src_grid: Any,
@@ -112,6 +128,10 @@ class ColocatedBridgeCommunicator:
         self.src_grid, self.dest_grid = src_grid, dest_grid
         self._route_cache = RouteCache(maxsize=8)
         self._destroyed = False
+        spec = _BuildSpec(
+            _layout_key(src), _layout_key(dest), tuple(sorted(self._dim_mapping.items()))
+        )
+        agree("ColocatedBridgeCommunicator.__init__", dist.group.WORLD, spec)
         self._groups: BridgeGroups = make_bridge_groups(
             self._plan, self._rank, self._world, parts=("dense", "world"), dest_grid=dest_grid
         )
@@ -173,6 +193,7 @@ class ColocatedBridgeCommunicator:
         make_bridge_groups(self._plan, self._rank, self._world, parts=("route",), into=self._groups)
 
     # ------------------------------------------------------------------ execution
+    @agreed("mp_bridge.comm.ColocatedBridgeCommunicator.communicate")
     def communicate(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's src shard -> its dest shard (autograd-aware; see class docstring)."""
         self._enter("communicate")
@@ -205,6 +226,7 @@ class ColocatedBridgeCommunicator:
 
     __call__ = communicate
 
+    @agreed("mp_bridge.comm.ColocatedBridgeCommunicator.communicate_ragged")
     def communicate_ragged(
         self, x: torch.Tensor, tokens_per_sample: torch.Tensor | Sequence[int]
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -247,6 +269,7 @@ class ColocatedBridgeCommunicator:
             cp_group=self._groups.cp,
         )
 
+    @agreed("mp_bridge.comm.ColocatedBridgeCommunicator.route")
     def route(
         self,
         x: torch.Tensor,

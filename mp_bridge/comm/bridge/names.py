@@ -8,19 +8,15 @@ keywords in the same positions, so it can replace megatron's unchanged. ``src_na
 
 from __future__ import annotations
 
-import warnings
+from mp_bridge.deprecations import warn_deprecated
 
 __all__ = ["bridge_names"]
 
 
 def _one(canonical: str, value: object, old: str, old_value: object, default: str) -> str:
     if old_value is not None:
-        warnings.warn(
-            f"ColocatedBridgeCommunicator({old}=...) is deprecated; pass {canonical}= "
-            f"(megatron-core's keyword)",
-            DeprecationWarning,
-            stacklevel=4,
-        )
+        # user -> __init__ -> bridge_names -> _one -> warn_deprecated -> warnings.warn
+        warn_deprecated(f"mp_bridge.comm.ColocatedBridgeCommunicator({old}=...)", stacklevel=5)
         if value is not None and value != old_value:
             raise ValueError(
                 f"{old}={old_value!r} and its megatron spelling {canonical}={value!r} "

@@ -33,11 +33,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from mp_bridge.checks import is_int
+from mp_bridge.checks import FrozenSpec, agree, agreed, is_int
 from mp_bridge.comm.bridge.plan import BridgeDirection, BridgePlan
 from mp_bridge.comm.bridge.ragged_plan import check_member_headers, route_ragged
 from mp_bridge.comm.collectives.primitives import (
@@ -103,6 +104,18 @@ def _short(values: list[int]) -> str:
 
 
 # ------------------------------------------------------- plain (non-autograd) exchange
+@dataclass(frozen=True)
+class _ExchangeSpec(FrozenSpec):
+    """What the members of one :func:`exchange_rows` compare: every member's row count
+    (the same list on each), the row shape, the dtype and the number of counts."""
+
+    slot_rows: tuple[int, ...]
+    row_shape: tuple[int, ...]
+    dtype: torch.dtype
+    counts: int | None
+
+
+@agreed("mp_bridge.comm.exchange_rows")
 def exchange_rows(
     x: torch.Tensor,
     group: dist.ProcessGroup | None,
@@ -124,6 +137,9 @@ def exchange_rows(
             f"({group_size(group)}), with x.shape[0]={x.shape[0]} at this rank's position "
             f"{group_rank(group)}"
         )
+    n = None if counts is None else counts.numel()
+    spec = _ExchangeSpec(tuple(slot_rows), tuple(x.shape[1:]), x.dtype, n)
+    agree("exchange_rows", group, spec, device=x.device)
     if k == 1:  # a single process (group None or of size 1): nothing to exchange
         return x.clone(), None if counts is None else counts.reshape(1, -1).clone()
     rest = tuple(x.shape[1:])

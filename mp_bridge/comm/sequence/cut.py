@@ -15,12 +15,12 @@ Example, ``S = 8``, ``cp = 2`` (chunks of 2)::
 from __future__ import annotations
 
 import operator
-import warnings
 from collections.abc import Sequence
 
 import torch
 
 from mp_bridge.checks import check_bool, check_int
+from mp_bridge.deprecations import warn_deprecated
 
 _COMPLEX = (torch.complex64, torch.complex128)
 
@@ -29,8 +29,10 @@ __all__ = [
     "cp_gather_order",
     "cp_shard_indices",
     "cp_shard_indices_packed",
+    "gather_order_of_bounds",
     "normalize_cu_seqlens",
     "seq_len_divisor",
+    "shard_indices_of_bounds",
 ]
 
 
@@ -59,9 +61,7 @@ def seq_len_divisor(cp_size: int, tp_size: int = 1, *, sequence_parallel: bool =
 
 def cp_factor(cp_size: int) -> int:
     """Deprecated: ``seq_len_divisor(cp_size)`` (``DeprecationWarning``)."""
-    warnings.warn(
-        "cp_factor(cp) is deprecated; use seq_len_divisor(cp)", DeprecationWarning, stacklevel=2
-    )
+    warn_deprecated("mp_bridge.comm.cp_factor")
     return seq_len_divisor(cp_size)
 
 
@@ -160,11 +160,26 @@ def cp_shard_indices_packed(
     """
     cp, rank = _check_cp(cp_size, cp_rank)
     bounds = normalize_cu_seqlens(cu_seqlens, seq_len_divisor(cp))
+    return shard_indices_of_bounds(bounds, cp, rank, device=device)
+
+
+def shard_indices_of_bounds(
+    bounds: Sequence[int], cp: int, rank: int, *, device: torch.device | str | None = None
+) -> torch.Tensor:
+    """:func:`cp_shard_indices_packed` of bounds parsed already (a ``PaddedLayout``'s):
+    no second parse of the same lengths."""
     parts = [
         start + cp_shard_indices(end - start, cp, rank, device=device)
         for start, end in zip(bounds[:-1], bounds[1:])
     ]
     return torch.cat(parts)
+
+
+def gather_order_of_bounds(
+    bounds: Sequence[int], cp: int, *, device: torch.device | str | None = None
+) -> torch.Tensor:
+    """:func:`cp_gather_order` of packed bounds parsed already (a ``PaddedLayout``'s)."""
+    return torch.cat([shard_indices_of_bounds(bounds, cp, r, device=device) for r in range(cp)])
 
 
 def cp_gather_order(
@@ -185,5 +200,5 @@ def cp_gather_order(
         parts = [cp_shard_indices(seq_len, cp, r, device=device) for r in range(cp)]
     else:
         bounds = normalize_cu_seqlens(cu_seqlens, seq_len_divisor(cp), total=seq_len)
-        parts = [cp_shard_indices_packed(bounds, cp, r, device=device) for r in range(cp)]
+        return gather_order_of_bounds(bounds, cp, device=device)
     return torch.cat(parts)

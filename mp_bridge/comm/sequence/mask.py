@@ -19,10 +19,10 @@ from collections.abc import Sequence
 import torch
 
 from mp_bridge.comm.sequence.cut import (
-    cp_gather_order,
-    cp_shard_indices_packed,
+    gather_order_of_bounds,
     normalize_cu_seqlens,
     seq_len_divisor,
+    shard_indices_of_bounds,
 )
 from mp_bridge.comm.sequence.padding import PaddedLayout
 
@@ -68,6 +68,6 @@ def packed_sequence_mask(
 def _mask(bounds: list[int], cp_size: int, cp_rank: int) -> torch.Tensor:
     lengths = torch.tensor([e - a for a, e in zip(bounds[:-1], bounds[1:])])
     seq_of = torch.repeat_interleave(torch.arange(len(lengths)), lengths)
-    q_seq = seq_of[cp_shard_indices_packed(bounds, cp_size, cp_rank)]
-    k_seq = seq_of[cp_gather_order(bounds[-1], cp_size, cu_seqlens=bounds)]
+    q_seq = seq_of[shard_indices_of_bounds(bounds, cp_size, cp_rank)]
+    k_seq = seq_of[gather_order_of_bounds(bounds, cp_size)]
     return q_seq[:, None] == k_seq[None, :]

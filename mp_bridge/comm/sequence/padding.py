@@ -27,9 +27,9 @@ import torch
 
 from mp_bridge.comm.sequence.cut import (
     cp_shard_indices,
-    cp_shard_indices_packed,
     normalize_cu_seqlens,
     seq_len_divisor,
+    shard_indices_of_bounds,
 )
 
 __all__ = ["PaddedLayout", "original_layout", "pad_along", "pad_layout"]
@@ -67,6 +67,16 @@ class PaddedLayout:
         """Whether the layout holds packed documents (``cu_seqlens`` given)."""
         return self.bounds is not None
 
+    @classmethod
+    def of_documents(cls, bounds: Sequence[int], cp: int = 1) -> PaddedLayout:
+        """The layout of packed documents whose ``bounds`` are parsed already
+        (:func:`~mp_bridge.comm.sequence.cut.normalize_cu_seqlens`): no padding, cut for
+        ``cp``. ``cp = 1`` is a batch's documents as given at the door, which
+        :func:`pad_layout` (``PartitionAdapter.shard(cu_seqlens=...)``) pads without
+        parsing them again; ``of_documents([0, 3, 8]).padded_len == 8``."""
+        bounds = tuple(bounds)
+        return cls(bounds[-1], bounds[-1], bounds, bounds, cp, 1)
+
     def cached(self, key: object, make):
         """``make()`` once per ``key`` for this layout (derived tensors reused by layers)."""
         if key not in self._cache:
@@ -100,7 +110,7 @@ class PaddedLayout:
         """Padded positions CP rank ``cp_rank`` keeps, in its local order (the CP cut)."""
         if self.padded_bounds is None:
             return cp_shard_indices(self.padded_len, self.cp, cp_rank, device=device)
-        return cp_shard_indices_packed(self.padded_bounds, self.cp, cp_rank, device=device)
+        return shard_indices_of_bounds(self.padded_bounds, self.cp, cp_rank, device=device)
 
     def shard_of_position(self, device: torch.device | str | None = None) -> torch.Tensor:
         """LongTensor ``[padded_len]``: the shard ``cp_rank·pieces + piece`` holding each
@@ -119,13 +129,15 @@ def pad_layout(
     tp_size: int = 1,
     *,
     sequence_parallel: bool = False,
-    cu_seqlens: Sequence[int] | torch.Tensor | None = None,
+    cu_seqlens: PaddedLayout | Sequence[int] | torch.Tensor | None = None,
 ) -> PaddedLayout:
     """The padded layout of a sequence of ``seq_len`` tokens (see the module docstring).
 
     ``cu_seqlens``: the packed documents' cumulative lengths (any lengths; the last entry
-    must equal ``seq_len``). ``sequence_parallel`` with ``tp_size > 1`` also makes the
-    padded (total) length a multiple of ``tp`` pieces per CP shard.
+    must equal ``seq_len``), or a packed :class:`PaddedLayout` whose original ``bounds``
+    are used as parsed (:meth:`PaddedLayout.of_documents`). ``sequence_parallel`` with
+    ``tp_size > 1`` also makes the padded (total) length a multiple of ``tp`` pieces per
+    CP shard.
     """
     sp = sequence_parallel and tp_size > 1
     pieces = tp_size if sp else 1
@@ -133,7 +145,15 @@ def pad_layout(
     if cu_seqlens is None:
         padded = _round_up(seq_len, total_factor)
         return PaddedLayout(seq_len, padded, None, None, cp_size, pieces)
-    bounds = normalize_cu_seqlens(cu_seqlens, 1, total=seq_len)
+    if isinstance(cu_seqlens, PaddedLayout):  # parsed already: its original documents
+        if not cu_seqlens.packed or cu_seqlens.seq_len != seq_len:
+            raise ValueError(
+                f"{cu_seqlens!r} is not a packed layout of {seq_len} tokens; pass the "
+                f"documents of this batch (PaddedLayout.of_documents) or cu_seqlens"
+            )
+        bounds = list(cu_seqlens.bounds)
+    else:
+        bounds = normalize_cu_seqlens(cu_seqlens, 1, total=seq_len)
     doc_factor = seq_len_divisor(cp_size)
     padded_bounds = [0]
     for a, b in zip(bounds[:-1], bounds[1:]):

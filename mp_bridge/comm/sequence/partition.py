@@ -30,7 +30,7 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
-from mp_bridge.checks import agree, check_bool, check_group, check_int, check_tensor
+from mp_bridge.checks import agree, agreed, check_bool, check_group, check_int, check_tensor
 from mp_bridge.comm.collectives.primitives import (
     gather_along,
     gather_keep_grad,
@@ -50,7 +50,7 @@ from mp_bridge.comm.sequence.specs import ShardSpec, UnshardSpec
 
 __all__ = ["PAD_LABEL", "PartitionAdapter", "ShardedBatch"]
 
-CuSeqlens = Sequence[int] | torch.Tensor
+CuSeqlens = PaddedLayout | Sequence[int] | torch.Tensor
 
 #: Label written at padding tokens (the usual ``ignore_index``).
 PAD_LABEL = -100
@@ -176,6 +176,7 @@ class PartitionAdapter:
         return cp_shard_indices_packed(bounds, self.cp_size, self.cp_rank, device=device)
 
     # ------------------------------------------------------------------------ shard
+    @agreed("mp_bridge.comm.PartitionAdapter.shard")
     def shard(
         self,
         embeddings: torch.Tensor | None = None,
@@ -294,6 +295,7 @@ class PartitionAdapter:
         )
 
     # ---------------------------------------------------------------------- unshard
+    @agreed("mp_bridge.comm.PartitionAdapter.unshard")
     def unshard(
         self,
         x: torch.Tensor,

@@ -8,15 +8,18 @@ are theirs, re-exported); ``forbid_double_backward`` is the one refusal of
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 
 from mp_bridge.checks import (
-    check_agreement,
+    FrozenSpec,
+    agree,
     check_bool,
     check_choice,
     check_float,
-    check_group_arg,
+    check_group,
     is_int,
 )
 from mp_bridge.checks import forbid_double_backward as _forbid_double_backward
@@ -25,6 +28,7 @@ from mp_bridge.layers.vocab_shards import VocabShard
 
 __all__ = [
     "REDUCTIONS",
+    "TPLossSpec",
     "check_bool",
     "check_tp_agreement",
     "check_chunk_size",
@@ -62,7 +66,7 @@ def check_vocab_size(vocab_size: object, padded: int, v_local: int, tp_size: int
 
 def check_shard(v_local: int, vocab_size: object, tp_group: dist.ProcessGroup | None) -> VocabShard:
     """This rank's :class:`VocabShard` of ``v_local`` rows; ``vocab_size`` validated."""
-    check_group_arg("tp_group", tp_group)
+    check_group("tp_group", tp_group)
     tp = group_size(tp_group)
     vocab = check_vocab_size(vocab_size, v_local * tp, v_local, tp)
     return VocabShard.of_rank(tp, v_local, rank=group_rank(tp_group), vocab_size=vocab)
@@ -248,6 +252,27 @@ def check_options(
     return softcap, float(z_loss_weight), ignore_index
 
 
+@dataclass(frozen=True)
+class TPLossSpec(FrozenSpec):
+    """What the TP ranks of one loss call compare: each input's ``(name, shape, dtype)``
+    and the call's ``(name, value)`` settings (chunking, vocab, the ``LossSpec``)."""
+
+    inputs: tuple[tuple[str, tuple[int, ...], torch.dtype], ...]
+    settings: tuple[tuple[str, object], ...]
+
+    @classmethod
+    def of(cls, inputs: dict[str, torch.Tensor], settings: dict[str, object]) -> TPLossSpec:
+        shapes = tuple((name, tuple(t.shape), t.dtype) for name, t in inputs.items())
+        return cls(shapes, tuple(settings.items()))
+
+    def fields(self) -> dict[str, object]:
+        out: dict[str, object] = {}
+        for name, shape, dtype in self.inputs:
+            out[f"{name}.shape"], out[f"{name}.dtype"] = shape, dtype
+        out.update(self.settings)
+        return out
+
+
 def check_tp_agreement(
     where: str,
     tp_group: dist.ProcessGroup | None,
@@ -258,15 +283,11 @@ def check_tp_agreement(
     """The TP ranks agree on the inputs' shapes and dtypes, the ``settings`` (chunking,
     vocab, loss spec), and hold bit-identical ``identical`` tensors (targets, fused hidden
     states); else the same ``AgreementError`` on every rank. One tiny all-gather over
-    ``tp_group`` under ``MP_BRIDGE_CHECK=1`` (``mp_bridge.comm.check_agreement``)."""
-    fields: dict[str, object] = {}
-    for name, t in inputs.items():
-        fields[f"{name}.shape"] = tuple(t.shape)
-        fields[f"{name}.dtype"] = t.dtype
-    fields.update(settings)
+    ``tp_group`` under ``MP_BRIDGE_CHECK=1`` (:func:`mp_bridge.checks.agree` with a
+    :class:`TPLossSpec`)."""
     device = next(iter(inputs.values())).device
     same = {k: t for k, t in identical.items() if t is not None}
-    check_agreement(where, tp_group, fields, identical=same, device=device)
+    agree(where, tp_group, TPLossSpec.of(inputs, settings), identical=same, device=device)
 
 
 def forbid_double_backward(name: str) -> None:

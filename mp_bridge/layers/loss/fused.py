@@ -41,6 +41,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from mp_bridge.checks import agreed
 from mp_bridge.layers.loss.blocks import TOKEN_TILE, BlockLayout, pad_single_shard
 from mp_bridge.layers.loss.checks import (
     check_bool,
@@ -265,6 +266,7 @@ def _fused_loss(
     return values, extra, sq
 
 
+@agreed("mp_bridge.layers.fused_linear_cross_entropy")
 def fused_linear_cross_entropy(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -331,6 +333,7 @@ def fused_linear_cross_entropy(
     return loss, z_loss if zw != 0.0 else torch.zeros_like(loss.detach())
 
 
+@agreed("mp_bridge.layers.fused_linear_logprobs")
 def fused_linear_logprobs(
     hidden: torch.Tensor,
     weight: torch.Tensor,

@@ -41,6 +41,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from mp_bridge.checks import agreed
 from mp_bridge.layers.loss.blocks import BlockLayout, pad_single_shard
 from mp_bridge.layers.loss.checks import (
     check_ignore_index,
@@ -99,6 +100,7 @@ def _scale(logits: torch.Tensor, temperature: float, token_temperature):
     return token_temperature.to(acc).reciprocal()
 
 
+@agreed("mp_bridge.layers.vocab_parallel_cross_entropy")
 def vocab_parallel_cross_entropy(
     logits: torch.Tensor,
     target: torch.Tensor,
@@ -169,6 +171,7 @@ def _with_z_loss(loss, z_loss, return_z_loss: bool, counted, reduction: str):
     return returned([loss, z_loss if return_z_loss else None], counted, reduction)
 
 
+@agreed("mp_bridge.layers.vocab_parallel_logprobs")
 def vocab_parallel_logprobs(
     logits: torch.Tensor,
     target: torch.Tensor,
@@ -242,6 +245,7 @@ def vocab_parallel_logprobs(
     return returned(outputs, counted_tokens(target, ignore_index), reduction)
 
 
+@agreed("mp_bridge.layers.vocab_parallel_entropy")
 def vocab_parallel_entropy(
     logits: torch.Tensor,
     *,

@@ -15,10 +15,15 @@ Or in two explicit steps: ``groups = make_mimo_groups(enc_grid, llm_grid)``, the
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from megatron.core.hyper_comm_grid import HyperCommGrid
 
-from mp_bridge.grid import destroy_grid
+from mp_bridge.checks import FrozenSpec, agree, agreed, check_bool
+from mp_bridge.grid import GridLayout, destroy_grid
+from mp_bridge.models.colocated.flows import parse_flow
+from mp_bridge.models.colocated.groups import GridsSpec
 from mp_bridge.models.colocated.mimo import ColocatedMimoModel
 from mp_bridge.models.colocated.parts import MimoFlow
 from mp_bridge.models.reference.model import ReferenceMimo
@@ -26,6 +31,17 @@ from mp_bridge.models.reference.model import ReferenceMimo
 __all__ = ["build_colocated_mimo", "destroy_colocated_mimo"]
 
 
+@dataclass(frozen=True)
+class BuildSpec(FrozenSpec):
+    """What every rank of the grids builds the model with: the grids and the options."""
+
+    grids: GridsSpec
+    sequence_parallel: bool
+    fused_loss: bool
+    flow: str
+
+
+@agreed("mp_bridge.models.build_colocated_mimo")
 def build_colocated_mimo(
     reference: ReferenceMimo,
     encoder_grid: HyperCommGrid,
@@ -40,12 +56,24 @@ def build_colocated_mimo(
 
     Every group comes from ``make_mimo_groups(encoder_grid, llm_grid)`` (groups the grids
     lack are created on them; one bridge). Release them with :func:`destroy_colocated_mimo`.
-    ``flow``: ``"gather"`` or ``"routed"`` (see :class:`ColocatedMimoModel`).
+    ``flow``: ``"gather"`` or ``"routed"`` (see :class:`ColocatedMimoModel`). The grids'
+    layouts are agreed over the world by the bridge's constructor; then every rank of the
+    grids agrees on the grids and options (:class:`BuildSpec`, over the encoder TP and DP
+    groups: together the grid) before the model is returned. Ranks outside the grids
+    take part in the group creations only (they build the bridge, not the model).
     """
-    return ColocatedMimoModel.from_full(
+    grids = GridsSpec.of(*(GridLayout.from_grid(g) for g in (encoder_grid, llm_grid)))
+    spec = BuildSpec(
+        grids, check_bool("sequence_parallel", sequence_parallel),
+        check_bool("fused_loss", fused_loss), parse_flow(flow).name,
+    )  # fmt: skip
+    model = ColocatedMimoModel.from_full(
         reference, encoder_grid, llm_grid, sequence_parallel=sequence_parallel,
         fused_loss=fused_loss, device=device, flow=flow,
     )  # fmt: skip
+    groups = [model.groups.encoder_tp, model.groups.encoder_dp]
+    agree("build_colocated_mimo", groups, spec, device=next(model.llm.parameters()).device)
+    return model
 
 
 def destroy_colocated_mimo(model: ColocatedMimoModel, *grids: HyperCommGrid) -> None:

@@ -44,7 +44,7 @@ class GatherFlow(MimoFlow):
         embeddings = place_images(parts.llm.embed_tokens, inputs, image, counts)
         shard = parts.partition.shard(
             embeddings, labels=inputs.labels, loss_mask=inputs.loss_mask,
-            cu_seqlens=inputs.cu_seqlens,
+            cu_seqlens=inputs.documents,  # parsed at the door: padded here, not parsed again
         )  # fmt: skip
         return shard_loss(parts, shard.embeddings, shard)
 

@@ -32,13 +32,14 @@ from typing import Any
 import torch.distributed as dist
 from megatron.core.hyper_comm_grid import HyperCommGrid
 
-from mp_bridge.checks import check_group
+from mp_bridge.checks import FrozenSpec, agreed, check_group
 from mp_bridge.comm import ColocatedBridgeCommunicator, group_size, plan_bridge
 from mp_bridge.grid import MISSING_PG_ERRORS, GridLayout, destroy_grid
 from mp_bridge.models.colocated.local import LocalBridge
 
 __all__ = [
     "ENCODER_AXES",
+    "GridsSpec",
     "LLM_AXES",
     "MimoGroups",
     "check_members",
@@ -124,6 +125,21 @@ class MimoGroups:
                 destroy_grid(grid)
 
 
+@dataclass(frozen=True)
+class GridsSpec(FrozenSpec):
+    """The grids a model's groups are built on: both layouts (shape, axis names, rank
+    offset)."""
+
+    encoder: tuple[tuple[int, ...], tuple[str, ...], int]
+    llm: tuple[tuple[int, ...], tuple[str, ...], int]
+
+    @classmethod
+    def of(cls, encoder: GridLayout, llm: GridLayout) -> GridsSpec:
+        key = lambda g: (tuple(g.shape), tuple(g.axis_names), g.rank_offset)  # noqa: E731
+        return cls(key(encoder), key(llm))
+
+
+@agreed("mp_bridge.models.make_mimo_groups")
 def make_mimo_groups(encoder_grid: Any, llm_grid: Any) -> MimoGroups:
     """Create (or reuse) every group a colocated model on these grids needs.
 
@@ -131,7 +147,10 @@ def make_mimo_groups(encoder_grid: Any, llm_grid: Any) -> MimoGroups:
     megatron ``HyperCommGrid`` s (``make_grid``) on the same ranks. Groups they already hold
     are reused; missing ones are created on them (``create_pg``), encoder grid first, in
     the order of the module table; then the bridge is built. The layouts are checked
-    (``plan_bridge``) before any collective.
+    (``plan_bridge``) before any collective; the ranks agree on them in the bridge's
+    constructor (over the world: the ranks outside the grids, which build only the bridge,
+    take part). The bridge's route group is not made here: the routed flow's first step makes it
+    (``route``; every rank of the grids runs that step), a gather-flow model never does.
 
     Collective: every rank of the world calls it with the same grids, in the same order
     as its other group creations, even ranks outside the grids.
@@ -171,7 +190,7 @@ def groups_of_bridge(
     """
     if isinstance(bridge, ColocatedBridgeCommunicator):
         plan, rank = bridge.plan, dist.get_rank()
-        _check_inside(plan, rank)
+        plan.check_member(rank, "groups_of_bridge()")
         found = {"encoder_dp": encoder_dp, "llm_dp_cp": llm_dp_cp}
         for field, grid, layout, axes, arg in (
             ("encoder_dp", bridge.src_grid, plan.src, ("dp",), "encoder_dp_group"),
@@ -214,7 +233,7 @@ def check_members(
                 )
         return
     plan, rank = bridge.plan, dist.get_rank()
-    _check_inside(plan, rank)
+    plan.check_member(rank, "ColocatedMimoModel(...)")
     for name, group, field in used:
         layout, axes = (plan.src, ENCODER_AXES[field]) if field in ENCODER_AXES else (
             plan.dest, LLM_AXES[field])  # fmt: skip
@@ -228,15 +247,7 @@ def check_members(
             )
 
 
-def _check_inside(plan, rank: int) -> None:
-    if rank not in plan.src.ranks:
-        raise ValueError(
-            f"rank {rank} is outside the bridged grids {plan.src!r}; build "
-            f"ColocatedMimoModel only on ranks {list(plan.src.ranks)}"
-        )
-
-
 def _members_of(layout: GridLayout, axes: Sequence[str], rank: int) -> list[int]:
     """Sorted ranks of ``rank``'s group over ``axes`` (axes the layout lacks have size 1)."""
-    present = [a for a in axes if a in layout.dim_names]
+    present = [a for a in axes if a in layout.axis_names]
     return sorted(layout.group_of(rank, present)) if present else [rank]

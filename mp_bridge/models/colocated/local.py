@@ -34,9 +34,11 @@ class LocalBridge:
         image_mask: torch.Tensor,
         partition,
         cu_seqlens=None,
+        layout=None,
     ) -> torch.Tensor:
         """``x [T, h]``: with CP = 1 and no SP split the local shard is the whole batch in
-        order, so its image rows are ``x`` itself (``cu_seqlens`` changes nothing)."""
+        order, so its image rows are ``x`` itself (``cu_seqlens``/``layout`` change
+        nothing)."""
         if partition.cp_size != 1 or (partition.sequence_parallel and partition.tp_size > 1):
             raise ValueError(
                 f"LocalBridge.route got a partition with cp={partition.cp_size}, "

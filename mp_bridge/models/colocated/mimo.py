@@ -27,11 +27,13 @@ group, so an optimizer step equals the single-process step on the global batch.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from mp_bridge.checks import FrozenSpec, agree, agreed
 from mp_bridge.comm import PartitionAdapter, group_size
 from mp_bridge.grid import GridLayout
 from mp_bridge.models.colocated.agreement import agree_step_inputs
@@ -145,6 +147,7 @@ class ColocatedMimoModel(nn.Module):
         self._destroyed = True
 
     # ------------------------------------------------------------------ step
+    @agreed("mp_bridge.models.ColocatedMimoModel.forward")
     def forward(
         self, input_ids, labels, loss_mask, images=None, *, cu_seqlens=None
     ) -> torch.Tensor:
@@ -156,6 +159,7 @@ class ColocatedMimoModel(nn.Module):
         """What the flow runs with."""
         return StepParts(self.encoder, self.projection, self.llm, self.partition, self.groups)
 
+    @agreed("mp_bridge.models.ColocatedMimoModel.parse_and_agree")
     def parse_and_agree(
         self, input_ids, labels, loss_mask, images=None, *, cu_seqlens=None
     ) -> StepInputs:
@@ -232,12 +236,14 @@ class ColocatedMimoModel(nn.Module):
         return [(g, ps) for g, ps in buckets if ps and group_size(g) > 1]
 
     @torch.no_grad()
+    @agreed("mp_bridge.models.ColocatedMimoModel.sync_gradients")
     def sync_gradients(self) -> None:
         """Sum partial gradients across replicas (call after ``backward``, before ``step``).
 
         Collectives: one all-reduce(SUM) per bucket. A bucket whose parameters all have no
         gradient (the encoder on a text-only step, agreed by every rank) is skipped; a
         missing gradient next to present ones counts as zeros, so ranks never diverge.
+        The ranks of each bucket's group agree first on what they sum (:class:`_GradSpec`).
         """
         for group, params in self.gradient_buckets():
             _all_reduce_grads(params, group)
@@ -245,12 +251,28 @@ class ColocatedMimoModel(nn.Module):
 
 def _check_tp(cfg, encoder: GridLayout, llm: GridLayout) -> None:
     """The config's head counts must split over both TP sizes (local check)."""
-    cfg.check_tp(encoder_tp=encoder.dim("tp"), llm_tp=llm.dim("tp"))
+    cfg.check_tp(encoder_tp=encoder.axis_size("tp"), llm_tp=llm.axis_size("tp"))
+
+
+@dataclass(frozen=True)
+class _GradSpec(FrozenSpec):
+    """What the ranks of one gradient bucket sum: its parameters' count, elements and
+    dtypes, and whether any gradient is present (all skip, or all reduce)."""
+
+    params: int
+    numel: int
+    dtypes: tuple[str, ...]
+    has_grad: bool
 
 
 def _all_reduce_grads(params: Iterable[nn.Parameter], group: dist.ProcessGroup) -> None:
     params = list(params)
-    if all(p.grad is None for p in params):
+    spec = _GradSpec(
+        len(params), sum(p.numel() for p in params),
+        tuple(sorted({str(p.dtype) for p in params})), any(p.grad is not None for p in params),
+    )  # fmt: skip
+    agree("ColocatedMimoModel.sync_gradients", group, spec, device=params[0].device)
+    if not spec.has_grad:
         return
     for p in params:
         if p.grad is None:

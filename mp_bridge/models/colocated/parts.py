@@ -71,11 +71,13 @@ def shard_loss(parts: StepParts, embeddings: torch.Tensor, shard: ShardedBatch) 
     :class:`ShardedBatch`) -> masked mean over the LLM DP x CP group (every flow's tail).
 
     Packed (``shard.cu_seqlens``): the 1-D local labels/mask become one ``b = 1`` row and
-    attention gets the padded global ``cu_seqlens``. Collectives: the LLM's, then one
-    all-reduce of the token count and sum (``masked_mean``).
+    attention gets ``shard.layout`` (parsed once, its mask built once for every layer).
+    Collectives: the LLM's, then one all-reduce of the token count and sum
+    (``masked_mean``).
     """
-    labels, loss_mask, cu = shard.labels, shard.loss_mask, shard.cu_seqlens
-    if cu is not None:
+    labels, loss_mask, cu = shard.labels, shard.loss_mask, None
+    if shard.cu_seqlens is not None:
         labels, loss_mask = labels.reshape(1, -1), loss_mask.reshape(1, -1)
+        cu = shard.layout
     per_token = parts.llm.token_loss(embeddings, shard.position_ids, labels, cu_seqlens=cu)
     return masked_mean(per_token, loss_mask, group=parts.groups.llm_dp_cp)

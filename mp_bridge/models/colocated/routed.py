@@ -26,10 +26,10 @@ are the same lookups, the image rows the same rows), so losses and gradients agr
 it up to summation order.
 
 Packed text (``cu_seqlens``; document ``i`` = sample ``i``): step 1 shards the 1-D
-``[T]`` tensors with ``cu_seqlens`` (each document padded to its CP cut), step 2 embeds the
-local ids as one ``[1, T_pad/c, h]`` row, step 3 passes ``bridge.route`` the packed
-``image_mask [T]`` and the original ``cu_seqlens``, and step 4 gives the LLM the padded
-global ``ShardedBatch.cu_seqlens`` so attention stays inside each document. Uniform
+``[T]`` tensors with the documents parsed at the door (each padded to its CP cut), step 2
+embeds the local ids as one ``[1, T_pad/c, h]`` row, step 3 passes ``bridge.route`` the
+packed ``image_mask [T]`` and ``ShardedBatch.layout``, and step 4 gives the LLM that
+layout so attention stays inside each document; ``cu_seqlens`` is parsed once per step. Uniform
 images: ``n_i`` is document ``i``'s placeholder count.
 """
 
@@ -68,7 +68,7 @@ class RoutedFlow(MimoFlow):
         part = parts.partition
         shard = part.shard(
             None, input_ids=inputs.input_ids, labels=inputs.labels,
-            loss_mask=inputs.loss_mask, cu_seqlens=inputs.cu_seqlens,
+            loss_mask=inputs.loss_mask, cu_seqlens=inputs.documents,
         )  # fmt: skip
         local_ids = shard.input_ids  # [b, S/c], packed [T_pad/c]
         is_image = local_ids == inputs.image_token_id
@@ -85,7 +85,7 @@ class RoutedFlow(MimoFlow):
             x, counts = _image_rows(parts, parts.encode(inputs.images), inputs)
             rows = parts.bridge.route(
                 x, tokens_per_sample=counts, image_mask=inputs.image_mask, partition=part,
-                cu_seqlens=inputs.cu_seqlens,
+                layout=shard.layout,  # the layout shard built: route parses nothing
             )  # fmt: skip
             embeddings = place_local_rows(embeddings, rows, is_image)
         return shard_loss(parts, embeddings, shard)  # LLM -> per-token loss -> masked_mean

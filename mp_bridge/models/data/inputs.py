@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from mp_bridge.checks import check_int, check_tensor
+from mp_bridge.comm import PaddedLayout
 from mp_bridge.models.data.config import MimoConfig
 from mp_bridge.models.data.images import RaggedImages
 from mp_bridge.models.data.packed import check_cu_seqlens, placeholder_counts
@@ -76,7 +77,9 @@ class StepInputs:
     - ``cu_seqlens``: CPU int64 ``[b + 1]`` (packed) or ``None``;
     - ``placeholders``: int64 ``[b]`` image placeholders per sample (per row, or per
       packed document), on ``input_ids.device``;
-    - ``image_token_id``: the placeholder id they were counted with.
+    - ``image_token_id``: the placeholder id they were counted with;
+    - ``documents``: packed, the parsed documents (``PaddedLayout.of_documents``), which
+      ``PartitionAdapter.shard(cu_seqlens=...)`` pads without parsing again; else ``None``.
     """
 
     input_ids: torch.Tensor
@@ -86,6 +89,7 @@ class StepInputs:
     cu_seqlens: torch.Tensor | None
     placeholders: torch.Tensor
     image_token_id: int
+    documents: PaddedLayout | None = None
 
     @property
     def packed(self) -> bool:
@@ -162,7 +166,10 @@ def parse_step_inputs(
     _check_ids(input_ids, labels, spec.vocab_size)
     placeholders = placeholder_counts(input_ids, spec.image_token_id, cu)
     _check_images(images, placeholders, spec, images_of_text, packed)
-    return StepInputs(input_ids, labels, loss_mask, images, cu, placeholders, spec.image_token_id)
+    docs = None if cu is None else PaddedLayout.of_documents(cu.tolist())  # parsed: no 2nd parse
+    return StepInputs(
+        input_ids, labels, loss_mask, images, cu, placeholders, spec.image_token_id, docs
+    )
 
 
 def _check_ids(input_ids: torch.Tensor, labels: torch.Tensor, vocab_size: int) -> None:

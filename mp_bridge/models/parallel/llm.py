@@ -13,9 +13,10 @@ Data flow on one rank (``S`` full sequence, ``c`` CP size, ``t`` TP size):
    fp32 per-token cross-entropy ``[b, S/c]`` (TP max / sum-exp all-reduces inside).
 
 Packed input (THD): ``b = 1``, the partition adapter's CP-local layout of the documents,
-and ``cu_seqlens=ShardedBatch.cu_seqlens`` (the global bounds of the padded layout)
-threaded down to ``context_parallel_attention``, which keeps every query inside its own
-document. ``cu_seqlens=None`` (default) is the plain ``[b, S]`` path.
+and ``cu_seqlens=ShardedBatch.layout`` (or its raw ``ShardedBatch.cu_seqlens``, parsed
+once per step in :meth:`TPLLM.final_hidden`) threaded down to
+``context_parallel_attention``, which keeps every query inside its own document.
+``cu_seqlens=None`` (default) is the plain ``[b, S]`` path.
 
 Gradients are partial over DP x CP (each rank sees its own tokens) and, with SP, the
 norms' gradients are partial over TP too (``param.sequence_parallel``).
@@ -28,7 +29,13 @@ import torch.distributed as dist
 from torch import nn
 
 from mp_bridge.checks import check_group
-from mp_bridge.comm import gather_keep_grad, group_size
+from mp_bridge.comm import (
+    PaddedLayout,
+    gather_keep_grad,
+    group_size,
+    normalize_cu_seqlens,
+    seq_len_divisor,
+)
 from mp_bridge.layers import (
     VocabParallelEmbedding,
     VocabParallelLMHead,
@@ -105,8 +112,14 @@ class TPLLM(FullStateMixin, nn.Module):
     def final_hidden(
         self, embeddings: torch.Tensor, position_ids: torch.Tensor, *, cu_seqlens=None
     ) -> torch.Tensor:
-        """Partitioned ``[b, s_local, h]`` -> normed hidden states of the same shape
-        (``cu_seqlens``: packed, ``b = 1``, the adapter's padded global bounds)."""
+        """Partitioned ``[b, s_local, h]`` -> normed hidden states of the same shape.
+
+        ``cu_seqlens``: packed, ``b = 1``: ``ShardedBatch.layout`` (used as is), or the
+        adapter's padded global bounds, parsed here once for every layer."""
+        if cu_seqlens is not None and not isinstance(cu_seqlens, PaddedLayout):
+            cp = group_size(self.cp_group)
+            bounds = normalize_cu_seqlens(cu_seqlens, seq_len_divisor(cp))
+            cu_seqlens = PaddedLayout.of_documents(bounds, cp)
         x = embeddings.transpose(0, 1)  # [s_local, b, h]: megatron's SP splits dim 0
         for block in self.blocks:
             x = block(x, position_ids=position_ids, cu_seqlens=cu_seqlens)
