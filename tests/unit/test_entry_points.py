@@ -80,6 +80,8 @@ EXEMPT: dict[str, str] = {
     "mp_bridge.comm.BridgePlan.slice_for": "pure plan: rank lists",
     "mp_bridge.comm.BridgePlan.describe": "pure plan: rank lists",
     "mp_bridge.comm.BridgePlan.check_member": "pure plan: raises for a rank outside the grids",
+    "mp_bridge.comm.BridgePlan.stage_of": "pure plan: a rank's LLM pipeline stage",
+    "mp_bridge.comm.BridgePlan.consumes": "pure plan: whether a rank's stage takes encoder rows",
     "mp_bridge.comm.BridgeGroups.__init__": _NO_COLLECTIVE,
     "mp_bridge.comm.BridgeGroups.release": "teardown: frees the groups it owns, no arguments",
     "mp_bridge.comm.make_bridge_groups": "group creation from a plan that "

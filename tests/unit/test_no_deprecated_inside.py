@@ -51,15 +51,10 @@ def test_grid_and_sequence_paths_warn_nothing(strict):
     assert shard.layout.padded_bounds == (0, 3, 5)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="mp_bridge/comm/bridge/plan.py still reads GridLayout.dim_names; its owner "
-    "switches it to axis_names (then this passes and strict xfail fails: remove the mark)",
-)
 def test_plan_bridge_warns_nothing(strict):
     plan = plan_bridge(GridLayout((2, 4), ("tp", "dp")), GridLayout((2, 2, 2), ("tp", "cp", "dp")))
     assert plan.scale == 2
-    assert "encoder" in plan.describe()
+    assert "FAN_IN" in plan.describe()
 
 
 @pytest.mark.parametrize("flow", ["gather", "routed"])

@@ -16,7 +16,7 @@ LLM's first stage consumes encoder rows; the gather groups and nesting rule are 
 holder sends each piece to each first-stage consumer, so later stages receive nothing.
 
 This module never imports ``torch.distributed``: everything is computed from coordinates,
-so any ``dim_names`` order works whenever the two layouts nest, and it is unit-testable.
+so any ``axis_names`` order works whenever the two layouts nest, and it is unit-testable.
 """
 
 from __future__ import annotations
@@ -199,7 +199,7 @@ def format_rank_table(
 
 def _fmt_coords(layout: GridLayout, rank: int) -> str:
     c = layout.coords(rank)
-    shown = [f"{n}={c[n]}" for n, s in zip(layout.dim_names, layout.shape) if s > 1]
+    shown = [f"{n}={c[n]}" for n, s in zip(layout.axis_names, layout.shape) if s > 1]
     return ",".join(shown) or "-"
 
 
@@ -212,7 +212,7 @@ def _as_layout(arg: str, layout: object) -> GridLayout:
     if isinstance(layout, GridLayout):
         return layout
     if all(hasattr(layout, a) for a in ("shape", "dim_names", "rank_offset")):
-        return GridLayout.from_grid(layout)
+        return GridLayout.from_grid(layout)  # megatron's own spelling, not our alias
     raise TypeError(
         f"{arg} must be a GridLayout or a HyperCommGrid (GridLayout.from_grid converts one), "
         f"got {type(layout).__name__}"
@@ -227,15 +227,15 @@ def _validate(src: GridLayout, dest: GridLayout, src_name: str, dest_name: str) 
             f"bridge needs both grids on the same ranks (same size and rank_offset)"
         )
     for name, layout in ((src_name, src), (dest_name, dest)):
-        missing = [a for a in ("tp", "dp") if a not in layout.dim_names]
+        missing = [a for a in ("tp", "dp") if a not in layout.axis_names]
         if missing:
             raise ValueError(
                 f"{name} grid {layout!r} has no axis {missing}; name it (size 1 is fine), "
-                f"e.g. dim_names=('tp', 'cp', 'pp', 'dp')"
+                f"e.g. axis_names=('tp', 'cp', 'pp', 'dp')"
             )
         unknown = [
             f"{n}={s}"
-            for n, s in zip(layout.dim_names, layout.shape)
+            for n, s in zip(layout.axis_names, layout.shape)
             if n not in AXIS_NAMES and s > 1
         ]
         if unknown:
@@ -267,8 +267,8 @@ def _nesting_error(
     return ValueError(
         f"layouts do not nest: rank {rank} has {src_name} coords {src.coords(rank)} and "
         f"{dest_name} coords {dest.coords(rank)}, but the bridge needs {rule}, so this rank "
-        f"would receive another replica's samples (got {src_name} dim_names={src.dim_names}, "
-        f"{dest_name} dim_names={dest.dim_names}). Order the axes so DP blocks line up, "
+        f"would receive another replica's samples (got {src_name} axis_names={src.axis_names}, "
+        f"{dest_name} axis_names={dest.axis_names}). Order the axes so DP blocks line up, "
         f"e.g. dp slowest in both grids: {src_name} ('tp', 'dp'), {dest_name} "
         f"('tp', 'cp', 'pp', 'dp')"
     )
@@ -340,7 +340,7 @@ def plan_bridge(
         for r in src.ranks:
             buckets[(r,)] = [(0, r)]
     gather_groups = tuple(tuple(r for _, r in sorted(buckets[key])) for key in sorted(buckets))
-    if "cp" in dest.dim_names:
+    if "cp" in dest.axis_names:
         cp_groups = tuple(tuple(g) for g in dest.groups("cp"))
     else:
         cp_groups = tuple((r,) for r in dest.ranks)
