@@ -22,9 +22,11 @@ from mp_bridge.comm.bridge.dense import bridge_dense, check_dim_mapping
 from mp_bridge.comm.bridge.groups import BridgeGroups, make_bridge_groups
 from mp_bridge.comm.bridge.names import bridge_names
 from mp_bridge.comm.bridge.plan import BridgeDirection, BridgePlan, plan_bridge
-from mp_bridge.comm.bridge.ragged import bridge_ragged
+from mp_bridge.comm.bridge.ragged import bridge_ragged, check_tokens_per_sample
 from mp_bridge.comm.bridge.route import parse_route, run_route
 from mp_bridge.comm.bridge.route_plan import RouteCache
+from mp_bridge.comm.bridge.stage import deliver_rows, ragged_dest_counts, stage_rows
+from mp_bridge.comm.bridge.stage_plan import StageDelivery, plan_stage_delivery
 from mp_bridge.comm.sequence.padding import PaddedLayout
 from mp_bridge.comm.sequence.partition import PartitionAdapter
 from mp_bridge.grid import GridLayout
@@ -92,6 +94,12 @@ class ColocatedBridgeCommunicator:
         src_name, dest_name: deprecated spellings of ``src_module_name`` /
             ``dest_module_name`` (``DeprecationWarning``).
 
+    LLM PP > 1 (a ``pp`` axis in ``dest_grid``): only the LLM's first stage consumes
+    encoder rows (:mod:`mp_bridge.comm.bridge.stage`): ``communicate`` and
+    ``communicate_ragged`` return the first-stage rank's dest batch and ``[0, ...]`` on a
+    later stage, with one exact-bytes ``all_to_all_single`` over the world group each way
+    (no gather group is made); ``route`` sends straight to the first stage's CP/SP shard.
+
     Use as a context manager (or call ``destroy()``, idempotent, on every rank) to free
     the groups it made.
     """
@@ -112,7 +120,9 @@ class ColocatedBridgeCommunicator:
         src_name, dest_name = bridge_names(src_module_name, dest_module_name, src_name, dest_name)
         src, dest = GridLayout.from_grid(src_grid), GridLayout.from_grid(dest_grid)
         self._dim_mapping = check_dim_mapping(dim_mapping)
-        self._plan = plan_bridge(src, dest, src_name=src_name, dest_name=dest_name)
+        # pipeline=True: with LLM PP > 1 this communicator delivers to the first stage only.
+        self._plan = plan_bridge(src, dest, src_name=src_name, dest_name=dest_name, pipeline=True)
+        self._stage = plan_stage_delivery(self._plan) if self._plan.pp_size > 1 else None
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
                 "ColocatedBridgeCommunicator needs an initialized torch.distributed world; "
@@ -140,6 +150,11 @@ class ColocatedBridgeCommunicator:
     @property
     def plan(self) -> BridgePlan:
         return self._plan
+
+    @property
+    def stage_delivery(self) -> StageDelivery | None:
+        """The first-stage delivery plan (LLM PP > 1), else ``None``."""
+        return self._stage
 
     @property
     def direction(self) -> BridgeDirection:
@@ -213,6 +228,16 @@ class ColocatedBridgeCommunicator:
             )
         groups = self._groups
         spec = _RowsSpec(tuple(x.shape), x.dtype, x.device.type)
+        if self._stage is not None:  # every rank's batch: one exchange over the world
+            self._enter("communicate", spec, groups.world)
+            rows = stage_rows(self._stage, self._rank, [1] * x.shape[dim], [1] * (
+                x.shape[dim] // len(self._stage.src_pieces(self._rank))
+                * len(self._stage.dest_pieces(self._rank))))  # fmt: skip
+            y = deliver_rows(
+                x.movedim(dim, 0), rows, group=groups.world, ranks=self._plan.src.ranks,
+                cp_group=groups.cp,
+            )  # fmt: skip
+            return y.movedim(0, dim)
         self._enter("communicate", spec, groups.gather if k > 1 else groups.cp)
         return bridge_dense(
             x,
@@ -255,6 +280,8 @@ class ColocatedBridgeCommunicator:
         """
         self._enter("communicate_ragged")
         check_tensor("x", x)
+        if self._stage is not None:
+            return self._ragged_to_stage(x, tokens_per_sample)
         if self._plan.direction is not BridgeDirection.FAN_IN:
             groups = self._groups
             spec = _RowsSpec(tuple(x.shape[1:]), x.dtype, x.device.type)
@@ -268,6 +295,22 @@ class ColocatedBridgeCommunicator:
             gather_group=self._groups.gather,
             cp_group=self._groups.cp,
         )
+
+    def _ragged_to_stage(
+        self, x: torch.Tensor, tokens_per_sample
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``communicate_ragged`` with LLM PP > 1 (:mod:`mp_bridge.comm.bridge.stage`)."""
+        if x.dim() < 1:
+            raise ValueError(
+                f"x has shape {tuple(x.shape)}; pass the flat tokens [T, *rest] (e.g. [T, h])"
+            )
+        counts = check_tokens_per_sample(tokens_per_sample, x.shape[0])
+        world, ranks = self._groups.world, self._plan.src.ranks
+        dest = ragged_dest_counts(x, counts, self._stage, rank=self._rank, group=world,
+                                  ranks=ranks)  # fmt: skip
+        rows = stage_rows(self._stage, self._rank, counts, dest)
+        y = deliver_rows(x, rows, group=world, ranks=ranks, cp_group=self._groups.cp)
+        return y, torch.tensor(dest, dtype=torch.int64)
 
     @agreed("mp_bridge.comm.ColocatedBridgeCommunicator.route")
     def route(

@@ -3,7 +3,8 @@
 =========  ==========================================  =====================================
 group      members (this rank's)                       made
 =========  ==========================================  =====================================
-gather     its gather group (``plan.gather_groups``)   at construction (none for EQUAL)
+gather     its gather group (``plan.gather_groups``)   at construction (none for EQUAL or
+                                                       LLM PP > 1)
 cp         its dest CP group (``plan.cp_groups``)      at construction, when dest CP > 1
 world      every rank of the grids                     at construction (the default group
                                                        when the grids cover the world)
@@ -149,7 +150,9 @@ def make_bridge_groups(
     owned: list[dist.ProcessGroup] = []
     try:
         if "dense" in todo:
-            if plan.scale > 1:  # EQUAL's gather groups are single ranks
+            # EQUAL's gather groups are single ranks; with LLM PP > 1 the delivery to the
+            # first stage runs over the world group and nothing is gathered.
+            if plan.scale > 1 and plan.pp_size == 1:
                 groups.gather = _new_groups(plan.gather_groups, rank, owned)
                 # torch orders a group's ranks ascending, as the plan orders its members
                 # (by dp coordinate): slot == group rank.
