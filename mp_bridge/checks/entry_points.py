@@ -62,6 +62,7 @@ ENTRY_POINTS: dict[str, str] = {
     "mp_bridge.models.build_colocated_mimo": "models",
     "mp_bridge.models.ColocatedMimoModel.forward": "models",
     "mp_bridge.models.ColocatedMimoModel.parse_and_agree": "models",
+    "mp_bridge.models.ColocatedMimoModel.train_step": "models",
     "mp_bridge.models.ColocatedMimoModel.sync_gradients": "models",
 }
 

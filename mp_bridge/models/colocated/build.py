@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 from megatron.core.hyper_comm_grid import HyperCommGrid
 
-from mp_bridge.checks import FrozenSpec, agree, agreed, check_bool
+from mp_bridge.checks import FrozenSpec, agree, agreed, check_bool, check_int
 from mp_bridge.grid import GridLayout, destroy_grid
 from mp_bridge.models.colocated.flows import parse_flow
 from mp_bridge.models.colocated.groups import GridsSpec
@@ -39,6 +39,8 @@ class BuildSpec(FrozenSpec):
     sequence_parallel: bool
     fused_loss: bool
     flow: str
+    microbatches: int
+    schedule: str
 
 
 @agreed("mp_bridge.models.build_colocated_mimo")
@@ -51,6 +53,8 @@ def build_colocated_mimo(
     fused_loss: bool = False,
     device: torch.device | None = None,
     flow: str | MimoFlow = "gather",
+    microbatches: int = 1,
+    schedule: str = "auto",
 ) -> ColocatedMimoModel:
     """Shard ``reference`` into encoder (``tp``/``dp``) and LLM (``tp``/``cp``/``dp``) grids.
 
@@ -61,15 +65,19 @@ def build_colocated_mimo(
     grids agrees on the grids and options (:class:`BuildSpec`, over the encoder TP and DP
     groups: together the grid) before the model is returned. Ranks outside the grids
     take part in the group creations only (they build the bridge, not the model).
+    An LLM grid with ``pp > 1`` gives each rank its pipeline stage; ``microbatches`` and
+    ``schedule`` drive :meth:`ColocatedMimoModel.train_step` then.
     """
     grids = GridsSpec.of(*(GridLayout.from_grid(g) for g in (encoder_grid, llm_grid)))
     spec = BuildSpec(
         grids, check_bool("sequence_parallel", sequence_parallel),
         check_bool("fused_loss", fused_loss), parse_flow(flow).name,
+        check_int("microbatches", microbatches, low=1), schedule,
     )  # fmt: skip
     model = ColocatedMimoModel.from_full(
         reference, encoder_grid, llm_grid, sequence_parallel=sequence_parallel,
-        fused_loss=fused_loss, device=device, flow=flow,
+        fused_loss=fused_loss, device=device, flow=flow, microbatches=microbatches,
+        schedule=schedule,
     )  # fmt: skip
     groups = [model.groups.encoder_tp, model.groups.encoder_dp]
     agree("build_colocated_mimo", groups, spec, device=next(model.llm.parameters()).device)

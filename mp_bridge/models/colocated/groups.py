@@ -15,7 +15,8 @@ encoder_tp    encoder ``tp``  encoder and projection linears, image agreement
 encoder_dp    encoder ``dp``  encoder gradient sync, image agreement
 llm_tp        llm ``tp``      vocab layers, linears, loss, SP norms' gradient sync
 llm_cp        llm ``cp``      CP attention, partition adapter, bridge backward
-llm_dp_cp     llm ``dp, cp``  loss denominator, LLM gradient sync
+llm_dp_cp     llm ``dp, cp``  loss denominator, LLM gradient sync (per tp, pp)
+llm_pp        llm ``pp``      the LLM pipeline's stages (only when pp > 1)
 ============  ==============  ==================================================
 
 Example (8 ranks, ``encoder_grid = make_grid(tp=2, dp=4)``, ``llm_grid = make_grid(tp=2,
@@ -51,6 +52,8 @@ __all__ = [
 #: Field of :class:`MimoGroups` -> the axes of its grid it spans.
 ENCODER_AXES = {"encoder_tp": ("tp",), "encoder_dp": ("dp",)}
 LLM_AXES = {"llm_tp": ("tp",), "llm_cp": ("cp",), "llm_dp_cp": ("dp", "cp")}
+#: The pipeline group, made only when the LLM grid has ``pp > 1``.
+PP_AXES = {"llm_pp": ("pp",)}
 
 #: Where a caller finds each group on its grids.
 _WHERE = {
@@ -59,6 +62,7 @@ _WHERE = {
     "llm_tp": "llm_grid.get_pg('tp')",
     "llm_cp": "llm_grid.get_pg('cp')",
     "llm_dp_cp": "llm_grid.get_pg(['dp', 'cp'])",
+    "llm_pp": "llm_grid.get_pg('pp')",
 }
 
 
@@ -104,9 +108,10 @@ class MimoGroups:
     llm_tp: dist.ProcessGroup | None
     llm_cp: dist.ProcessGroup | None
     llm_dp_cp: dist.ProcessGroup | None
+    llm_pp: dist.ProcessGroup | None = None
 
     def __post_init__(self) -> None:
-        for name in (*ENCODER_AXES, *LLM_AXES):
+        for name in (*ENCODER_AXES, *LLM_AXES, *PP_AXES):
             check_group(f"MimoGroups.{name}", getattr(self, name), fix=f"e.g. {_WHERE[name]}")
 
     @classmethod
@@ -143,7 +148,7 @@ class GridsSpec(FrozenSpec):
 def make_mimo_groups(encoder_grid: Any, llm_grid: Any) -> MimoGroups:
     """Create (or reuse) every group a colocated model on these grids needs.
 
-    ``encoder_grid`` (``tp`` x ``dp``) and ``llm_grid`` (``tp`` x ``cp`` x ``dp``) are
+    ``encoder_grid`` (``tp`` x ``dp``) and ``llm_grid`` (``tp`` x ``cp`` x ``pp`` x ``dp``) are
     megatron ``HyperCommGrid`` s (``make_grid``) on the same ranks. Groups they already hold
     are reused; missing ones are created on them (``create_pg``), encoder grid first, in
     the order of the module table; then the bridge is built. The layouts are checked
@@ -161,10 +166,14 @@ def make_mimo_groups(encoder_grid: Any, llm_grid: Any) -> MimoGroups:
                 f"{name} must be a megatron HyperCommGrid (make_grid returns one), got "
                 f"{type(grid).__name__}; a GridLayout holds no process groups"
             )
-    plan_bridge(GridLayout.from_grid(encoder_grid), GridLayout.from_grid(llm_grid))
+    llm = GridLayout.from_grid(llm_grid)
+    plan_bridge(GridLayout.from_grid(encoder_grid), llm, pipeline=True)
+    tables = [(encoder_grid, ENCODER_AXES), (llm_grid, LLM_AXES)]
+    if llm.axis_size("pp") > 1:
+        tables.append((llm_grid, PP_AXES))
     groups = {
         field: grid_group(grid, axes, create=True)
-        for grid, table in ((encoder_grid, ENCODER_AXES), (llm_grid, LLM_AXES))
+        for grid, table in tables
         for field, axes in table.items()
     }
     bridge = ColocatedBridgeCommunicator(encoder_grid, llm_grid)
@@ -236,7 +245,7 @@ def check_members(
     plan.check_member(rank, "ColocatedMimoModel(...)")
     for name, group, field in used:
         layout, axes = (plan.src, ENCODER_AXES[field]) if field in ENCODER_AXES else (
-            plan.dest, LLM_AXES[field])  # fmt: skip
+            plan.dest, {**LLM_AXES, **PP_AXES}[field])  # fmt: skip
         expected = _members_of(layout, axes, rank)
         got = [rank] if group is None else sorted(dist.get_process_group_ranks(group))
         if got != expected:

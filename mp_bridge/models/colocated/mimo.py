@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from mp_bridge.checks import FrozenSpec, agree, agreed
+from mp_bridge.checks import FrozenSpec, agree, agreed, check_int
 from mp_bridge.comm import PartitionAdapter, group_size
 from mp_bridge.grid import GridLayout
 from mp_bridge.models.colocated.agreement import agree_step_inputs
@@ -41,9 +41,12 @@ from mp_bridge.models.colocated.flows import parse_flow
 from mp_bridge.models.colocated.groups import MimoGroups, check_members, make_mimo_groups
 from mp_bridge.models.colocated.legacy import DP_NAMES, legacy_groups
 from mp_bridge.models.colocated.parts import MimoFlow, StepParts
+from mp_bridge.models.colocated.pipelined import pipelined_step
 from mp_bridge.models.data.inputs import BatchSpec, StepInputs, parse_step_inputs
 from mp_bridge.models.parallel.encoder import TPEncoder, TPProjection
 from mp_bridge.models.parallel.llm import TPLLM
+from mp_bridge.models.parallel.llm_stages import TPLLMStage
+from mp_bridge.models.parallel.pipeline import LLMPipeline
 
 __all__ = ["ColocatedMimoModel"]
 
@@ -69,6 +72,12 @@ class ColocatedMimoModel(nn.Module):
     ``[b, p, patch_dim]`` or :class:`RaggedImages`); returns the global masked-mean token
     loss (fp32 scalar).
 
+    Pipelined LLM (``llm`` a :class:`TPLLMStage`, ``groups.llm_pp`` its stages): the
+    step runs over ``microbatches`` microbatches under a pipeline schedule, which runs the
+    backward itself, so call :meth:`train_step` (forward and backward, the detached
+    loss) instead of ``model(...)`` then ``loss.backward()``; see :mod:`.pipelined`.
+    ``schedule``: ``"auto"``, ``"1f1b"`` or ``"gpipe"`` (:class:`LLMPipeline`).
+
     Deprecated form (one release, ``DeprecationWarning``; :mod:`.legacy`):
     ``ColocatedMimoModel(encoder, projection, llm, bridge, partition, *, image_token_id,
     encoder_dp_group=None, llm_dp_cp_group=None, groups=None, flow=...)``.
@@ -85,10 +94,13 @@ class ColocatedMimoModel(nn.Module):
         *,
         image_token_id: int,
         flow: str | MimoFlow = "gather",
+        microbatches: int = 1,
+        schedule: str = "auto",
         **deprecated,
     ):
         super().__init__()
         self._flow = parse_flow(flow)
+        self.microbatches = check_int("microbatches", microbatches, low=1)
         cfg = llm.cfg  # BatchSpec checks image_token_id against the LLM vocab
         self.spec = BatchSpec(cfg.vocab_size, image_token_id, cfg.num_patches, cfg.patch_dim)
         if groups is None and set(deprecated) == {"groups"} and partition is None:
@@ -114,7 +126,19 @@ class ColocatedMimoModel(nn.Module):
         ]
         if partition.sequence_parallel:
             used.append(("partition.tp_group", partition.tp_group, "llm_tp"))
+        self.pipeline = None
+        if isinstance(llm, TPLLMStage):
+            used.append(("groups.llm_pp", groups.llm_pp, "llm_pp"))
         check_members(groups, used)
+        if isinstance(llm, TPLLMStage):
+            self.pipeline = LLMPipeline(
+                llm, pp_group=groups.llm_pp, loss_group=groups.llm_dp_cp, schedule=schedule
+            )
+        elif microbatches != 1:
+            raise ValueError(
+                f"microbatches={microbatches} needs a pipelined LLM (a TPLLMStage on an LLM "
+                f"grid with pp > 1); use microbatches=1"
+            )
         self.encoder, self.projection, self.llm = encoder, projection, llm
         self.partition, self.groups = partition, groups
         self.image_token_id = image_token_id
@@ -152,8 +176,34 @@ class ColocatedMimoModel(nn.Module):
         self, input_ids, labels, loss_mask, images=None, *, cu_seqlens=None
     ) -> torch.Tensor:
         """Global masked-mean token loss (fp32 scalar) of this rank's shards (see the class)."""
+        if self.pipeline is not None:
+            raise RuntimeError(
+                "a pipelined LLM runs its backward inside the schedule: call "
+                "model.train_step(input_ids, labels, loss_mask, images, cu_seqlens=...) instead"
+            )
         inputs = self.parse_and_agree(input_ids, labels, loss_mask, images, cu_seqlens=cu_seqlens)
         return self.flow.loss(self.parts(), inputs)
+
+    @agreed("mp_bridge.models.ColocatedMimoModel.train_step")
+    def train_step(
+        self, input_ids, labels, loss_mask, images=None, *, cu_seqlens=None
+    ) -> torch.Tensor:
+        """Forward and backward of one step; returns the loss detached, equal on every rank.
+
+        Without PP: ``forward`` then ``backward``. With a pipelined LLM: the three phases
+        of :mod:`.pipelined` over ``microbatches``. Gradients are partial as after
+        ``backward``: call :meth:`sync_gradients` next."""
+        if self.pipeline is None:
+            loss = self(input_ids, labels, loss_mask, images, cu_seqlens=cu_seqlens)
+            loss.backward()
+            return loss.detach()
+        if self.flow.name not in ("gather", "routed"):
+            raise ValueError(f"a pipelined LLM runs flow 'gather' or 'routed', not {self.flow!r}")
+        inputs = self.parse_and_agree(input_ids, labels, loss_mask, images, cu_seqlens=cu_seqlens)
+        return pipelined_step(
+            self.parts(), inputs, pipeline=self.pipeline, microbatches=self.microbatches,
+            flow=self.flow.name,
+        )  # fmt: skip
 
     def parts(self) -> StepParts:
         """What the flow runs with."""
@@ -195,16 +245,28 @@ class ColocatedMimoModel(nn.Module):
         fused_loss: bool = False,
         device: torch.device | None = None,
         flow: str | MimoFlow = "gather",
+        microbatches: int = 1,
+        schedule: str = "auto",
     ) -> ColocatedMimoModel:
         """This rank's shards of ``reference`` on ``groups`` (no collective; the model
-        keeps ``groups``, which :func:`destroy_colocated_mimo` frees). ``flow``: see
-        the class."""
+        keeps ``groups``, which :func:`destroy_colocated_mimo` frees). ``flow``,
+        ``microbatches``, ``schedule``: see the class; with ``groups.llm_pp`` (LLM
+        pp > 1) the LLM is this rank's :class:`TPLLMStage`."""
         cfg = reference.cfg
         enc_tp, llm_tp, llm_cp = groups.encoder_tp, groups.llm_tp, groups.llm_cp
-        llm = TPLLM.from_full(
-            reference.llm, cfg, tp_group=llm_tp, cp_group=llm_cp,
-            sequence_parallel=sequence_parallel, fused_loss=fused_loss, device=device,
-        )  # fmt: skip
+        if group_size(groups.llm_pp) > 1:
+            if fused_loss:
+                raise ValueError("fused_loss=True is not supported with a pipelined LLM (pp > 1)")
+            llm = TPLLMStage.from_full(
+                reference.llm, cfg, stage=dist.get_rank(groups.llm_pp),
+                n_stages=group_size(groups.llm_pp), tp_group=llm_tp, cp_group=llm_cp,
+                sequence_parallel=sequence_parallel, device=device,
+            )  # fmt: skip
+        else:
+            llm = TPLLM.from_full(
+                reference.llm, cfg, tp_group=llm_tp, cp_group=llm_cp,
+                sequence_parallel=sequence_parallel, fused_loss=fused_loss, device=device,
+            )  # fmt: skip
         return cls(
             TPEncoder.from_full(reference.encoder, cfg, tp_group=enc_tp, device=device),
             TPProjection.from_full(reference.projection, cfg, tp_group=enc_tp, device=device),
@@ -212,10 +274,13 @@ class ColocatedMimoModel(nn.Module):
             groups,
             image_token_id=cfg.image_token_id,
             flow=flow,
+            microbatches=microbatches,
+            schedule=schedule,
         )
 
     def to_full(self) -> dict[str, torch.Tensor]:
-        """Full tensors keyed like ``ReferenceMimo.state_dict()`` (TP all-gathers; collective)."""
+        """Full tensors keyed like ``ReferenceMimo.state_dict()`` (TP all-gathers; collective).
+        With a pipelined LLM: the LLM names of this rank's stage only."""
         return {
             f"{part}.{name}": tensor
             for part in ("encoder", "projection", "llm")
