@@ -105,9 +105,12 @@ def _rel(diff: float, scale: float) -> float:
 def _compare_state(
     got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]
 ) -> tuple[float, float, str]:
-    """``(max abs, max per-tensor rel, name of the worst tensor)`` over ``want``'s names."""
+    """``(max abs, max per-tensor rel, name of the worst tensor)`` over ``want``'s names
+    (a pipelined LLM's rank holds its own stage's LLM names only: those of ``got``)."""
     max_abs, max_rel, worst = 0.0, 0.0, ""
     for name, ref in want.items():
+        if name.startswith("llm.") and name not in got:
+            continue
         diff = float((got[name] - ref).abs().max())
         rel = _rel(diff, float(ref.abs().max()))
         max_abs = max(max_abs, diff)
@@ -152,6 +155,8 @@ def run_parity(
     llm_tp: int = 1,
     llm_cp: int = 1,
     llm_dp: int = 1,
+    llm_pp: int = 1,
+    microbatches: int = 1,
     encoder_axis_names: Sequence[str] = AXIS_NAMES,
     llm_axis_names: Sequence[str] = AXIS_NAMES,
     sequence_parallel: bool = False,
@@ -179,13 +184,18 @@ def run_parity(
     each must cover the whole world, so many layouts can run one after another in one
     world. ``on_step(step, loss, seconds)`` is called after every distributed step (e.g.
     for progress lines). ``flow``: the colocated model's step, ``"gather"`` or
-    ``"routed"`` (see :class:`ColocatedMimoModel`).
+    ``"routed"`` (see :class:`ColocatedMimoModel`). ``llm_pp > 1``: the LLM runs in
+    pipeline stages over ``microbatches`` (``train_step``); each rank compares its own
+    stage's LLM weights and gradients, the worst over the world is reported.
     """
     check_int("steps", steps, low=1)
     encoder_axis_names = _renamed("encoder_dim_names", encoder_dim_names, encoder_axis_names)
     llm_axis_names = _renamed("llm_dim_names", llm_dim_names, llm_axis_names)
     world = dist.get_world_size()
-    for side, sizes in (("encoder", (encoder_tp, encoder_dp)), ("llm", (llm_tp, llm_cp, llm_dp))):
+    for side, sizes in (
+        ("encoder", (encoder_tp, encoder_dp)),
+        ("llm", (llm_tp, llm_cp, llm_pp, llm_dp)),
+    ):
         if math.prod(sizes) != world:
             raise ValueError(
                 f"run_parity lays each model over the whole world: {side} sizes {sizes} "
@@ -206,12 +216,12 @@ def run_parity(
         tp=encoder_tp, dp=encoder_dp, axis_names=encoder_axis_names, create=("tp", "dp")
     )
     llm_grid = make_grid(
-        tp=llm_tp, cp=llm_cp, dp=llm_dp, axis_names=llm_axis_names,
-        create=("tp", "cp", "dp", ("dp", "cp")),
+        tp=llm_tp, cp=llm_cp, pp=llm_pp, dp=llm_dp, axis_names=llm_axis_names,
+        create=("tp", "cp", "dp", ("dp", "cp"), *(("pp",) if llm_pp > 1 else ())),
     )  # fmt: skip
     model = build_colocated_mimo(
         reference, enc_grid, llm_grid, sequence_parallel=sequence_parallel,
-        fused_loss=fused_loss, device=device, flow=flow,
+        fused_loss=fused_loss, device=device, flow=flow, microbatches=microbatches,
     )  # fmt: skip
     try:
         rank = dist.get_rank()
@@ -228,10 +238,9 @@ def run_parity(
             optim.zero_grad(set_to_none=True)
             images, text = local[step % len(local)]
             x, images = _with_grad(images)
-            loss = model(
+            loss = model.train_step(
                 text.input_ids, text.labels, text.loss_mask, images, cu_seqlens=text.cu_seqlens
             )
-            loss.backward()
             model.sync_gradients()
             optim.step()
             seconds.append(time.perf_counter() - start)
@@ -274,9 +283,16 @@ def run_parity(
     loss_rel = max(_rel(abs(a - b), abs(b)) for a, b in zip(dist_losses, ref_losses))
     weight_abs, weight_rel, worst_name = _compare_state(full, reference.state_dict())
     pgrad_abs, pgrad_rel, worst_pgrad = _compare_state(first_grads, ref_grads)
+    if llm_pp > 1:  # each rank compared its own stage: the worst over the world
+        worst = torch.tensor(
+            [weight_abs, weight_rel, pgrad_abs, pgrad_rel], dtype=torch.float64, device=device
+        )
+        dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+        weight_abs, weight_rel, pgrad_abs, pgrad_rel = worst.tolist()
     return ParityReport(
         encoder=_layout_str(tp=encoder_tp, dp=encoder_dp),
-        llm=_layout_str(tp=llm_tp, cp=llm_cp, dp=llm_dp)
+        llm=_layout_str(tp=llm_tp, cp=llm_cp, pp=llm_pp, dp=llm_dp)
+        + (f",M={microbatches}" if microbatches > 1 else "")
         + (",sp" if sequence_parallel else "")
         + (",fused" if fused_loss else ""),
         dist_losses=dist_losses,
