@@ -11,6 +11,9 @@ shard ids first, route each image token straight to its CP/SP shard); ``--flow g
 runs the full-sequence flow (bridge to the whole LLM replica, then partition).
 
     mp-bridge demo --world 8 --encoder tp=2,dp=4 --llm tp=2,cp=2,dp=2 --steps 20
+
+An LLM layout with a ``pp`` axis (``--llm tp=2,pp=2,dp=2 --microbatches 4``) runs the LLM
+in pipeline stages over ``--microbatches`` microbatches (``ColocatedMimoModel.train_step``).
 """
 
 from __future__ import annotations
@@ -51,13 +54,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--encoder", help="encoder layout (tp, dp); default tp=2,dp=4 (tp=2,dp=WORLD/2)"
     )
     parser.add_argument(
-        "--llm", help="LLM layout (tp, cp, dp); default tp=2,cp=2,dp=2 (see default_layouts)"
+        "--llm", help="LLM layout (tp, cp, pp, dp); default tp=2,cp=2,dp=2 (default_layouts)"
+    )
+    parser.add_argument(
+        "--microbatches",
+        type=int,
+        default=1,
+        help="microbatches per step of a pipelined LLM (an --llm with pp > 1); default 1",
     )
     parser.add_argument("--steps", type=int, default=20, help="Adam steps (default 20)")
     parser.add_argument(
         "--batch-size",
         type=int,
-        help="global batch (default: 8, or the next multiple of the DP sizes)",
+        help="global batch (default: 8, or the next multiple of the DP sizes and of the "
+        "LLM dp times --microbatches)",
     )
     parser.add_argument("--lr", type=float, default=1e-2, help="Adam learning rate (1e-2)")
     parser.add_argument(
@@ -109,24 +119,35 @@ def _validate(args: argparse.Namespace) -> tuple[GridLayout, GridLayout]:
         args.world = int(os.environ["WORLD_SIZE"]) if under_torchrun() else 8
     check_int("--world", args.world, low=1)
     check_int("--steps", args.steps, low=1)
+    check_int("--microbatches", args.microbatches, low=1)
     check_positive_float("--lr", args.lr, fix="e.g. --lr 1e-2")
     default_enc, default_llm = default_layouts(args.world)
     args.encoder = args.encoder or default_enc
     args.llm = args.llm or default_llm
     enc_layout = layout_from_flag("--encoder", args.encoder, args.world, ("tp", "dp"))
-    llm_layout = layout_from_flag("--llm", args.llm, args.world, ("tp", "cp", "dp"))
+    llm_layout = layout_from_flag("--llm", args.llm, args.world, ("tp", "cp", "pp", "dp"))
     enc = {n: enc_layout.axis_size(n) for n in ("tp", "dp")}
-    llm = {n: llm_layout.axis_size(n) for n in ("tp", "cp", "dp")}
+    llm = {n: llm_layout.axis_size(n) for n in ("tp", "cp", "pp", "dp")}
+    if args.microbatches > 1 and llm["pp"] == 1:
+        raise ValueError(
+            f"--microbatches {args.microbatches} needs a pipelined LLM: add a pp axis to "
+            f"--llm (e.g. tp=2,pp=2,dp=2) or use --microbatches 1"
+        )
+    if (llm["pp"] > 1) and args.fused_loss:
+        raise ValueError("--fused-loss is not supported with an --llm pp axis; drop one")
+    mb_unit = llm["dp"] * args.microbatches  # every LLM DP batch splits into microbatches
     if args.batch_size is None:
-        step = math.lcm(enc["dp"], llm["dp"])
+        step = math.lcm(enc["dp"], mb_unit)
         args.batch_size = -(-8 // step) * step  # the smallest multiple of both DPs >= 8
     check_int("--batch-size", args.batch_size, low=1)
     if args.plot:
         _check_plot_target(args.plot)
     # The written axis order is the grid's rank order, so nesting is checked on it.
-    plan_bridge(enc_layout, llm_layout, src_name="encoder", dest_name="llm")
+    plan_bridge(enc_layout, llm_layout, src_name="encoder", dest_name="llm", pipeline=True)
     factor = seq_len_divisor(llm["cp"], llm["tp"], sequence_parallel=args.sequence_parallel)
-    args.config = demo_config(encoder_tp=enc["tp"], llm_tp=llm["tp"], seq_factor=factor)
+    args.config = demo_config(
+        encoder_tp=enc["tp"], llm_tp=llm["tp"], seq_factor=factor, llm_pp=llm["pp"]
+    )
     args.config.check_tp(encoder_tp=enc["tp"], llm_tp=llm["tp"])  # holds by construction
     for flag, dp in (("--encoder", enc["dp"]), ("--llm", llm["dp"])):
         if args.batch_size % dp:
@@ -134,10 +155,15 @@ def _validate(args: argparse.Namespace) -> tuple[GridLayout, GridLayout]:
                 f"--batch-size {args.batch_size} does not split over {flag} dp={dp}; "
                 f"use a multiple of {dp}"
             )
+    if args.batch_size % mb_unit:
+        raise ValueError(
+            f"--batch-size {args.batch_size} does not split into --llm dp={llm['dp']} "
+            f"batches of --microbatches {args.microbatches}; use a multiple of {mb_unit}"
+        )
     return enc_layout, llm_layout
 
 
-def demo_config(*, encoder_tp: int = 1, llm_tp: int = 1, seq_factor: int = 2):
+def demo_config(*, encoder_tp: int = 1, llm_tp: int = 1, seq_factor: int = 2, llm_pp: int = 1):
     """The demo's ``MimoConfig``, widened only as far as the layout needs (pure).
 
     The default ``MimoConfig()`` when it fits (TP sizes dividing 8, sequence length 16
@@ -145,7 +171,8 @@ def demo_config(*, encoder_tp: int = 1, llm_tp: int = 1, seq_factor: int = 2):
     TP size ``t`` that does not divide 8: ``heads = lcm(t, 2)``, the hidden size the next
     multiple of the heads, the FFN / projection widths the next multiple of ``t`` (TP 3:
     6 heads, hidden 18, FFN 33; TP 6: 6 heads, hidden 18, FFN 36), and the sequence
-    length the next multiple of ``seq_factor``. Sizes stay close to the default, so the parity
+    length the next multiple of ``seq_factor``; at least ``llm_pp`` LLM layers (one block
+    per pipeline stage). Sizes stay close to the default, so the parity
     tolerances keep their meaning (a wider model has more near-zero gradients, which
     Adam's normalization turns into larger relative weight differences).
     """
@@ -172,6 +199,7 @@ def demo_config(*, encoder_tp: int = 1, llm_tp: int = 1, seq_factor: int = 2):
         llm_hidden=up(base.llm_hidden, llm_heads),
         llm_ffn=up(base.llm_ffn, llm_tp),
         seq_len=up(base.seq_len, seq_factor),
+        llm_layers=max(base.llm_layers, llm_pp),
     )
 
 
@@ -203,6 +231,7 @@ def _worker(enc: GridLayout, llm: GridLayout, opts: dict):
     return run_parity(
         cfg, encoder_tp=enc.axis_size("tp"), encoder_dp=enc.axis_size("dp"),
         llm_tp=llm.axis_size("tp"), llm_cp=llm.axis_size("cp"), llm_dp=llm.axis_size("dp"),
+        llm_pp=llm.axis_size("pp"), microbatches=opts["microbatches"],
         encoder_axis_names=enc.axis_names,
         llm_axis_names=llm.axis_names, sequence_parallel=opts["sequence_parallel"],
         fused_loss=opts["fused_loss"], batch=batches, steps=opts["steps"], lr=opts["lr"],
@@ -316,6 +345,7 @@ def run(args: argparse.Namespace) -> int:
         "fused_loss": args.fused_loss,
         "config": args.config,
         "uniform": args.uniform,
+        "microbatches": args.microbatches,
         "flow": parse_flow(args.flow),  # parsed once here; the workers get the object
     }
     start = time.perf_counter()

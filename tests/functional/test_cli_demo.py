@@ -54,3 +54,20 @@ def test_demo_gather_flow_on_request(capfd):
     assert "batches, gather flow" in out
     assert re.search(r"^param grads \(step 1\) .* yes$", out, re.M), out
     assert "parity OK" in out
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--llm", "tp=2,pp=2,dp=2", "--microbatches", "4"],
+        ["--encoder", "tp=1,dp=8", "--llm", "cp=2,pp=2,dp=2", "--microbatches", "2",
+         "--flow", "gather"],
+    ],
+    ids=["tp2pp2dp2-M4-routed", "cp2pp2dp2-M2-gather"],
+)  # fmt: skip
+def test_demo_with_a_pipelined_llm(capfd, argv):
+    assert main(["demo", "--steps", "2", *argv]) == 0
+    out = capfd.readouterr().out
+    assert re.search(r"parity vs single-process oracle \(.*pp=2,dp=2,M=\d", out), out
+    assert re.search(r"^weights \(gathered\) .* yes$", out, re.M), out
+    assert "parity OK" in out

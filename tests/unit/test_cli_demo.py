@@ -36,6 +36,14 @@ from mp_bridge.models import MimoConfig, ParityReport
         (["--batch-size", "0"], "--batch-size=0 must be an int >= 1"),
         # Checked before training, not when the PNG is written at the end.
         (["--plot", "/nonexistent/dir/x.png"], "folder /nonexistent/dir does not exist"),
+        (["--microbatches", "2"], "--microbatches 2 needs a pipelined LLM: add a pp axis"),
+        (["--microbatches", "0"], "--microbatches=0 must be an int >= 1"),
+        (
+            ["--llm", "tp=2,pp=2,dp=2", "--microbatches", "4", "--batch-size", "12"],
+            "--batch-size 12 does not split into --llm dp=2 batches of --microbatches 4; "
+            "use a multiple of 8",
+        ),
+        (["--llm", "tp=2,pp=2,dp=2", "--fused-loss"], "--fused-loss is not supported"),
     ],
 )
 def test_bad_arguments_exit_2_with_the_fix(argv, message, capsys):
@@ -149,3 +157,23 @@ def test_demo_widens_world6_layouts_with_tp3_tp6_cp3_to_the_written_sizes(encode
     # up to a multiple of t; CP 3 takes the sequence up to a multiple of 2·3.
     got = {name: getattr(args.config, name) for name in want}
     assert got == want
+
+
+@pytest.mark.parametrize(
+    ("llm", "microbatches", "batch_size", "llm_layers"),
+    [
+        ("tp=2,pp=2,dp=2", 4, 8, 2),  # 2 LLM replicas of 4 samples: 4 microbatches of 1
+        ("tp=2,pp=2,dp=2", 8, 16, 2),  # the next multiple of dp 2 x 8 microbatches
+        ("tp=2,pp=4", 3, 12, 4),  # lcm(encoder dp 4, 1 x 3); 4 stages need 4 layers
+    ],
+)
+def test_a_pipelined_llm_gets_a_batch_that_splits_into_microbatches(
+    llm, microbatches, batch_size, llm_layers
+):
+    args = argparse.Namespace(
+        world=None, steps=1, lr=1e-2, encoder=None, llm=llm, batch_size=None, plot=None,
+        sequence_parallel=False, microbatches=microbatches, fused_loss=False,
+    )  # fmt: skip
+    _validate(args)
+    assert args.batch_size == batch_size
+    assert args.config.llm_layers == llm_layers
