@@ -119,6 +119,7 @@ def _validate(args: argparse.Namespace) -> tuple[GridLayout, GridLayout]:
         args.world = int(os.environ["WORLD_SIZE"]) if under_torchrun() else 8
     check_int("--world", args.world, low=1)
     check_int("--steps", args.steps, low=1)
+    args.microbatches = getattr(args, "microbatches", 1)  # a Namespace built without it
     check_int("--microbatches", args.microbatches, low=1)
     check_positive_float("--lr", args.lr, fix="e.g. --lr 1e-2")
     default_enc, default_llm = default_layouts(args.world)

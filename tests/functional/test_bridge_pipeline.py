@@ -41,8 +41,8 @@ LAYOUTS = {
 
 
 def _setup(src: dict, dest: dict):
-    src_grid = make_grid(**src, dim_names=ORDER, create=())
-    dest_grid = make_grid(**dest, dim_names=ORDER, create=("cp", "tp"))
+    src_grid = make_grid(**src, axis_names=ORDER, create=())
+    dest_grid = make_grid(**dest, axis_names=ORDER, create=("cp", "tp"))
     s, d = GridLayout.from_grid(src_grid), GridLayout.from_grid(dest_grid)
     rank = dist.get_rank()
     sc, dc = s.coords(rank), d.coords(rank)
