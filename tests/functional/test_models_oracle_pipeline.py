@@ -121,12 +121,29 @@ def test_teeth_a_stage_boundary_that_drops_a_microbatch_fails_every_metric(flow)
 
 
 @world.case
-def test_forward_on_a_pipelined_model_names_train_step():
+def test_pipelined_model_refusals_are_the_same_on_every_rank():
+    import torch
+
     from mp_bridge.grid import make_grid
     from mp_bridge.models import ReferenceMimo, build_colocated_mimo, destroy_colocated_mimo
 
+    torch.manual_seed(0)
     enc, llm = make_grid(tp=2, dp=4), make_grid(tp=2, pp=2, dp=2, create=("tp", "pp"))
-    model = build_colocated_mimo(ReferenceMimo(CFG), enc, llm, microbatches=2)
+    model = build_colocated_mimo(
+        ReferenceMimo(CFG), enc, llm, microbatches=2, flow="routed", sequence_parallel=True
+    )
     with pytest.raises(RuntimeError, match=r"call\s+model.train_step"):
         model(None, None, None)
+    rank = torch.distributed.get_rank()
+    packed = _packed()
+    text = packed.llm_shard(rank // 4, 2)
+    images = packed.encoder_shard(rank // 2, 4)
+    with pytest.raises(ValueError, match="flow='routed' with a pipelined LLM cannot microbatch"):
+        model.train_step(text.input_ids, text.labels, text.loss_mask, images,
+                         cu_seqlens=text.cu_seqlens)  # fmt: skip
+    model.microbatches = 3  # 4 samples per LLM DP batch
+    model.flow = "gather"
+    with pytest.raises(ValueError, match="microbatches=3 does not divide this rank's LLM DP"):
+        model.train_step(text.input_ids, text.labels, text.loss_mask, images,
+                         cu_seqlens=text.cu_seqlens)  # fmt: skip
     destroy_colocated_mimo(model, enc, llm)
