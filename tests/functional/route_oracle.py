@@ -160,7 +160,7 @@ def check_route(src: dict, dest: dict, n_samples: int, *, direction: str, sp: bo
     # token of every member's LLM batch, padded to the group's largest LLM batch.
     world = dist.get_world_size()
     own = range(batch.token_rows(s_samples).start, batch.token_rows(s_samples).stop)
-    members = src["tp"] if direction == "FAN_OUT" else tp * cp * d_lay.dim("pp")
+    members = src["tp"] if direction == "FAN_OUT" else tp * cp * d_lay.axis_size("pp")
     meta = (world - 1) * 8 * 7
     fwd_want, bwd_want = {"all_gather": 1}, {}
     if members > 1 and direction == "FAN_IN":

@@ -207,15 +207,15 @@ def test_every_piece_reaches_each_first_stage_consumer_once(pair):
         assume(False)
         raise AssertionError from exc  # unreachable
     sd = plan_stage_delivery(plan)
-    batch = 2 * max(src.dim("dp"), dest.dim("dp"))
+    batch = 2 * max(src.axis_size("dp"), dest.axis_size("dp"))
 
     def samples(layout, r):  # brute-force data contract: contiguous DP blocks
-        per = batch // layout.dim("dp")
+        per = batch // layout.axis_size("dp")
         dp = layout.coords(r)["dp"]
         return set(range(dp * per, (dp + 1) * per))
 
     for r in src.ranks:
-        stage = dest.coords(r)["pp"] if "pp" in dest.dim_names else 0
+        stage = dest.coords(r)["pp"] if "pp" in dest.axis_names else 0
         got = sd.receives(r)
         if stage > 0:
             assert got == {} and sd.consumed(r) == ()
@@ -245,6 +245,6 @@ def test_every_piece_reaches_each_first_stage_consumer_once(pair):
 
 def _piece(p: Piece, src: GridLayout, dest: GridLayout, batch: int) -> set[int]:
     """Samples of piece ``p``: its src DP block intersected with its dest DP block."""
-    per_s, per_d = batch // src.dim("dp"), batch // dest.dim("dp")
+    per_s, per_d = batch // src.axis_size("dp"), batch // dest.axis_size("dp")
     block_s = set(range(p.src_dp * per_s, (p.src_dp + 1) * per_s))
     return block_s & set(range(p.dest_dp * per_d, (p.dest_dp + 1) * per_d))
