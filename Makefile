@@ -62,7 +62,7 @@ SMOKE := \
   "tests/functional/test_models_oracle_routed.py::test_routed_ragged_parity_with_one_process[fan_in_cp2]"
 
 test-fast: install
-	$(BIN)/python -m pytest -q -x tests/unit $(SMOKE)
+	MP_BRIDGE_FAST=1 $(BIN)/python -m pytest -q -x tests/unit $(SMOKE)
 
 # The whole suite against megatron-core $(MCORE_LATEST) (includes the MimoModel integration
 # tests, which skip on 0.16).

@@ -3,9 +3,15 @@
 Hypothesis: no per-example deadline. These are correctness properties, not timing
 checks, and a deadline turns a loaded 2-core CI machine into spurious failures (an
 example of a 200 ms default deadline took 342 ms under load here).
+
+``MP_BRIDGE_FAST=1`` (``make test-fast``) runs 20 examples per property instead of 100:
+the quick loop while editing; the full count runs in ``make test`` and CI.
 """
+
+import os
 
 from hypothesis import settings
 
 settings.register_profile("mp_bridge", deadline=None)
-settings.load_profile("mp_bridge")
+settings.register_profile("mp_bridge_fast", deadline=None, max_examples=20)
+settings.load_profile("mp_bridge_fast" if os.environ.get("MP_BRIDGE_FAST") == "1" else "mp_bridge")
