@@ -11,8 +11,8 @@ chunk size, the token count or the TP size.
 Why this is TP-invariant: a shard laid out with ``vocab_shard_ranges(vocab_size, tp,
 multiple=VOCAB_BLOCK)`` (megatron: ``make_vocab_size_divisible_by=256``) holds whole
 blocks at every TP size, and any run of whole blocks splits into whole subtrees of one
-canonical tree (``loss_tree``); each rank folds its subtrees, the subtree results are
-gathered and every rank folds them in the same tree order (``loss_reduce.gather_fold``),
+canonical tree (``tree``); each rank folds its subtrees, the subtree results are
+gathered and every rank folds them in the same tree order (``reduce.gather_fold``),
 which is the expression TP = 1 evaluates. At TP = 1 a shard of any width is zero-padded
 to whole blocks by one copy (``pad_single_shard``), giving the same bits. A shard that is
 not block-aligned cannot give the same expression and is rejected before any collective.
@@ -47,7 +47,7 @@ __all__ = [
 #: Vocab rows per block (invariant mode). 256 keeps the padding of usual vocabularies
 #: small (at most 255 ids per TP rank) and the leaves of the tree few enough that the
 #: fold is cheap; block math runs batched over all (tile, block) pairs of a chunk, each
-#: row's bits independent of the batch (see ``loss_math``).
+#: row's bits independent of the batch (see ``formulas``).
 VOCAB_BLOCK = 256
 #: Token rows per matmul (invariant mode). 64 keeps the last-chunk padding small and is
 #: part of the numeric identity (changing it changes the bits); see bench/RESULTS.md.
@@ -149,7 +149,7 @@ class BlockLayout:
         return self.valid(self.num_local - 1) if self.num_local else 0
 
     def pieces(self, rank: int) -> list[Piece]:
-        """Maximal aligned subtrees held by ``rank`` of this layout (``loss_tree``)."""
+        """Maximal aligned subtrees held by ``rank`` of this layout (``tree``)."""
         other = VocabShard.of_rank(self.tp_size, self.v_local, rank=rank)
         return local_pieces(other.start // self.block, other.stop // self.block, self.num_real)
 

@@ -53,7 +53,7 @@ from mp_bridge.layers.loss.checks import (
     forbid_double_backward,
 )
 from mp_bridge.layers.loss.formulas import LossSpec
-from mp_bridge.layers.loss.fused_engines import ChunkEngine, DefaultEngine, InvariantEngine
+from mp_bridge.layers.loss.fused_engines import ChunkEngine, InvariantEngine, ShardEngine
 
 __all__ = ["DEFAULT_CHUNK_ELEMENTS", "fused_linear_cross_entropy", "fused_linear_logprobs"]
 
@@ -230,7 +230,7 @@ def _fused_loss(
         weight = pad_single_shard(weight, 0, layout)
         engine: ChunkEngine = InvariantEngine(weight, tp_group, layout, spec)
     else:
-        engine = DefaultEngine(weight, tp_group, shard, spec)
+        engine = ShardEngine(weight, tp_group, shard, spec)
     needs_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
     values, extra = _FusedLinearLoss.apply(
         hidden, weight, target, engine, spec, chunk, reduction, needs_grad

@@ -6,7 +6,7 @@ and a chunk's logits plus per-token factors into the full ``d loss / d h`` rows 
 rank's ``d loss / d W`` (``grad_chunk``, accumulated in fp32). Only the chunk's logits
 (``C x V_local`` fp32; the invariant engine's real blocks, zero-padded to whole tiles) are
 ever alive, plus, in the invariant engine, O(log blocks) ``[TOKEN_TILE, H]`` fp32 partials.
-Collectives (``loss_reduce``): the default engine merges stats with one all-gather and
+Collectives (``reduce``): the shard engine merges stats with one all-gather and
 all-reduces ``d h``; the invariant engine folds both in the canonical tree.
 """
 
@@ -40,7 +40,7 @@ from mp_bridge.layers.loss.reduce import all_reduce_sum_, gather_fold, gather_me
 from mp_bridge.layers.loss.tree import stream_fold
 from mp_bridge.layers.vocab_shards import VocabShard
 
-__all__ = ["ChunkEngine", "ChunkResult", "ChunkState", "DefaultEngine", "InvariantEngine"]
+__all__ = ["ChunkEngine", "ChunkResult", "ChunkState", "InvariantEngine", "ShardEngine"]
 
 
 class ChunkState(NamedTuple):
@@ -48,7 +48,7 @@ class ChunkState(NamedTuple):
 
     ``logits`` holds ``exp(z - row_max)`` when ``row_max`` is set, else the transformed
     fp32 logits ``z``; ``tiles`` is the invariant engine's ``[T, TOKEN_TILE, H]`` copy of
-    ``h`` (``None`` in the default engine); ``deriv`` the soft-cap derivative (or ``None``).
+    ``h`` (``None`` in the shard engine); ``deriv`` the soft-cap derivative (or ``None``).
     """
 
     logits: torch.Tensor
@@ -98,7 +98,7 @@ def _accumulate_weight_grad(gw: torch.Tensor, g: torch.Tensor, h: torch.Tensor) 
 
 
 @dataclass(frozen=True, eq=False)
-class DefaultEngine:
+class ShardEngine:
     """Whole shard per chunk: ``z = h @ W^T`` is one ``[C, V_local]`` matmul."""
 
     weight: torch.Tensor
@@ -171,7 +171,7 @@ class InvariantEngine:
     threads, where one small ``mm`` per block would split each tiny product). Chunks must
     start on a multiple of ``TOKEN_TILE`` so tiles are the same for every chunk size.
 
-    Cost: the FLOPs of the default engine, in fixed small matmuls; about 10 batched block
+    Cost: the FLOPs of the shard engine, in fixed small matmuls; about 10 batched block
     kernels per chunk, not per (tile, block). The hidden gradient adds ``K - 1`` adds of
     ``[TOKEN_TILE, H]`` per tile in tree order, ``P`` ``[chunk, H]`` subtree results and,
     at TP > 1, an all-gather in place of an all-reduce. Timings: ``bench/RESULTS.md``.

@@ -32,8 +32,6 @@ validated (one host sync) before any collective. The ops are differentiable once
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import torch
 import torch.distributed as dist
 
@@ -49,7 +47,7 @@ from mp_bridge.layers.loss.checks import (
     check_tp_agreement,
 )
 from mp_bridge.layers.loss.formulas import LossSpec
-from mp_bridge.layers.loss.materialized import DefaultCrossEntropy, DefaultEntropy, InvariantLoss
+from mp_bridge.layers.loss.materialized import InvariantLoss, ShardLoss
 
 __all__ = [
     "invariant_cross_entropy",
@@ -122,10 +120,9 @@ def vocab_parallel_cross_entropy(
             return_z_loss=return_z_loss,
             **options,
         )
-    spec = LossSpec.cross_entropy(shard.vocab_size, ignore_index, eps, softcap=softcap)
-    spec = replace(spec, z_loss_weight=zw)  # temperature: the scale below
-    _agree("vocab_parallel_cross_entropy", logits, target, tp_group, (spec, temperature))
-    loss, z_loss = DefaultCrossEntropy.apply(logits, target, tp_group, shard, spec, 1 / temperature)
+    spec = LossSpec.cross_entropy(shard.vocab_size, ignore_index, eps, **options)
+    _agree("vocab_parallel_cross_entropy", logits, target, tp_group, spec)
+    loss, z_loss = ShardLoss.apply(logits, target, tp_group, shard, spec)
     return _with_z_loss(loss, z_loss, return_z_loss)
 
 
@@ -177,14 +174,16 @@ def vocab_parallel_logprobs(
             softcap=softcap,
             return_entropy=return_entropy,
         )
-    # log-prob = -nll of logits / T (the cross-entropy without smoothing, scaled by 1 / T).
-    spec = LossSpec.cross_entropy(shard.vocab_size, ignore_index, 0.0, softcap=softcap)
-    spec = replace(spec, entropy=return_entropy)
-    _agree("vocab_parallel_logprobs", logits, target, tp_group, (spec, temperature))
-    nll, entropy = DefaultCrossEntropy.apply(
-        logits, target, tp_group, shard, spec, 1.0 / temperature
+    spec = LossSpec.logprob(
+        shard.vocab_size,
+        temperature,
+        ignore_index=ignore_index,
+        softcap=softcap,
+        entropy=return_entropy,
     )
-    return (-nll, entropy) if return_entropy else -nll
+    _agree("vocab_parallel_logprobs", logits, target, tp_group, spec)
+    lp, entropy = ShardLoss.apply(logits, target, tp_group, shard, spec)
+    return (lp, entropy) if return_entropy else lp
 
 
 def vocab_parallel_entropy(
@@ -204,16 +203,18 @@ def vocab_parallel_entropy(
     """
     shard = check_logits(logits, tp_group, vocab_size)
     softcap, _, _ = check_options(softcap=softcap, flags={"invariant": invariant})
-    if not invariant:
-        _agree("vocab_parallel_entropy", logits, None, tp_group, (shard.vocab_size, softcap))
-        return DefaultEntropy.apply(logits, tp_group, shard, softcap)
+    # The entropy output of log-probs with no target (-1: in no shard).
     no_target = torch.full(logits.shape[:-1], -1, dtype=torch.long, device=logits.device)
     spec_of = lambda vocab: LossSpec.logprob(vocab, 1.0, softcap=softcap, entropy=True)  # noqa: E731
+    if not invariant:
+        spec = spec_of(shard.vocab_size)
+        _agree("vocab_parallel_entropy", logits, None, tp_group, spec)
+        return ShardLoss.apply(logits, no_target, tp_group, shard, spec)[1]
     return _invariant(logits, no_target, tp_group, vocab_size, spec_of)[1]
 
 
 def _invariant(logits, target, tp_group, vocab_size, spec_of):
-    """``(value, extra)`` of ``InvariantLoss`` (``extra``: see ``DefaultCrossEntropy``)."""
+    """``(value, extra)`` of ``InvariantLoss`` (``extra``: see ``ShardLoss``)."""
     layout = BlockLayout.of_shard(check_shard(logits.shape[-1], vocab_size, tp_group))
     spec = spec_of(layout.vocab_size)
     _agree("invariant loss", logits, target, tp_group, spec)
