@@ -34,16 +34,20 @@ from mp_bridge.layers.loss.formulas import LossSpec
 from mp_bridge.layers.vocab_shards import VocabShard, vocab_shard_size
 
 aten = torch.ops.aten
-MATMULS = {
+MATMULS = {  # in-place and out= variants included (``out=`` is an overload of the packet)
     aten.mm,
     aten.bmm,
     aten.addmm,
+    aten.addmm_,
     aten.baddbmm,
+    aten.baddbmm_,
     aten.addbmm,
+    aten.addbmm_,
     aten.matmul,
     aten.linear,
     aten.mv,
     aten.addmv,
+    aten.addmv_,
     aten.dot,
 }
 
@@ -135,10 +139,12 @@ def test_one_set_of_matmul_shapes_for_every_tp_chunk_and_batch(monkeypatch, h_di
     assert _differences(runs) == []
     hp = -(-h_dim // HIDDEN_ALIGN) * HIDDEN_ALIGN
     g, tile, b = BLOCK_GROUP, TOKEN_TILE, 256
-    shapes = {tuple(shape for shape, _, _ in sig) for _, sig in next(iter(runs.values()))[0]}
+    calls = next(iter(runs.values()))[0]
+    assert {op for op, _ in calls} == {"bmm", "baddbmm_"}
+    shapes = {tuple(shape for shape, _, _ in sig) for _, sig in calls}
     assert shapes == {
         ((g, tile, hp), (g, hp, b), (g, tile, b)),  # logits (into the call's buffer)
-        ((g, b, tile), (g, tile, hp)),  # d weight
+        ((g, b, hp), (g, b, tile), (g, tile, hp)),  # d weight, accumulated in place
         ((g, tile, b), (g, b, hp)),  # d hidden
     }
     # Per token tile, one multiset at each TP whatever the chunk size and the batches.

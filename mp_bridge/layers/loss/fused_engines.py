@@ -103,7 +103,13 @@ def _accumulate_weight_grad(gw: torch.Tensor, g: torch.Tensor, h: torch.Tensor) 
 
 @dataclass(frozen=True, eq=False)
 class ShardEngine:
-    """Whole shard per chunk: ``z = h @ W^T`` is one ``[C, V_local]`` matmul."""
+    """Whole shard per chunk: ``z = h @ W^T`` is one ``[C, V_local]`` matmul.
+
+    The logits are stored vocab-major (``z`` is the ``[C, V_local]`` transpose of a
+    contiguous ``[V_local, C]`` product ``W h^T``): no operand of the three GEMMs is then
+    a transposed weight (MKL's slowest case here), and ``d W += g^T h`` reads ``g^T``
+    contiguously; the row math is layout-agnostic.
+    """
 
     weight: torch.Tensor
     tp_group: dist.ProcessGroup | None
@@ -111,8 +117,8 @@ class ShardEngine:
     spec: LossSpec
 
     def _logits(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        z = torch.mm(h, self.weight.t())  # (C, H) @ (H, V_local)
-        z = z if z.dtype == torch.float32 else z.float()
+        z = torch.mm(self.weight, h.t()).t()  # ((V_local, H) @ (H, C))^T
+        z = z if z.dtype == torch.float32 else z.float()  # keeps the layout
         deriv = transform_logits_(z, self.spec)
         if deriv is not None:
             deriv[:, self.shard.num_real :] = 0.0  # padding columns (the weight's padding rows)
@@ -155,6 +161,20 @@ class ShardEngine:
 
 def _add_(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return x.add_(y)
+
+
+def _add_weight_grad(acc, gg, hi, grp: BlockGroup) -> None:
+    """``acc [>= G, B, Hp] += gg^T @ hi`` for the blocks ``grp`` adds: one ``G x (B, TILE)
+    @ (TILE, Hp)`` product per call, ``baddbmm_`` in fp32 (``bmm`` then add in a low
+    input dtype, which ``baddbmm_`` cannot mix with an fp32 ``acc``)."""
+    if grp.lo:  # a window: its first slots are done; their rows of g add exact zeros
+        gg = gg.clone()
+        gg[: grp.lo] = 0.0
+    target = acc[grp.start : grp.start + BLOCK_GROUP]
+    if gg.dtype == torch.float32:
+        target.baddbmm_(gg.transpose(1, 2), hi)
+    else:
+        target.add_(torch.bmm(gg.transpose(1, 2), hi))
 
 
 @dataclass(frozen=True, eq=False)
@@ -230,6 +250,9 @@ class InvariantEngine:
             hi = hb[i].expand(BLOCK_GROUP, TOKEN_TILE, self._hp)  # one tile, every block
             for grp in self._groups:
                 wt = self._wb[grp.start : grp.start + BLOCK_GROUP].transpose(1, 2)
+                if grp.hi - grp.lo == BLOCK_GROUP and out.dtype == torch.float32:
+                    torch.bmm(hi, wt, out=z[i, grp.start : grp.start + BLOCK_GROUP])
+                    continue  # a whole group: straight into the logits, same products
                 torch.bmm(hi, wt, out=out)  # G x (TILE, Hp) @ (Hp, B)
                 z[i, grp.start + grp.lo : grp.start + grp.hi].copy_(out[grp.lo : grp.hi])
         deriv = transform_logits_(z, self.spec)
@@ -290,14 +313,22 @@ class InvariantEngine:
         k = lay.num_local
         gw_blocks = None if gw is None else gw[: k * b].view(k, b, hd)
 
+        # d W accumulates in place in whole groups of G padded rows: in ``gw`` itself when
+        # its rows allow it, else in a padded copy loaded from and stored back to ``gw``.
+        acc = None
+        if gw_blocks is not None:
+            acc = gw_blocks
+            if k < BLOCK_GROUP or hp != hd:
+                acc = gw.new_zeros((max(k, BLOCK_GROUP), b, hp))
+                acc[:k, :, :hd] = gw_blocks
+
         def leaves(i: int):
             # A generator over the groups: the fold keeps O(log K) partials alive.
             hi = hb[i].expand(BLOCK_GROUP, TOKEN_TILE, hp)
             for grp in self._groups:
-                gg, new = self._take(g[i], grp), slice(grp.lo, grp.hi)
-                if gw_blocks is not None:  # tiles in token order: d W sums tile by tile
-                    dw = torch.bmm(gg.transpose(1, 2), hi)  # G x (B, TILE) @ (TILE, Hp)
-                    gw_blocks[grp.start + grp.lo : grp.start + grp.hi].add_(dw[new, :, :hd])
+                gg = self._take(g[i], grp)
+                if acc is not None:  # tiles in token order: d W sums tile by tile
+                    _add_weight_grad(acc, gg, hi, grp)
                 wg = self._wb[grp.start : grp.start + BLOCK_GROUP]
                 part = torch.bmm(gg, wg)  # G x (TILE, B) @ (B, Hp)
                 part = part if part.dtype == torch.float32 else part.float()
@@ -310,5 +341,7 @@ class InvariantEngine:
             (piece, torch.stack([tile[p][1] for tile in per_tile]))
             for p, (piece, _) in enumerate(per_tile[0])
         ]
+        if acc is not None and acc is not gw_blocks:
+            gw_blocks.copy_(acc[:k, :, :hd])
         root = gather_fold(pieces, lay, self.tp_group, _add_, (tiles, TOKEN_TILE, hp), h.device)
         return root.reshape(-1, hp)[:n, :hd]
