@@ -190,7 +190,8 @@ class InvariantEngine:
 
         logits    bmm  [G, TILE, Hp] x [G, Hp, B]     (the tile expanded over the group)
         d hidden  bmm  [G, TILE, B]  x [G, B, Hp]
-        d weight  bmm  [G, B, TILE]  x [G, TILE, Hp]  (added to d W tile by tile in order)
+        d weight  baddbmm_  [G, B, Hp] += [G, B, TILE] x [G, TILE, Hp]
+                  (tile by tile in token order; in a low input dtype: bmm, then add)
 
     Each batch entry is the product of one (tile, block), whose bits depend on the shapes
     and the entry alone (``bmm`` gives the bits of one ``mm`` per entry on this build,
@@ -200,9 +201,12 @@ class InvariantEngine:
 
     Cost: the FLOPs of the shard engine plus the padding slots of a group (none when
     ``K`` is a multiple of ``G``; the last group of a larger shard is a window over blocks
-    already done) and of ``Hp - H``. The hidden gradient adds ``K - 1`` adds of ``[TILE,
-    Hp]`` per tile in tree order, ``P`` ``[chunk, Hp]`` subtree results and, at TP > 1, an
-    all-gather in place of an all-reduce. Timings: ``bench/RESULTS.md``.
+    already done) and of ``Hp - H``; memory: a padded copy of the weight shard (and of its
+    fp32 gradient during each chunk's backward) when ``H`` is not a multiple of
+    ``HIDDEN_ALIGN`` or the shard holds fewer than ``G`` blocks. The hidden gradient adds
+    ``K - 1`` adds of ``[TILE, Hp]`` per tile in tree order, ``P`` ``[chunk, Hp]`` subtree
+    results and, at TP > 1, an all-gather in place of an all-reduce. Timings:
+    ``bench/RESULTS.md``.
     """
 
     weight: torch.Tensor
