@@ -1,9 +1,9 @@
 """The softmax -> gradient formula of every loss path, in row and batched block form.
 
-No collectives. The math is in ``loss_math``'s docstring: ``d value / d z = (a + 2 zw
+No collectives. The math is in ``formulas``'s docstring: ``d value / d z = (a + 2 zw
 lse) p + b onehot + c`` and ``d H / d z = -p (log p + H)``, ``p = softmax(z)``; the
 soft-cap and ``1 / T`` factors of ``d z / d logits`` are applied by the callers. Block
-form: every op is element-wise or one indexed element per row (``loss_math``), so a row's
+form: every op is element-wise or one indexed element per row (``formulas``), so a row's
 bits depend on that row alone.
 """
 
