@@ -61,8 +61,9 @@ def softmax_grad_rows_(
         return p.scatter_add_(-1, index, torch.where(col >= 0, w * b, 0.0).unsqueeze(-1))
     if a != 1.0:
         p.mul_(a)
-    if weight_last:
-        p.scatter_add_(-1, index, torch.where(col >= 0, b, 0.0).to(p.dtype).unsqueeze(-1))
+    if weight_last:  # b made in p's dtype: an fp32 b = -(1 - eps) would round fp64 rows
+        onehot_b = p.new_zeros(col.shape).masked_fill_(col >= 0, b)
+        p.scatter_add_(-1, index, onehot_b.unsqueeze(-1))
     if c != 0.0 and valid > 0:
         p[..., :valid].add_(c)
     p.mul_(w.unsqueeze(-1))
