@@ -3,13 +3,19 @@
 Run before and after a change that must not move a single bit; the two outputs must be
 identical (same machine, build and thread count). Covers the materialized and fused
 paths, default and invariant, fp32 and bf16, at TP 1/2/4 (gloo ranks on CPU).
+``--check`` compares with the recorded reference ``bench/numerics_hashes.txt`` (torch
+2.13 CPU on the project's build machine) and exits 1 naming the lines that differ; a
+change that is allowed to move bits records the new lines there.
 
     .venv/bin/python bench/numerics_hashes.py > before.txt   # ... change ... then diff
+    .venv/bin/python bench/numerics_hashes.py --check
 """
 
 from __future__ import annotations
 
 import hashlib
+import pathlib
+import sys
 
 import torch
 import torch.distributed as dist
@@ -87,11 +93,19 @@ def _rank_hashes() -> list[str]:
     return out
 
 
+REFERENCE = pathlib.Path(__file__).with_name("numerics_hashes.txt")
+
+
 def main() -> None:
-    for tp in (1, 2, 4):
-        lines = run_distributed(_rank_hashes, tp)[0]
-        for line in lines:
-            print(f"tp={tp} {line}")
+    lines = [f"tp={tp} {line}" for tp in (1, 2, 4) for line in run_distributed(_rank_hashes, tp)[0]]
+    print("\n".join(lines))
+    if "--check" in sys.argv[1:]:
+        want = REFERENCE.read_text().splitlines()
+        moved = [f"  now {a}\n  was {b}" for a, b in zip(lines, want) if a != b]
+        if moved or len(lines) != len(want):
+            print(f"differs from {REFERENCE.name}:\n" + "\n".join(moved))
+            sys.exit(1)
+        print(f"identical to {REFERENCE.name}")
 
 
 if __name__ == "__main__":

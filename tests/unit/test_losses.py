@@ -198,3 +198,22 @@ def test_mixed_dtypes_in_the_fused_loss_name_the_fix():
     hidden, weight = _lm()
     with pytest.raises(TypeError, match=r"hidden.to\(weight.dtype\)"):
         fused_linear_cross_entropy(hidden.bfloat16(), weight, TARGET)
+
+
+def test_fp64_smoothed_cross_entropy_gradient_is_fp64_exact():
+    # fp64 logits keep fp64 statistics and gradients: an fp32-rounded coefficient (b =
+    # -(1 - eps) = -0.9 has a relative fp32 error ~1e-8) moves the gradient by ~1e-8,
+    # far above the ~1e-15 of fp64 sums of 700 terms; 1e-12 separates the two.
+    g = torch.Generator().manual_seed(11)
+    x = (torch.randn(40, 700, generator=g, dtype=torch.float64) * 3).requires_grad_()
+    t = torch.randint(0, 700, (40,), generator=g)
+    t[::6] = -100
+    temp = torch.rand(40, generator=g, dtype=torch.float64) + 0.4
+    for temperature in (1.0, 0.7, temp):
+        got = vocab_parallel_cross_entropy(x, t, label_smoothing=0.1, temperature=temperature)
+        (grad,) = torch.autograd.grad(got.sum(), x)
+        scale = temperature.unsqueeze(-1) if isinstance(temperature, torch.Tensor) else temperature
+        ref = F.cross_entropy(x / scale, t, label_smoothing=0.1, reduction="none")
+        (ref_grad,) = torch.autograd.grad(ref.sum(), x)
+        torch.testing.assert_close(got, ref, rtol=0, atol=1e-12)
+        torch.testing.assert_close(grad, ref_grad, rtol=0, atol=1e-12)

@@ -5,14 +5,15 @@ size: block ``j`` holds global ids ``[j * VOCAB_BLOCK, (j + 1) * VOCAB_BLOCK)``.
 ``K = ceil(vocab_size / VOCAB_BLOCK)`` *real* blocks (those holding at least one true id)
 take part; padding blocks are the identity of every fold, by construction (they are never
 computed, so they cannot perturb a single bit). Tokens are cut into tiles of
-``TOKEN_TILE`` rows, so every matmul is ``[TOKEN_TILE, H] x [H, VOCAB_BLOCK]`` whatever the
-chunk size, the token count or the TP size.
+``TOKEN_TILE`` rows, and every matmul is one tile against a group of ``BLOCK_GROUP`` blocks
+(``block_groups``) with the hidden dim padded to ``HIDDEN_ALIGN``: the same shapes and batch
+count whatever the chunk size, the token count or the TP size.
 
 Why this is TP-invariant: a shard laid out with ``vocab_shard_ranges(vocab_size, tp,
 multiple=VOCAB_BLOCK)`` (megatron: ``make_vocab_size_divisible_by=256``) holds whole
 blocks at every TP size, and any run of whole blocks splits into whole subtrees of one
-canonical tree (``loss_tree``); each rank folds its subtrees, the subtree results are
-gathered and every rank folds them in the same tree order (``loss_reduce.gather_fold``),
+canonical tree (``tree``); each rank folds its subtrees, the subtree results are
+gathered and every rank folds them in the same tree order (``reduce.gather_fold``),
 which is the expression TP = 1 evaluates. At TP = 1 a shard of any width is zero-padded
 to whole blocks by one copy (``pad_single_shard``), giving the same bits. A shard that is
 not block-aligned cannot give the same expression and is rejected before any collective.
@@ -32,10 +33,14 @@ from mp_bridge.layers.loss.tree import Piece, local_pieces, max_pieces
 from mp_bridge.layers.vocab_shards import VocabShard
 
 __all__ = [
+    "BLOCK_GROUP",
+    "HIDDEN_ALIGN",
     "TOKEN_TILE",
     "VOCAB_BLOCK",
+    "BlockGroup",
     "BlockLayout",
     "TargetSlots",
+    "block_groups",
     "check_block_aligned",
     "fold_blocks",
     "num_real_blocks",
@@ -47,11 +52,52 @@ __all__ = [
 #: Vocab rows per block (invariant mode). 256 keeps the padding of usual vocabularies
 #: small (at most 255 ids per TP rank) and the leaves of the tree few enough that the
 #: fold is cheap; block math runs batched over all (tile, block) pairs of a chunk, each
-#: row's bits independent of the batch (see ``loss_math``).
+#: row's bits independent of the batch (see ``formulas``).
 VOCAB_BLOCK = 256
 #: Token rows per matmul (invariant mode). 64 keeps the last-chunk padding small and is
 #: part of the numeric identity (changing it changes the bits); see bench/RESULTS.md.
 TOKEN_TILE = 64
+
+
+#: Blocks per matmul call (fused invariant engine): every call is a batch of exactly this
+#: many ``[TOKEN_TILE, ., .]`` products, whatever the TP size, chunk or batch, because
+#: GEMM libraries choose their kernel (and summation order) by shape and batch count
+#: (cuBLAS sends a batch of 1 to ``gemm`` and more to ``bgemm``).
+BLOCK_GROUP = 8
+#: The hidden dim of every invariant-mode matmul is zero-padded to a multiple of this: for
+#: a few narrow widths (5-7 and 9-11 on MKL / AVX2) the BLAS kernel rounds a row of a
+#: ``[TOKEN_TILE, B] x [B, H]`` product differently by its position in the tile, which
+#: would make ``d hidden`` depend on the order of the tokens (``tests/unit/
+#: test_invariant_shapes.py`` checks the padded widths up to 160, 1024 and 4096).
+HIDDEN_ALIGN = 16
+
+
+class BlockGroup(NamedTuple):
+    """One matmul call's ``BLOCK_GROUP`` slots: slot ``i`` is local real block ``start +
+    i``; slots ``[lo, hi)`` are the blocks this call adds (the others are padding or
+    blocks an earlier call of the same tile already did, and are discarded)."""
+
+    start: int
+    lo: int
+    hi: int
+
+
+def block_groups(num_local: int, group: int = BLOCK_GROUP) -> list[BlockGroup]:
+    """Cover local real blocks ``[0, num_local)`` by calls of ``group`` slots, in order.
+
+    Full groups from block 0; the last partial group is the window of the last ``group``
+    blocks (so its operands are views, never copies), or, with fewer than ``group``
+    blocks, one group whose slots past ``num_local`` are zero padding (``start = 0``).
+    Example: ``block_groups(10, 8) == [(0, 0, 8), (2, 6, 8)]``; ``block_groups(3, 8) ==
+    [(0, 0, 3)]``.
+    """
+    if num_local < group:
+        return [BlockGroup(0, 0, num_local)] if num_local else []
+    out = []
+    for j0 in range(0, num_local, group):
+        start = min(j0, num_local - group)
+        out.append(BlockGroup(start, j0 - start, group))
+    return out
 
 
 def num_real_blocks(vocab_size: int, block: int = VOCAB_BLOCK) -> int:
@@ -149,7 +195,7 @@ class BlockLayout:
         return self.valid(self.num_local - 1) if self.num_local else 0
 
     def pieces(self, rank: int) -> list[Piece]:
-        """Maximal aligned subtrees held by ``rank`` of this layout (``loss_tree``)."""
+        """Maximal aligned subtrees held by ``rank`` of this layout (``tree``)."""
         other = VocabShard.of_rank(self.tp_size, self.v_local, rank=rank)
         return local_pieces(other.start // self.block, other.stop // self.block, self.num_real)
 

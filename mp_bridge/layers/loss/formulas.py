@@ -1,5 +1,5 @@
 """Loss math with no collectives: the spec, the logit transform, row statistics, their
-merge and the values (the gradient formula: ``loss_grad``).
+merge and the values (the gradient formula: ``grad``).
 
 Logits are first transformed (``transform_logits_``): ``z = softcap(x) / T`` with
 ``softcap(x) = c tanh(x / c)`` (Gemma's order: cap, then temperature); fp32 throughout.
@@ -161,18 +161,20 @@ class LossSpec:
         return self.z_loss_weight == 0.0 and not self.entropy
 
     def token_weight(
-        self, target: torch.Tensor, token_temperature: torch.Tensor | None = None
+        self,
+        target: torch.Tensor,
+        token_temperature: torch.Tensor | None = None,
+        dtype: torch.dtype = torch.float32,
     ) -> torch.Tensor:
-        """fp32 per-token factor of ``d value / d logits``: ``1 / T``, 0 on ignored tokens.
+        """Per-token factor of ``d value / d logits`` in ``dtype``: ``1 / T``, 0 on ignored
+        tokens.
 
-        ``token_temperature``: fp32 ``T`` per token (shaped like ``target``), else the
-        spec's float."""
+        ``token_temperature``: ``T`` per token (shaped like ``target``), else the spec's
+        float."""
         if token_temperature is not None:
-            w = token_temperature.reciprocal()
+            w = token_temperature.to(dtype).reciprocal()
         else:
-            w = torch.full(
-                target.shape, 1.0 / self.temperature, dtype=torch.float32, device=target.device
-            )
+            w = torch.full(target.shape, 1.0 / self.temperature, dtype=dtype, device=target.device)
         if self.ignore_index is not None:
             w = w.masked_fill(target == self.ignore_index, 0.0)
         return w
@@ -257,11 +259,17 @@ class RowValues:
     sum_pi_squared: torch.Tensor | None = None
 
 
-def stats_values(root: torch.Tensor, spec: LossSpec) -> RowValues:
-    """Values, lse, entropy and z-loss per token from merged ``[S, ...]`` stats (unmasked)."""
+def stats_values(root: torch.Tensor, spec: LossSpec, *, relative: bool = False) -> RowValues:
+    """Values, lse, entropy and z-loss per token from merged ``[S, ...]`` stats (unmasked).
+
+    ``relative``: the target logit and the sum hold ``z - m`` (``row_stats_(shift=)``), so
+    ``value = a log s + b tl + c sz`` (``a + b + c V = 0``: the shift cancels) skips the
+    rounding of ``lse = m + log s`` in ``lse - z_t``.
+    """
     a, b, c = spec.coefficients
-    lse = root[0] + torch.log(root[1])
-    value = lse * a + root[2] * b
+    log_s = torch.log(root[1])
+    lse = root[0] + log_s
+    value = (log_s if relative else lse) * a + root[2] * b
     if c != 0.0:
         value = value + root[3] * c
     z_loss = None
@@ -285,23 +293,33 @@ def row_stats_(
     with_sum: bool,
     with_entropy: bool = False,
     with_sq: bool = False,
+    *,
+    shift: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``[S, C]`` statistics of transformed fp32 logits ``z [C, V_local]`` and the row max.
 
     ``valid`` true columns (the rest is padding, set to -inf); ``col`` the local target
     column or -1. ``z`` is left holding ``exp(z - m)`` (no second ``[C, V_local]``
-    buffer); a shard of padding only gives the merge identity and ``z = 0``.
+    buffer); a shard of padding only gives the merge identity and ``z = 0``. ``shift``:
+    a row max ``m [C]`` taken over more columns than these (all TP shards; ``-inf`` where
+    the row is all ``-inf``) to use instead of this shard's own; the target logit and the
+    sum are then of ``z - m`` (``stats_values(relative=True)``).
     """
     if valid < z.shape[1]:
         z[:, valid:] = -_INF
+    m = shift
+    if m is not None:
+        z.sub_(safe_shift(m).unsqueeze(1))
     tl = torch.where(col >= 0, z.gather(1, col.clamp(min=0).unsqueeze(1)).squeeze(1), 0.0)
     sz = z[:, :valid].sum(dim=1) if with_sum and valid else torch.zeros_like(tl)
-    if valid:
+    if m is None and valid:
         m = z.amax(dim=1)
-        s = z.sub_(safe_shift(m).unsqueeze(1)).exp_().sum(dim=1)
-    else:
+        z.sub_(safe_shift(m).unsqueeze(1))
+    if m is None:
         m, s = torch.full_like(tl, -_INF), torch.zeros_like(tl)
         z.zero_()
+    else:
+        s = z.exp_().sum(dim=1)
     parts = [m, s, tl, sz]
     if with_entropy:
         parts.append(_xexp(z))

@@ -56,7 +56,7 @@ from mp_bridge.layers.loss.checks import (
     forbid_double_backward,
 )
 from mp_bridge.layers.loss.formulas import LossSpec
-from mp_bridge.layers.loss.fused_engines import ChunkEngine, DefaultEngine, InvariantEngine
+from mp_bridge.layers.loss.fused_engines import ChunkEngine, InvariantEngine, ShardEngine
 from mp_bridge.layers.loss.outputs import counted_tokens, returned
 
 __all__ = ["DEFAULT_CHUNK_ELEMENTS", "fused_linear_cross_entropy", "fused_linear_logprobs"]
@@ -254,7 +254,7 @@ def _fused_loss(
         weight = pad_single_shard(weight, 0, layout)
         engine: ChunkEngine = InvariantEngine(weight, tp_group, layout, spec)
     else:
-        engine = DefaultEngine(weight, tp_group, shard, spec)
+        engine = ShardEngine(weight, tp_group, shard, spec)
     needs_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
     values, extra, sq = _FusedLinearLoss.apply(
         hidden, weight, target, engine, spec, chunk, reduction, needs_grad, token_temp

@@ -6,7 +6,7 @@ and a chunk's logits plus per-token factors into the full ``d loss / d h`` rows 
 rank's ``d loss / d W`` (``grad_chunk``, accumulated in fp32). Only the chunk's logits
 (``C x V_local`` fp32; the invariant engine's real blocks, zero-padded to whole tiles) are
 ever alive, plus, in the invariant engine, O(log blocks) ``[TOKEN_TILE, H]`` fp32 partials.
-Collectives (``loss_reduce``): the default engine merges stats with one all-gather and
+Collectives (``reduce``): the shard engine merges stats with one all-gather and
 all-reduces ``d h``; the invariant engine folds both in the canonical tree.
 """
 
@@ -19,8 +19,12 @@ import torch
 import torch.distributed as dist
 
 from mp_bridge.layers.loss.blocks import (
+    BLOCK_GROUP,
+    HIDDEN_ALIGN,
     TOKEN_TILE,
+    BlockGroup,
     BlockLayout,
+    block_groups,
     fold_blocks,
     shard_columns,
     target_slots,
@@ -38,7 +42,7 @@ from mp_bridge.layers.loss.reduce import all_reduce_sum_, gather_fold, gather_me
 from mp_bridge.layers.loss.tree import stream_fold
 from mp_bridge.layers.vocab_shards import VocabShard
 
-__all__ = ["ChunkEngine", "ChunkResult", "ChunkState", "DefaultEngine", "InvariantEngine"]
+__all__ = ["ChunkEngine", "ChunkResult", "ChunkState", "InvariantEngine", "ShardEngine"]
 
 
 class ChunkState(NamedTuple):
@@ -46,7 +50,7 @@ class ChunkState(NamedTuple):
 
     ``logits`` holds ``exp(z - row_max)`` when ``row_max`` is set, else the transformed
     fp32 logits ``z``; ``tiles`` is the invariant engine's ``[T, TOKEN_TILE, H]`` copy of
-    ``h`` (``None`` in the default engine); ``deriv`` the soft-cap derivative (or ``None``).
+    ``h`` (``None`` in the shard engine); ``deriv`` the soft-cap derivative (or ``None``).
     """
 
     logits: torch.Tensor
@@ -100,8 +104,14 @@ def _accumulate_weight_grad(gw: torch.Tensor, g: torch.Tensor, h: torch.Tensor) 
 
 
 @dataclass(frozen=True, eq=False)
-class DefaultEngine:
-    """Whole shard per chunk: ``z = h @ W^T`` is one ``[C, V_local]`` matmul."""
+class ShardEngine:
+    """Whole shard per chunk: ``z = h @ W^T`` is one ``[C, V_local]`` matmul.
+
+    The logits are stored vocab-major (``z`` is the ``[C, V_local]`` transpose of a
+    contiguous ``[V_local, C]`` product ``W h^T``): no operand of the three GEMMs is then
+    a transposed weight (MKL's slowest case here), and ``d W += g^T h`` reads ``g^T``
+    contiguously; the row math is layout-agnostic.
+    """
 
     weight: torch.Tensor
     tp_group: dist.ProcessGroup | None
@@ -109,8 +119,8 @@ class DefaultEngine:
     spec: LossSpec
 
     def _logits(self, h: torch.Tensor, temp=None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        z = torch.mm(h, self.weight.t())  # (C, H) @ (H, V_local)
-        z = z if z.dtype == torch.float32 else z.float()
+        z = torch.mm(self.weight, h.t()).t()  # ((V_local, H) @ (H, C))^T
+        z = z if z.dtype == torch.float32 else z.float()  # keeps the layout
         deriv = transform_logits_(z, self.spec, None if temp is None else temp.unsqueeze(1))
         if deriv is not None:
             deriv[:, self.shard.num_real :] = 0.0  # padding columns (the weight's padding rows)
@@ -159,28 +169,50 @@ def _add_(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return x.add_(y)
 
 
-#: Blocks per batched ``d hidden`` product: a ``[_GROUP, TOKEN_TILE, H]`` fp32 buffer each.
-_GROUP = 8
+def _add_weight_grad(acc, gg, hi, grp: BlockGroup) -> None:
+    """``acc [>= G, B, Hp] += gg^T @ hi`` for the blocks ``grp`` adds: one ``G x (B, TILE)
+    @ (TILE, Hp)`` product per call, ``baddbmm_`` in fp32 (``bmm`` then add in a low
+    input dtype, which ``baddbmm_`` cannot mix with an fp32 ``acc``)."""
+    if grp.lo:  # a window: its first slots are done; their rows of g add exact zeros
+        gg = gg.clone()
+        gg[: grp.lo] = 0.0
+    target = acc[grp.start : grp.start + BLOCK_GROUP]
+    if gg.dtype == torch.float32:
+        target.baddbmm_(gg.transpose(1, 2), hi)
+    else:
+        target.add_(torch.bmm(gg.transpose(1, 2), hi))
 
 
 @dataclass(frozen=True, eq=False)
 class InvariantEngine:
-    """Fixed ``[TOKEN_TILE, H] x [H, VOCAB_BLOCK]`` matmuls, batched block math, tree folds.
+    """Fixed-shape batched matmuls over groups of vocab blocks, batched block math, tree folds.
 
     A chunk of ``C`` tokens is ``T = ceil(C / TOKEN_TILE)`` tiles (the last one zero
-    padded); its logits are one fp32 ``[T, K, TOKEN_TILE, VOCAB_BLOCK]`` batch over the
-    ``K`` real local blocks, filled by one ``bmm`` per tile over its ``K`` blocks; the
-    hidden gradient uses ``[TOKEN_TILE, B] x [B, H]`` and the weight gradient ``[B,
-    TOKEN_TILE] x [TOKEN_TILE, H]`` (tiles added in token order), batched the same way.
-    Each batch entry is the fixed-shape product of one (tile, block) (``bmm`` gives the
-    bits of one ``mm`` per block on this build, checked; and the batch splits over
-    threads, where one small ``mm`` per block would split each tiny product). Chunks must
-    start on a multiple of ``TOKEN_TILE`` so tiles are the same for every chunk size.
+    padded); its logits are one fp32 ``[T, K, TOKEN_TILE, B]`` batch over the ``K`` real
+    local blocks. Every matmul is one tile against one ``BlockGroup`` of ``G =
+    BLOCK_GROUP`` blocks, with the hidden dim zero-padded to ``Hp``, a multiple of
+    ``HIDDEN_ALIGN``; there are three calls, the same for every TP size, chunk size and
+    batch (``tests/unit/test_invariant_shapes.py``)::
 
-    Cost: the FLOPs of the default engine, in fixed small matmuls; about 10 batched block
-    kernels per chunk, not per (tile, block). The hidden gradient adds ``K - 1`` adds of
-    ``[TOKEN_TILE, H]`` per tile in tree order, ``P`` ``[chunk, H]`` subtree results and,
-    at TP > 1, an all-gather in place of an all-reduce. Timings: ``bench/RESULTS.md``.
+        logits    bmm  [G, TILE, Hp] x [G, Hp, B]     (the tile expanded over the group)
+        d hidden  bmm  [G, TILE, B]  x [G, B, Hp]
+        d weight  baddbmm_  [G, B, Hp] += [G, B, TILE] x [G, TILE, Hp]
+                  (tile by tile in token order; in a low input dtype: bmm, then add)
+
+    Each batch entry is the product of one (tile, block), whose bits depend on the shapes
+    and the entry alone (``bmm`` gives the bits of one ``mm`` per entry on this build,
+    checked); a row's bits do not depend on its place in the tile (``HIDDEN_ALIGN``), so
+    neither on the other tokens of the call. Chunks start on a multiple of
+    ``TOKEN_TILE`` so tiles are the same for every chunk size.
+
+    Cost: the FLOPs of the shard engine plus the padding slots of a group (none when
+    ``K`` is a multiple of ``G``; the last group of a larger shard is a window over blocks
+    already done) and of ``Hp - H``; memory: a padded copy of the weight shard (and of its
+    fp32 gradient during each chunk's backward) when ``H`` is not a multiple of
+    ``HIDDEN_ALIGN`` or the shard holds fewer than ``G`` blocks. The hidden gradient adds
+    ``K - 1`` adds of ``[TILE, Hp]`` per tile in tree order, ``P`` ``[chunk, Hp]`` subtree
+    results and, at TP > 1, an all-gather in place of an all-reduce. Timings:
+    ``bench/RESULTS.md``.
     """
 
     weight: torch.Tensor
@@ -188,33 +220,51 @@ class InvariantEngine:
     layout: BlockLayout
     spec: LossSpec
 
+    def __post_init__(self) -> None:
+        # Frozen: the derived operands are set once here.
+        k, b, h = self.layout.num_local, self.layout.block, self.weight.shape[1]
+        hp = -(-h // HIDDEN_ALIGN) * HIDDEN_ALIGN
+        wb = self.weight.detach()[: k * b].reshape(k, b, h)  # [K, B, H]: the real blocks
+        if hp != h:
+            wb = torch.nn.functional.pad(wb, (0, hp - h))
+        if 0 < k < BLOCK_GROUP:
+            wb = torch.cat([wb, wb.new_zeros((BLOCK_GROUP - k, b, hp))])
+        object.__setattr__(self, "_hp", hp)
+        object.__setattr__(self, "_wb", wb)  # [max(K, G), B, Hp]
+        object.__setattr__(self, "_groups", block_groups(k))
+
+    def _take(self, x: torch.Tensor, grp: BlockGroup) -> torch.Tensor:
+        """The ``G`` slots of ``grp`` from ``x [K, ...]`` (zero padded when ``K < G``)."""
+        if x.shape[0] >= BLOCK_GROUP:
+            return x[grp.start : grp.start + BLOCK_GROUP]
+        out = x.new_zeros((BLOCK_GROUP, *x.shape[1:]))
+        out[: x.shape[0]] = x
+        return out
+
     def _tiles(self, h: torch.Tensor) -> torch.Tensor:
-        """``[T, TOKEN_TILE, H]`` copy of ``h`` (zero rows: the fixed shape, never a result).
+        """``[T, TOKEN_TILE, Hp]`` copy of ``h`` (zero rows and columns: the fixed shape).
 
         Always a fresh buffer, so every matmul operand starts at an offset that depends
         on nothing but the tile index (not on where the chunk sits in the caller's tensor).
         """
         n, hd = h.shape
-        hb = h.new_zeros((-(-n // TOKEN_TILE), TOKEN_TILE, hd))
-        hb.view(-1, hd)[:n] = h
+        hb = h.new_zeros((-(-n // TOKEN_TILE), TOKEN_TILE, self._hp))
+        hb.view(-1, self._hp)[:n, :hd] = h
         return hb
-
-    def _w_blocks(self) -> torch.Tensor:
-        """``[K, B, H]``: the real local blocks of the weight."""
-        k, b = self.layout.num_local, self.layout.block
-        return self.weight[: k * b].reshape(k, b, self.weight.shape[1])
 
     def _logits(self, hb: torch.Tensor, temp=None) -> tuple[torch.Tensor, torch.Tensor | None]:
         tiles, k, b = hb.shape[0], self.layout.num_local, self.layout.block
         z = torch.empty((tiles, k, TOKEN_TILE, b), dtype=torch.float32, device=hb.device)
-        wt = self._w_blocks().transpose(1, 2)  # [K, H, B]
-        low = None if hb.dtype == torch.float32 else hb.new_empty((k, TOKEN_TILE, b))
-        for i in range(tiles if k else 0):
-            hi = hb[i].expand(k, TOKEN_TILE, hb.shape[2])  # one tile against every block
-            if low is None:
-                torch.bmm(hi, wt, out=z[i])  # K x (TOKEN_TILE, H) @ (H, B)
-            else:
-                z[i].copy_(torch.bmm(hi, wt, out=low))
+        out = hb.new_empty((BLOCK_GROUP, TOKEN_TILE, b))
+        for i in range(tiles):
+            hi = hb[i].expand(BLOCK_GROUP, TOKEN_TILE, self._hp)  # one tile, every block
+            for grp in self._groups:
+                wt = self._wb[grp.start : grp.start + BLOCK_GROUP].transpose(1, 2)
+                if grp.hi - grp.lo == BLOCK_GROUP and out.dtype == torch.float32:
+                    torch.bmm(hi, wt, out=z[i, grp.start : grp.start + BLOCK_GROUP])
+                    continue  # a whole group: straight into the logits, same products
+                torch.bmm(hi, wt, out=out)  # G x (TILE, Hp) @ (Hp, B)
+                z[i, grp.start + grp.lo : grp.start + grp.hi].copy_(out[grp.lo : grp.hi])
         tt = None
         if temp is not None:  # [T, 1, TOKEN_TILE, 1]; padded rows divide by 1
             tt = temp.new_ones(tiles * TOKEN_TILE)
@@ -259,7 +309,7 @@ class InvariantEngine:
         self, state, h, t, lse, w, gw: torch.Tensor | None, *, entropy=None, w_ent=None
     ) -> torch.Tensor:
         e, m, hb, deriv = state
-        lay, b = self.layout, self.layout.block
+        lay, b, hp = self.layout, self.layout.block, self._hp
         tiles, n, hd = hb.shape[0], h.shape[0], h.shape[1]
         rows = tiles * TOKEN_TILE
 
@@ -281,22 +331,29 @@ class InvariantEngine:
             g.mul_(deriv)
         g = g if h.dtype == torch.float32 else g.to(h.dtype)
         k = lay.num_local
-        wb = self._w_blocks()  # [K, B, H]
         gw_blocks = None if gw is None else gw[: k * b].view(k, b, hd)
 
+        # d W accumulates in place in whole groups of G padded rows: in ``gw`` itself when
+        # its rows allow it, else in a padded copy loaded from and stored back to ``gw``.
+        acc = None
+        if gw_blocks is not None:
+            acc = gw_blocks
+            if k < BLOCK_GROUP or hp != hd:
+                acc = gw.new_zeros((max(k, BLOCK_GROUP), b, hp))
+                acc[:k, :, :hd] = gw_blocks
+
         def leaves(i: int):
-            # A generator over groups of blocks: the fold keeps O(log K) partials alive.
-            gi, hi = g[i], hb[i].expand(k, TOKEN_TILE, hd)
-            if gw_blocks is not None and k:  # tiles in token order: d W sums tile by tile
-                if h.dtype == torch.float32:
-                    gw_blocks.baddbmm_(gi.transpose(1, 2), hi)  # K x (B, TILE) @ (TILE, H)
-                else:
-                    gw_blocks.add_(torch.bmm(gi.transpose(1, 2), hi).float())
-            for j0 in range(0, k, _GROUP):
-                part = torch.bmm(gi[j0 : j0 + _GROUP], wb[j0 : j0 + _GROUP])  # (TILE, B) @ (B, H)
+            # A generator over the groups: the fold keeps O(log K) partials alive.
+            hi = hb[i].expand(BLOCK_GROUP, TOKEN_TILE, hp)
+            for grp in self._groups:
+                gg = self._take(g[i], grp)
+                if acc is not None:  # tiles in token order: d W sums tile by tile
+                    _add_weight_grad(acc, gg, hi, grp)
+                wg = self._wb[grp.start : grp.start + BLOCK_GROUP]
+                part = torch.bmm(gg, wg)  # G x (TILE, B) @ (B, Hp)
                 part = part if part.dtype == torch.float32 else part.float()
-                for j in range(part.shape[0]):
-                    yield lay.first + j0 + j, part[j]
+                for j in range(grp.lo, grp.hi):
+                    yield lay.first + grp.start + j, part[j]
 
         # Tile by tile (partials stay O(log K) x one tile); pieces stacked over tiles.
         per_tile = [stream_fold(leaves(i), _add_) for i in range(tiles)]
@@ -304,5 +361,7 @@ class InvariantEngine:
             (piece, torch.stack([tile[p][1] for tile in per_tile]))
             for p, (piece, _) in enumerate(per_tile[0])
         ]
-        root = gather_fold(pieces, lay, self.tp_group, _add_, (tiles, TOKEN_TILE, hd), h.device)
-        return root.reshape(-1, hd)[:n]
+        if acc is not None and acc is not gw_blocks:
+            gw_blocks.copy_(acc[:k, :, :hd])
+        root = gather_fold(pieces, lay, self.tp_group, _add_, (tiles, TOKEN_TILE, hp), h.device)
+        return root.reshape(-1, hp)[:n, :hd]

@@ -1,9 +1,9 @@
 """The softmax -> gradient formula of every loss path, in row and batched block form.
 
-No collectives. The math is in ``loss_math``'s docstring: ``d value / d z = (a + 2 zw
+No collectives. The math is in ``formulas``'s docstring: ``d value / d z = (a + 2 zw
 lse) p + b onehot + c`` and ``d H / d z = -p (log p + H)``, ``p = softmax(z)``; the
 soft-cap and ``1 / T`` factors of ``d z / d logits`` are applied by the callers. Block
-form: every op is element-wise or one indexed element per row (``loss_math``), so a row's
+form: every op is element-wise or one indexed element per row (``formulas``), so a row's
 bits depend on that row alone.
 """
 
@@ -61,8 +61,9 @@ def softmax_grad_rows_(
         return p.scatter_add_(-1, index, torch.where(col >= 0, w * b, 0.0).unsqueeze(-1))
     if a != 1.0:
         p.mul_(a)
-    if weight_last:
-        p.scatter_add_(-1, index, torch.where(col >= 0, b, 0.0).to(p.dtype).unsqueeze(-1))
+    if weight_last:  # b made in p's dtype: an fp32 b = -(1 - eps) would round fp64 rows
+        onehot_b = p.new_zeros(col.shape).masked_fill_(col >= 0, b)
+        p.scatter_add_(-1, index, onehot_b.unsqueeze(-1))
     if c != 0.0 and valid > 0:
         p[..., :valid].add_(c)
     p.mul_(w.unsqueeze(-1))

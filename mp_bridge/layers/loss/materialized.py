@@ -1,28 +1,26 @@
 """Autograd Functions over materialized vocab-parallel logits ``[..., V_local]``.
 
-- ``DefaultCrossEntropy``: per-token ``(1-eps) * nll + eps * smooth (+ zw * lse**2)`` of
-  ``scale * softcap(logits)`` (ignored tokens 0), optionally with the entropy of the same
-  softmax as a second output. Forward: the global row max (``all_reduce_max_``), then one
-  batched ``all_reduce_sum_`` of ``[sum_c exp(z_c - m), z_t - m, sum_c (z_c - m), sum_c
-  exp(z_c - m) (z_c - m), sum_c exp(z_c - m)**2]`` (the third only with smoothing, the
-  fourth only with entropy, the last only with ``sum_pi_squared``).
-  Backward, no collective: the saved ``m + lse`` turns recomputed logits into the
-  softmax, then ``softmax_grad_rows_`` (weight last), times the soft-cap derivative.
-- ``DefaultEntropy``: ``-sum_c p_c log p_c`` of ``scale * softcap(logits)``; forward MAX,
-  then SUM of ``[sum exp(z - m), sum exp(z - m) (z - m)]``; backward ``-g p_j (log p_j +
-  H)`` times ``scale`` and the soft-cap derivative; 0 at ``ignored`` tokens.
+- ``ShardLoss``: the per-token values of a ``LossSpec`` (cross-entropy with smoothing and
+  z-loss, or log-probs; optionally the entropy of the same softmax as a second output)
+  over the whole local shard, by the formulas of ``formulas``: ``row_stats_`` shifted by
+  the global row max (``all_reduce_max_``), then one ``all_reduce_sum_`` of the other
+  statistics, and ``stats_values``. Backward, no collective: the saved ``lse`` turns
+  recomputed logits into the softmax, then ``softmax_grad_rows_`` (weight last), times
+  the soft-cap derivative. The entropy alone is the second output of a log-prob spec
+  (every target -1 when none marks ignored tokens).
 - ``InvariantLoss``: the affine form of ``LossSpec`` (and its entropy) on fixed
   ``[TOKEN_TILE, VOCAB_BLOCK]`` tiles in batches of tiles, one ``gather_fold`` per call;
   backward recomputes each block's ``exp(z - m)`` and applies ``softmax_grad_blocks_``.
 
-``scale`` is ``1 / T``: a float, or a per-token tensor shaped like the logits without the
-vocab dim (the accumulation dtype); ``InvariantLoss`` takes ``LossSpec.temperature`` or a
-flat fp32 per-token ``temp``. The ``sum_pi_squared`` output has no gradient.
+Both take ``T`` from ``LossSpec.temperature`` or from a flat per-token ``temp [N]``
+(``ShardLoss``: the accumulation dtype; ``InvariantLoss``: fp32). With
+``spec.sum_pi_squared`` the statistics gain ``sum exp(z - m)**2`` (the same exchange); that
+third output has no gradient.
 
 Logits are never modified; padding columns (ids >= ``vocab_size``) never enter a softmax;
-``-inf`` logits are exact zeros of every sum (``loss_math``). Statistics are fp32 (fp64
-for fp64 logits); input gradients have the logits' dtype. Every backward refuses
-``create_graph=True`` (``forbid_double_backward``).
+``-inf`` logits are exact zeros of every sum (``formulas``). Statistics are fp32 (fp64
+for fp64 logits in ``ShardLoss``); input gradients have the logits' dtype. Every backward
+refuses ``create_graph=True`` (``forbid_double_backward``).
 """
 
 from __future__ import annotations
@@ -40,10 +38,8 @@ from mp_bridge.layers.loss.checks import forbid_double_backward
 from mp_bridge.layers.loss.formulas import (
     LossSpec,
     block_stats_,
-    entropy_of,
     exp_shift_,
-    safe_shift,
-    softcap_,
+    row_stats_,
     stats_values,
     transform_logits_,
 )
@@ -51,47 +47,25 @@ from mp_bridge.layers.loss.grad import softmax_grad_blocks_, softmax_grad_rows_
 from mp_bridge.layers.loss.reduce import all_reduce_max_, all_reduce_sum_, gather_fold
 from mp_bridge.layers.vocab_shards import VocabShard
 
-__all__ = ["DefaultCrossEntropy", "DefaultEntropy", "InvariantLoss"]
+__all__ = ["InvariantLoss", "ShardLoss"]
 
 #: Invariant path: tiles per batch, about this many fp32 logits (8 MiB) per batch.
 BATCH_ELEMENTS = 1 << 21
 
 
-def _masked_fp32(
-    logits: torch.Tensor, shard: VocabShard, scale, softcap: float | None
+def _transformed(
+    logits: torch.Tensor, shard: VocabShard, spec: LossSpec, temp: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """fp32 (fp64 for fp64) ``scale * softcap(logits)`` with padding columns at ``-inf``,
-    and the soft-cap derivative (0 on padding; ``None`` without a cap)."""
+    """``[C, V_local]`` fp32 (fp64 for fp64) copy of ``softcap(logits) / T``, padding
+    columns at ``-inf``, and the soft-cap derivative (0 on padding; ``None``: no cap)."""
     acc = torch.promote_types(logits.dtype, torch.float32)
-    x = logits.to(acc)
-    deriv = None
-    if softcap is not None:
-        x = x.clone() if x.data_ptr() == logits.data_ptr() else x
-        deriv = softcap_(x, softcap)
-    if isinstance(scale, torch.Tensor):
-        x = x * scale.unsqueeze(-1)
-    elif scale != 1.0:
-        x = x * scale
+    z = logits.reshape(-1, logits.shape[-1]).to(acc, copy=True)
+    deriv = transform_logits_(z, spec, None if temp is None else temp.unsqueeze(1))
     if shard.num_real < shard.size:  # columns [num_real, V_local) are padding
-        if x.data_ptr() == logits.data_ptr():
-            x = x.clone()  # fp32 input: never write into the caller's tensor
-        x[..., shard.num_real :] = float("-inf")
+        z[:, shard.num_real :] = float("-inf")
         if deriv is not None:
-            deriv[..., shard.num_real :] = 0.0
-    return x, deriv
-
-
-def _shifted(logits, shard, scale, softcap, tp_group):
-    """``(x - m, m, deriv)``: masked logits shifted by the global row max ``m`` (0 where a
-    row is all ``-inf``)."""
-    x, deriv = _masked_fp32(logits, shard, scale, softcap)
-    m = safe_shift(all_reduce_max_(x.detach().amax(dim=-1), tp_group))
-    return x - m.unsqueeze(-1), m, deriv
-
-
-def _xexp(x: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
-    """``sum exp(x) x`` over the last dim (``exp(-inf) * -inf`` counts 0, not nan)."""
-    return torch.where(e > 0, e * x, 0.0).sum(-1)
+            deriv[:, shard.num_real :] = 0.0
+    return z, deriv
 
 
 def _outputs(ctx, spec: LossSpec, value, entropy, z_loss, sq) -> tuple[torch.Tensor, ...]:
@@ -104,119 +78,62 @@ def _outputs(ctx, spec: LossSpec, value, entropy, z_loss, sq) -> tuple[torch.Ten
     return value, extra, sq
 
 
-class DefaultCrossEntropy(torch.autograd.Function):
-    """See the module docstring; ``spec`` is a cross-entropy ``LossSpec`` (its temperature
-    is ``1 / scale``). Returns ``(value, extra, sq)``: ``extra`` the entropy with
-    ``spec.entropy``, else the per-token z-loss with one, else empty; ``sq`` the
-    per-token ``sum p**2`` with ``spec.sum_pi_squared``, else empty."""
+def _masked(v: torch.Tensor | None, ignored: torch.Tensor | None) -> torch.Tensor | None:
+    return v if v is None or ignored is None else v.masked_fill(ignored, 0.0)
+
+
+class ShardLoss(torch.autograd.Function):
+    """See the module docstring. Returns ``(value, extra, sq)`` shaped like ``target``:
+    ``extra`` the entropy with ``spec.entropy``, else the per-token z-loss with one, else
+    empty; ``sq`` the per-token ``sum p**2`` with ``spec.sum_pi_squared``, else empty.
+    ``temp``: the per-token temperature ``[N]`` in the accumulation dtype, or ``None``."""
 
     @staticmethod
-    def forward(ctx, logits, target, tp_group, shard: VocabShard, spec: LossSpec, scale):
-        x, m, deriv = _shifted(logits, shard, scale, spec.softcap, tp_group)
-        col = shard_columns(target, shard)
-        owned = col >= 0
-        picked = torch.where(owned, x.gather(-1, col.clamp(min=0).unsqueeze(-1)).squeeze(-1), 0.0)
-        e = x.exp()
-        parts = [e.sum(-1), picked]
-        eps = spec.label_smoothing
-        if eps > 0:
-            # Sum of the shifted logits over this shard's true columns (padding -> 0; a
-            # -inf logit of a true id makes it -inf and the loss inf, as in torch).
-            padding = torch.arange(x.shape[-1], device=x.device) >= shard.num_real
-            parts.append(torch.where(padding, 0.0, x).sum(-1))
-        if spec.entropy:
-            parts.append(_xexp(x, e))
-        if spec.sum_pi_squared:
-            parts.append(e.square().sum(-1))
-        del e
-        stats = all_reduce_sum_(torch.stack(parts, dim=-1), tp_group)
-        lse = stats[..., 0].log()
-        loss = lse - stats[..., 1]
-        if eps > 0:
-            loss = (1.0 - eps) * loss + eps * (lse - stats[..., 2] / spec.vocab_size)
-        u = stats.shape[-1] - 1 - int(spec.sum_pi_squared)
-        entropy = entropy_of(stats[..., 0], stats[..., u]) if spec.entropy else None
-        sq = stats[..., -1] / stats[..., 0].square() if spec.sum_pi_squared else None
-        z_loss = None
-        if spec.z_loss_weight != 0.0:
-            z_loss = (m + lse) * (m + lse) * spec.z_loss_weight
-            loss = loss + z_loss
-        ignored = target == spec.ignore_index if spec.ignore_index is not None else None
-        if ignored is not None:
-            loss = torch.where(ignored, 0.0, loss)
-            entropy = None if entropy is None else torch.where(ignored, 0.0, entropy)
-            z_loss = None if z_loss is None else torch.where(ignored, 0.0, z_loss)
-            sq = None if sq is None else torch.where(ignored, 0.0, sq)
-        ctx.save_for_backward(logits, col, m + lse, ignored, entropy)
-        ctx.args = (shard, spec, scale)
-        return _outputs(ctx, spec, loss, entropy, z_loss, sq)
+    def forward(ctx, logits, target, tp_group, shard: VocabShard, spec: LossSpec, temp=None):
+        z, _ = _transformed(logits, shard, spec, temp)
+        t = target.reshape(-1)
+        m = all_reduce_max_(z.amax(dim=-1), tp_group)  # global row max (-inf: all -inf)
+        col = shard_columns(t, shard)
+        stats, _ = row_stats_(
+            z, col, shard.num_real, spec.with_sum, spec.entropy, spec.sum_pi_squared, shift=m
+        )
+        del z
+        all_reduce_sum_(stats[1:], tp_group)  # every statistic but the max
+        rv = stats_values(stats, spec, relative=True)
+        ignored = t == spec.ignore_index if spec.ignore_index is not None else None
+        outs = (rv.value, rv.entropy, rv.z_loss, rv.sum_pi_squared)
+        value, entropy, z_loss, sq = (
+            None if v is None else _masked(v, ignored).view(target.shape) for v in outs
+        )  # shaped before marking: a view of a marked output would not be marked
+        ctx.save_for_backward(logits, t, rv.lse, entropy, temp)
+        ctx.args = (shard, spec)
+        return _outputs(ctx, spec, value, entropy, z_loss, sq)
 
     @staticmethod
-    def backward(ctx, grad_loss, grad_extra, grad_sq):
-        forbid_double_backward("vocab_parallel_cross_entropy / vocab_parallel_logprobs")
-        logits, col, shift, ignored, entropy = ctx.saved_tensors
-        shard, spec, scale = ctx.args
-        x, deriv = _masked_fp32(logits, shard, scale, spec.softcap)
-        p = (x - shift.unsqueeze(-1)).exp()  # softmax; padding columns exp(-inf) = 0
-        g = grad_loss.to(p.dtype)
-        if spec.ignore_index is not None:
-            g = torch.where(ignored, 0.0, g)
-        w_ent = None
-        if spec.entropy:
-            w_ent = grad_extra.to(p.dtype) * scale
-            if spec.ignore_index is not None:
-                w_ent = torch.where(ignored, 0.0, w_ent)
+    def backward(ctx, grad_value, grad_extra, grad_sq):
+        forbid_double_backward("vocab_parallel_cross_entropy / logprobs / entropy")
+        logits, t, lse, entropy, temp = ctx.saved_tensors
+        shard, spec = ctx.args
+        z, deriv = _transformed(logits, shard, spec, temp)
+        p = z.sub_(lse.unsqueeze(-1)).exp_()  # softmax; padding columns exp(-inf) = 0
+        col = shard_columns(t, shard)
+        token = spec.token_weight(t, temp, p.dtype)  # 1 / T, 0 on ignored tokens
+        w = grad_value.reshape(-1).to(p.dtype) * token
+        w_ent = grad_extra.reshape(-1).to(p.dtype) * token if spec.entropy else None
         grad = softmax_grad_rows_(
             p,
             col,
-            g * scale,
+            w,
             spec,
             shard.num_real,
             weight_last=True,
-            lse=shift,
-            entropy=entropy,
+            lse=lse,
+            entropy=None if entropy is None else entropy.reshape(-1),
             w_ent=w_ent,
         )
         if deriv is not None:
             grad.mul_(deriv)
-        return grad.to(logits.dtype), None, None, None, None, None
-
-
-class DefaultEntropy(torch.autograd.Function):
-    """Per-token entropy of ``softmax(softcap(logits))`` over the true vocab (module
-    docstring)."""
-
-    @staticmethod
-    def forward(ctx, logits, tp_group, shard: VocabShard, softcap=None, scale=1.0, ignored=None):
-        # ignored: bool [...] (entropy and gradient 0 there) or None
-        x, m, _ = _shifted(logits, shard, scale, softcap, tp_group)
-        e = x.exp()
-        stats = all_reduce_sum_(torch.stack([e.sum(-1), _xexp(x, e)], dim=-1), tp_group)
-        entropy = entropy_of(stats[..., 0], stats[..., 1])
-        ctx.save_for_backward(logits, m + stats[..., 0].log(), entropy, ignored)
-        ctx.args = (shard, softcap, scale)
-        return entropy if ignored is None else torch.where(ignored, 0.0, entropy)
-
-    @staticmethod
-    def backward(ctx, grad_h):
-        forbid_double_backward("vocab_parallel_entropy")
-        logits, shift, entropy, ignored = ctx.saved_tensors
-        shard, softcap, scale = ctx.args
-        x, deriv = _masked_fp32(logits, shard, scale, softcap)
-        logp = x - shift.unsqueeze(-1)
-        p = logp.exp()
-        grad = torch.where(p > 0, p * (logp + entropy.unsqueeze(-1)), 0.0)
-        g = grad_h.to(grad.dtype)
-        if ignored is not None:
-            g = torch.where(ignored, 0.0, g)
-        grad.mul_(-g.unsqueeze(-1))
-        if isinstance(scale, torch.Tensor):
-            grad.mul_(scale.unsqueeze(-1))
-        elif scale != 1.0:
-            grad.mul_(scale)
-        if deriv is not None:
-            grad.mul_(deriv)
-        return grad.to(logits.dtype), None, None, None, None, None
+        return grad.to(logits.dtype).view(logits.shape), None, None, None, None, None
 
 
 def _pad(v: torch.Tensor, rows: int, fill: float) -> torch.Tensor:
@@ -276,7 +193,7 @@ def _rows(v: torch.Tensor | None, r0: int, r1: int, rows: int) -> torch.Tensor |
 class InvariantLoss(torch.autograd.Function):
     """Per-token values of ``spec`` over block-aligned logits, bitwise TP-invariant.
 
-    Returns ``(value, extra, sq)`` like ``DefaultCrossEntropy``; ``temp``: the fp32
+    Returns ``(value, extra, sq)`` like ``ShardLoss``; ``temp``: the fp32
     per-token temperature ``[N]`` (flattened tokens) or ``None``."""
 
     @staticmethod

@@ -5,9 +5,9 @@ Every collective of the loss paths is here, over ``tp_group`` (none when TP = 1)
 ========================  ==============================  ==================================
 path                      statistics (forward)            ``d hidden`` (fused paths)
 ========================  ==============================  ==================================
-materialized default      ``all_reduce_max_`` ``[...]``,  --
+materialized default      ``all_reduce_max_`` ``[N]``,    --
                           then ``all_reduce_sum_``
-                          ``[..., 2 to 4]`` per call
+                          ``[S - 1, N]`` per call
 fused default             ``gather_merge_stats``          ``all_reduce_sum_`` ``[C, H]``
                           ``[tp, S, C]`` per chunk        per chunk
 invariant (both)          ``gather_fold``                 ``gather_fold``
@@ -24,7 +24,7 @@ in backward except the fused ``reduction="none"`` / log-prob paths, which recomp
 chunks and reduce ``d hidden`` there. ``P`` is the most canonical subtrees a rank holds
 (1 for power-of-two aligned shards). The invariant paths never all-reduce: an
 all-reduce's summation order depends on TP, so every rank folds the gathered subtree
-partials in the canonical tree order (``loss_tree``).
+partials in the canonical tree order (``tree``).
 
 The two default statistics reductions stay distinct on purpose: the materialized path
 shifts by the global max first (MAX then SUM, Megatron's scheme, two small collectives);

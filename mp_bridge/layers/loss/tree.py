@@ -1,6 +1,6 @@
 """The canonical reduction tree over vocab blocks (pure Python, no tensors).
 
-Leaves are the ``K`` real vocab blocks (``loss_blocks``). Canonical tree: a perfect binary
+Leaves are the ``K`` real vocab blocks (``blocks``). Canonical tree: a perfect binary
 tree over leaves ``0 .. 2**D - 1`` (``D = ceil(log2 K)``); node ``(level, idx)`` covers
 leaves ``[idx * 2**level, (idx + 1) * 2**level)``; a node whose range starts at or past
 ``K`` is the identity, and ``combine(x, identity) = x``. The value of the root is

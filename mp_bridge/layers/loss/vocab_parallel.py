@@ -55,7 +55,7 @@ from mp_bridge.layers.loss.checks import (
     check_tp_agreement,
 )
 from mp_bridge.layers.loss.formulas import LossSpec
-from mp_bridge.layers.loss.materialized import DefaultCrossEntropy, DefaultEntropy, InvariantLoss
+from mp_bridge.layers.loss.materialized import InvariantLoss, ShardLoss
 from mp_bridge.layers.loss.outputs import counted_tokens, returned
 
 __all__ = [
@@ -91,13 +91,12 @@ def _agree(where: str, logits, target, tp_group, spec, token_temperature) -> Non
     check_tp_agreement(where, tp_group, {"logits": logits}, {"spec": spec}, identical)
 
 
-def _scale(logits: torch.Tensor, temperature: float, token_temperature):
-    """``1 / T`` of the ``invariant=False`` kernels: a float, or per token in the
-    accumulation dtype."""
+def _rows_of(token_temperature, dtype: torch.dtype) -> torch.Tensor | None:
+    """The per-token temperature of ``ShardLoss``: flat ``[N]`` in the accumulation dtype
+    of ``dtype`` logits (fp64 for fp64), or ``None``."""
     if token_temperature is None:
-        return 1.0 / temperature
-    acc = torch.promote_types(logits.dtype, torch.float32)
-    return token_temperature.to(acc).reciprocal()
+        return None
+    return token_temperature.to(torch.promote_types(dtype, torch.float32)).reshape(-1)
 
 
 @agreed("mp_bridge.layers.vocab_parallel_cross_entropy")
@@ -158,8 +157,8 @@ def vocab_parallel_cross_entropy(
         shard.vocab_size, ignore_index, eps, temperature=temp, softcap=softcap, z_loss_weight=zw
     )
     _agree("vocab_parallel_cross_entropy", logits, target, tp_group, spec, token_temp)
-    scale = _scale(logits, temp, token_temp)
-    loss, z_loss, _ = DefaultCrossEntropy.apply(logits, target, tp_group, shard, spec, scale)
+    temp_rows = _rows_of(token_temp, logits.dtype)
+    loss, z_loss, _ = ShardLoss.apply(logits, target, tp_group, shard, spec, temp_rows)
     return _with_z_loss(
         loss, z_loss, return_z_loss, counted_tokens(target, ignore_index), reduction
     )
@@ -228,20 +227,18 @@ def vocab_parallel_logprobs(
             return_sum_pi_squared=return_sum_pi_squared,
             reduction=reduction,
         )
-    # log-prob = -nll of logits / T (the cross-entropy without smoothing, scaled by 1 / T).
-    spec = LossSpec(
-        "ce",
+    spec = LossSpec.logprob(
         shard.vocab_size,
-        ignore_index,
-        temperature=temp,
+        temp,
+        ignore_index=ignore_index,
         softcap=softcap,
         entropy=return_entropy,
         sum_pi_squared=return_sum_pi_squared,
     )
     _agree("vocab_parallel_logprobs", logits, target, tp_group, spec, token_temp)
-    scale = _scale(logits, temp, token_temp)
-    nll, entropy, sq = DefaultCrossEntropy.apply(logits, target, tp_group, shard, spec, scale)
-    outputs = [-nll, entropy if return_entropy else None, sq if return_sum_pi_squared else None]
+    temp_rows = _rows_of(token_temp, logits.dtype)
+    lp, entropy, sq = ShardLoss.apply(logits, target, tp_group, shard, spec, temp_rows)
+    outputs = [lp, entropy if return_entropy else None, sq if return_sum_pi_squared else None]
     return returned(outputs, counted_tokens(target, ignore_index), reduction)
 
 
@@ -278,26 +275,26 @@ def vocab_parallel_entropy(
         target = _check_target(target, logits, shard.vocab_size, ignore_index)
     temp, token_temp = _temperature(temperature, logits)
     counted = counted_tokens(target, ignore_index)
-    if not invariant:
-        spec = LossSpec.logprob(shard.vocab_size, temp, ignore_index=ignore_index, softcap=softcap)
-        _agree("vocab_parallel_entropy", logits, target, tp_group, spec, token_temp)
-        ignored = None if counted is None else ~counted
-        scale = _scale(logits, temp, token_temp)
-        entropy = DefaultEntropy.apply(logits, tp_group, shard, softcap, scale, ignored)
-        return returned([entropy], counted, reduction)
+    # The entropy output of log-probs; no target: -1 owns no column, and no id is ignored.
     ignored_id = ignore_index
-    if target is None:  # no target: -1 owns no column, and no id is ignored
+    if target is None:
         target = torch.full(logits.shape[:-1], -1, dtype=torch.long, device=logits.device)
         ignored_id = None
     spec_of = lambda vocab: LossSpec.logprob(  # noqa: E731
         vocab, temp, ignore_index=ignored_id, softcap=softcap, entropy=True
     )
+    if not invariant:
+        spec = spec_of(shard.vocab_size)
+        _agree("vocab_parallel_entropy", logits, target, tp_group, spec, token_temp)
+        temp_rows = _rows_of(token_temp, logits.dtype)
+        entropy = ShardLoss.apply(logits, target, tp_group, shard, spec, temp_rows)[1]
+        return returned([entropy], counted, reduction)
     entropy = _invariant(logits, target, tp_group, vocab_size, spec_of, token_temp)[1]
     return returned([entropy], counted, reduction)
 
 
 def _invariant(logits, target, tp_group, vocab_size, spec_of, token_temperature=None):
-    """``(value, extra, sq)`` of ``InvariantLoss`` (see ``DefaultCrossEntropy``)."""
+    """``(value, extra, sq)`` of ``InvariantLoss`` (see ``ShardLoss``)."""
     layout = BlockLayout.of_shard(check_shard(logits.shape[-1], vocab_size, tp_group))
     spec = spec_of(layout.vocab_size)
     _agree("invariant loss", logits, target, tp_group, spec, token_temperature)
