@@ -9,7 +9,7 @@ the code under test to compute an expected value:
 - ``reference_attention``: ``F.scaled_dot_product_attention`` on full tensors, per
   sequence when packed, with grouped-query K/V repeated to the query heads.
 - ``run_bridge`` / ``bridge_mismatches``: a bridge run on a known global batch checked
-  against the data contract of DESIGN.md (the global batch split over DP in contiguous
+  against the bridge's data contract (the global batch split over DP in contiguous
   blocks in both grids; for the loss ``sum(W * y)`` over the dest CP tokens, ``dL/dX = W``).
 - ``tp_group`` / ``tp_member``: TP groups of consecutive ranks carved out of a test world;
   ``tp_cp_groups``: the TP and CP groups of a ``tp × cp`` grid.

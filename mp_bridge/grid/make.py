@@ -50,7 +50,7 @@ def make_grid(
     deprecated alias) orders the axes (first = fastest over ranks), e.g.
     ``("tp", "cp", "pp", "dp")`` (megatron's default) or ``("tp", "dp")``; axes it omits
     must have size 1.
-    Each entry of ``create`` (alias ``groups``, as DESIGN.md spells it) is an axis name or
+    Each entry of ``create`` (alias ``groups``) is an axis name or
     a sequence of names (e.g. ``("dp", "cp")``); default: those of ``tp``, ``cp``, ``dp``
     that ``axis_names`` holds. Groups use the world's default backend (gloo on CPU, NCCL on
     CUDA); fetch them with ``grid.get_pg("tp")`` / ``grid.get_pg(["dp", "cp"])``.

@@ -1,11 +1,11 @@
-"""Ranks that disagree get the same clear error on every rank (issue 12's table).
+"""Ranks that disagree get the same clear error on every rank.
 
 Each case runs on 2 gloo ranks with ``MP_BRIDGE_CHECK=1`` (``mp_bridge.testing`` sets it)
 and makes rank 1 differ from rank 0 in one argument. Every rank must raise
 ``AgreementError`` (a ``ValueError``) naming the argument and both ranks' values, within
 the world's bounded time (no SIGABRT, no hang: a rank stuck in a collective would stop
 the world after ``abort_grace_s`` and fail the case). Without the check these inputs
-abort inside gloo, hang, or return a wrong result (issue 12).
+abort inside gloo, hang, or return a wrong result.
 """
 
 from __future__ import annotations

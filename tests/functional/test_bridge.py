@@ -7,7 +7,7 @@ Every rank builds the global batch X and loss weights W from one seed, so the or
 (contiguous DP blocks in both grids), never the plan under test.
 
 Loss: each rank takes its dest CP chunks with ``index_select`` (chunks i and 2cp-1-i of
-2cp, as in DESIGN.md) and computes ``sum(W * y)`` over them. Dest TP ranks of one replica
+2cp: ``cp_shard_indices``) and computes ``sum(W * y)`` over them. Dest TP ranks of one replica
 hold the same data and, as after the LLM's TP ``copy_to_group`` backward, each receives
 the gradient of the whole loss; so the oracle loss counts every dest (sample, position)
 once: ``L = sum(W * X)`` over the global batch, and ``dL/dX = W``. Every rank's src shard
@@ -61,7 +61,7 @@ def _check_case(src, dest, direction, scale, *, flat=False, noncontig=False, **g
         # W zeroed outside this rank's CP chunks, which is a different tensor.
         assert not torch.equal(run.grad_without_cp_reduce, run.expected_grad)
     fwd, bwd = run.forward, run.backward
-    # Collective budget (DESIGN.md) and bytes received, exactly.
+    # Collective budget (the communicator's docstring) and bytes received, exactly.
     m = (B // GridLayout.from_grid(src_grid).axis_size("dp")) * S * H * 4  # src shard bytes
     m_dest = (B // GridLayout.from_grid(dest_grid).axis_size("dp")) * S * H * 4
     want_fwd = {"all_gather": 1} if direction is BridgeDirection.FAN_IN else {}

@@ -220,7 +220,7 @@ def test_temperature_that_differs_across_tp_ranks_is_refused():
 def test_invariant_new_options_ignore_token_order():
     """A permutation of the tokens (with their temperatures) permutes every output bit for
     bit, TP 4 against TP 1, and the materialized ``d logits`` rows likewise (``d hidden``
-    and ``d weight`` under permutation: issue 23 item 1, tested with that fix)."""
+    and ``d weight`` under permutation)."""
     hidden, weight, target, temps = _data()
     api, opts = _opts("lp-token-T-all", temps)
     perm = torch.randperm(B * S, generator=torch.Generator().manual_seed(3)).to(hidden.device)

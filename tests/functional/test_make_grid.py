@@ -94,7 +94,7 @@ def test_world_too_small_is_a_clear_error():
 
 @world.case
 def test_positional_sizes_subset_dim_names_and_groups_alias():
-    # DESIGN.md spells make_grid(tp, cp, pp, dp, *, groups=...); a 2-axis grid needs no cp.
+    # make_grid(tp, cp, pp, dp, *, groups=...) as documented; a 2-axis grid needs no cp.
     grid = make_grid(2, 1, 1, 4, axis_names=("tp", "dp"), groups=[("tp", "dp")])
     layout = GridLayout.from_grid(grid)
     assert layout == GridLayout((2, 4), ("tp", "dp"))

@@ -74,7 +74,7 @@ def _parity(**kwargs):
 
 
 FAN_IN_CP2 = dict(encoder_tp=2, encoder_dp=4, llm_tp=2, llm_cp=2, llm_dp=2)
-#: The layouts of issue 6 (encoder -> LLM); one parametrized case each.
+#: The bridged layouts (encoder -> LLM); one parametrized case each.
 LAYOUTS = {
     "fan_in_cp2": FAN_IN_CP2,
     "fan_out_cp2": dict(encoder_tp=4, encoder_dp=2, llm_tp=1, llm_cp=2, llm_dp=4),

@@ -1,4 +1,4 @@
-"""The house rules that make the folders read as the architecture (DESIGN.md "Floors").
+"""The house rules that make the folders read as the architecture (README's layout).
 
 Every ``import`` in ``mp_bridge`` (module level *and* inside functions) is read with
 ``ast``; the tests assert (1) no module imports a higher floor, (2) the module import

@@ -1,4 +1,4 @@
-"""Single-process bad inputs of issue 12: each a clear TypeError/ValueError naming the
+"""Single-process bad inputs: each a clear TypeError/ValueError naming the
 argument; and the agreement check's pure parts (fingerprint, switches)."""
 
 from __future__ import annotations

@@ -151,7 +151,7 @@ def test_demo_widens_world6_layouts_with_tp3_tp6_cp3_to_the_written_sizes(encode
         world=6, encoder=encoder, llm=llm, steps=1, batch_size=None, lr=1e-2,
         sequence_parallel=False, fused_loss=False, plot=None,
     )  # fmt: skip
-    _validate(args)  # used to raise "MimoConfig.enc_heads=8 is not divisible by encoder tp=3"
+    _validate(args)  # heads 8 at encoder tp=3 must be widened, not refused
     # Widened by hand from MimoConfig() (heads 8, hidden 16, ffn / proj 32, seq 16): TP t
     # not dividing 8 takes lcm(t, 2) heads, hidden up to a multiple of the heads, ffn / proj
     # up to a multiple of t; CP 3 takes the sequence up to a multiple of 2·3.

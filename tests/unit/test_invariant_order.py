@@ -1,5 +1,5 @@
 """Invariant mode at TP 1: per-token values and ``d hidden`` do not depend on the order of
-the tokens or on how they are split into calls (issue 23 item 1).
+the tokens or on how they are split into calls.
 
 Oracle: the same fused invariant loss on the tokens in their first order, in one call;
 exactness is ``torch.equal`` on every per-token output (``d weight`` sums over tokens, so

@@ -1,4 +1,4 @@
-"""Every matmul of invariant mode has one of a few fixed shapes (issue 23 item 2).
+"""Every matmul of invariant mode has one of a few fixed shapes.
 
 GEMM libraries pick their kernel, hence the summation order, from the shapes and the batch
 count, so invariant mode must issue the same matmul calls for every TP size, chunk size

@@ -1,8 +1,7 @@
 """Invariant mode at TP = 1 (single process) on the caller's unpadded tensors.
 
 ``invariant=True`` at TP = 1 (``tp_group=None``) on the *unpadded* full logits ``[N, V]``
-  / full weight ``[V, H]`` (V not a multiple of 256) used to raise "needs the local vocab
-  shard to be a multiple of 256 rows"; it must give the same bits as the block-padded
+  / full weight ``[V, H]`` (V not a multiple of 256) gives the same bits as the block-padded
 layout that TP = 2, 4, 8 (``multiple=256``) evaluate. Exactness: ``torch.equal``.
 """
 

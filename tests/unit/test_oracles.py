@@ -1,4 +1,4 @@
-"""The shared references of ``tests/oracles.py`` pinned to literal layouts (DESIGN.md's
+"""The shared references of ``tests/oracles.py`` pinned to literal layouts (the README's
 example), so an oracle that drifted together with the code under test is caught here."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from tests.oracles import cu_of, ref_cut, reference_attention, vocab_cut
 
 def test_ref_cut_literal_layouts():
     s8 = torch.arange(8)
-    assert ref_cut(s8, 0, 2, 0).tolist() == [0, 1, 6, 7]  # DESIGN.md: chunks i, 2cp-1-i
+    assert ref_cut(s8, 0, 2, 0).tolist() == [0, 1, 6, 7]  # the CP cut: chunks i, 2cp-1-i
     assert ref_cut(s8, 0, 2, 1).tolist() == [2, 3, 4, 5]
     assert ref_cut(s8, 0, 2, 0, tp=2, t=1).tolist() == [6, 7]  # then SP across TP
     assert ref_cut(torch.arange(12), 0, 2, 1, lengths=(4, 8)).tolist() == [1, 2, 6, 7, 8, 9]

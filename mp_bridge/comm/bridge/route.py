@@ -14,8 +14,8 @@ One rank's step (the plan is :mod:`mp_bridge.comm.bridge.route_plan`):
    total, which places its held range). FAN_OUT: **two** — the world row, then one
    all-gather over the route group of the shard id of each image token of every
    member's LLM batch (padded to the largest LLM batch of the group:
-   ``8·max_n_image`` bytes per member; skipped when that is 0). The issue asked for at
-   most one metadata exchange; FAN_OUT's second is the price of a check that covers
+   ``8·max_n_image`` bytes per member; skipped when that is 0). One metadata
+   exchange would be the floor; FAN_OUT's second is the price of a check that covers
    every rank (the shard ids cannot be in a fixed-size row, and a size-mismatched
    collective must never run).
 3. Forward (FAN_IN only; FAN_OUT/EQUAL ranks hold all their rows already): one
