@@ -10,6 +10,7 @@ agreement of its parsed spec across the ranks of its collective.
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -18,6 +19,8 @@ import torch
 import torch.distributed as dist
 
 from mp_bridge.checks import FrozenSpec, agree, agreed, check_tensor
+from mp_bridge.comm.bridge.balance_plan import BalancePlan
+from mp_bridge.comm.bridge.balance_route import check_balance, run_balanced_route
 from mp_bridge.comm.bridge.dense import bridge_dense, check_dim_mapping
 from mp_bridge.comm.bridge.groups import BridgeGroups, make_bridge_groups
 from mp_bridge.comm.bridge.names import bridge_names
@@ -59,6 +62,20 @@ class _BuildSpec(FrozenSpec):
 
 def _layout_key(layout: GridLayout) -> tuple[tuple[int, ...], tuple[str, ...], int]:
     return tuple(layout.shape), tuple(layout.axis_names), layout.rank_offset
+
+
+@dataclass(frozen=True)
+class _RouteSpec(_RowsSpec):
+    """``route``'s spec: the row spec and a code of its ``balance`` plan (0: none)."""
+
+    balance: int
+
+    def fields(self) -> dict[str, object]:
+        return {**super().fields(), "balance plan code": self.balance}
+
+
+def _plan_code(balance: BalancePlan | None) -> int:
+    return 0 if balance is None else zlib.crc32(repr((balance.tokens, balance.dest)).encode())
 
 
 class ColocatedBridgeCommunicator:
@@ -322,6 +339,7 @@ class ColocatedBridgeCommunicator:
         partition: PartitionAdapter,
         cu_seqlens: Sequence[int] | torch.Tensor | None = None,
         layout: PaddedLayout | None = None,
+        balance: BalancePlan | None = None,
     ) -> torch.Tensor:
         """Image tokens of this rank's encoder batch -> the image rows of its LLM shard.
 
@@ -344,15 +362,33 @@ class ColocatedBridgeCommunicator:
         passing a different number of samples, raises the same ``ValueError`` on every
         rank (naming the first bad sample). Plans are cached (8 layouts). Bytes, backward
         and errors: see :mod:`mp_bridge.comm.bridge.route`.
+
+        ``balance``: the :class:`BalancePlan` of ``ImageBalancer.balance`` (the same on
+        every rank). ``x`` then holds the encoded rows of the images this rank's replica
+        encoded (``balance.tokens_after(replica)``) and ``tokens_per_sample`` stays its
+        encoder DP batch's pre-balance counts (the count check runs on them). Each row goes
+        straight from its encoder to its consumers over every rank of the grids, no return
+        trip to its source replica: :mod:`mp_bridge.comm.bridge.balance_route`. A plan
+        that moves no image is the plain route.
         """
         self._enter("route")
         self.prepare_route()  # collective: before any local validation can raise
+        source_rows = None
+        if balance is not None:
+            self._plan.check_member(self._rank, "route()")
+            source_rows = check_balance(balance, x, self._plan, self._rank)
         call = parse_route(
             x, tokens_per_sample, image_mask, partition, cu_seqlens=cu_seqlens, layout=layout,
-            plan=self._plan, rank=self._rank,
+            plan=self._plan, rank=self._rank, source_rows=source_rows,
         )  # fmt: skip
         groups = self._groups
-        self._enter("route", _RowsSpec(tuple(x.shape[1:]), x.dtype, x.device.type), groups.world)
+        spec = _RouteSpec(tuple(x.shape[1:]), x.dtype, x.device.type, _plan_code(balance))
+        self._enter("route", spec, groups.world)
+        if balance is not None and balance.moved_images:
+            return run_balanced_route(
+                call, balance, plan=self._plan, rank=self._rank, world_group=groups.world,
+                cache=self._route_cache,
+            )  # fmt: skip
         return run_route(
             call,
             plan=self._plan,
