@@ -67,7 +67,7 @@ class ColocatedMimoModel(nn.Module):
             :mod:`.gather`, :mod:`.routed`), parsed once here.
         balance: spread ragged images over the encoder DP replicas by estimated cost
             before encoding (:class:`~mp_bridge.comm.bridge.balance.ImageBalancer`, cost
-            ``t² + c·t`` with ``c = 2·enc_hidden + enc_ffn``); the routed flow then sends
+            ``t² + c·t``, ``c = cfg.encoder_cost_c``); the routed flow then sends
             each feature row straight to its shard, the gather flow returns it to its
             source replica first. Uniform images and one encoder replica: nothing moves.
 
@@ -152,10 +152,10 @@ class ColocatedMimoModel(nn.Module):
         self._destroyed = False
         self.balancer = None
         if balance and isinstance(groups.bridge, ColocatedBridgeCommunicator):
-            c = 2.0 * cfg.enc_hidden + cfg.enc_ffn  # the linears against attention
             self.balancer = ImageBalancer(
-                dp_group=groups.encoder_dp, count_group=groups.bridge.world_group, c=c
-            )
+                dp_group=groups.encoder_dp, count_group=groups.bridge.world_group,
+                c=cfg.encoder_cost_c,
+            )  # fmt: skip
 
     @property
     def flow(self) -> MimoFlow:
