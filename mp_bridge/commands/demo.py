@@ -228,7 +228,7 @@ def _worker(enc: GridLayout, llm: GridLayout, opts: dict):
     import torch.distributed as dist
 
     from mp_bridge.models import run_parity, synthetic_batch
-    from mp_bridge.models.encoder_times import encoder_times
+    from mp_bridge.models.colocated.encoder_times import encoder_times
     from mp_bridge.testing import current_device
 
     cfg = opts["config"]
@@ -374,7 +374,7 @@ def run(args: argparse.Namespace) -> int:
     )
     print(format_parity_table(report, weight_atol=WEIGHT_STEP_FRACTION * args.lr))
     if times is not None:
-        from mp_bridge.models.encoder_times import format_encoder_times
+        from mp_bridge.models.colocated.encoder_times import format_encoder_times
 
         print(f"\nencoder forward+backward per rank ({POOL} batches), before/after balancing:")
         print(format_encoder_times(times))
