@@ -160,8 +160,9 @@ def _validate(args: argparse.Namespace) -> tuple[GridLayout, GridLayout]:
     check_int("--batch-size", args.batch_size, low=1)
     if args.plot:
         check_plot_target(args.plot)
-    if args.uniform and args.images != "ragged":
-        raise ValueError(f"--uniform and --images {args.images} exclude each other; pick one")
+    images = getattr(args, "images", "ragged")  # a Namespace built by hand may lack it
+    if getattr(args, "uniform", False) and images != "ragged":
+        raise ValueError(f"--uniform and --images {images} exclude each other; pick one")
     # The written axis order is the grid's rank order, so nesting is checked on it.
     plan_bridge(enc_layout, llm_layout, src_name="encoder", dest_name="llm", pipeline=True)
     factor = seq_len_divisor(llm["cp"], llm["tp"], sequence_parallel=args.sequence_parallel)

@@ -23,9 +23,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from mp_bridge.comm import ColocatedBridgeCommunicator, PartitionAdapter
-from mp_bridge.comm.bridge.balance import ImageBalancer
-from mp_bridge.comm.bridge.balance_plan import plan_balance
+from mp_bridge.comm import (
+    ColocatedBridgeCommunicator,
+    ImageBalancer,
+    PartitionAdapter,
+    plan_balance,
+)
 from mp_bridge.grid import GridLayout, make_grid
 from mp_bridge.testing import CollectiveCounter, DistributedWorld
 from tests.functional.route_oracle import ORDER, H, RouteBatch, ref_local_tokens

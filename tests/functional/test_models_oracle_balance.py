@@ -24,7 +24,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from mp_bridge.comm.bridge.balance import ImageBalancer
+from mp_bridge.comm import ImageBalancer
 from mp_bridge.grid import make_grid
 from mp_bridge.models import (
     ReferenceMimo,

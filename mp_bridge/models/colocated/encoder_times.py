@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from mp_bridge.checks import check_int
-from mp_bridge.comm.bridge.balance import ImageBalancer
+from mp_bridge.comm import ImageBalancer
 from mp_bridge.grid import AXIS_NAMES, GridLayout, destroy_grid, make_grid
 from mp_bridge.models.data.batch import MimoBatch
 from mp_bridge.models.data.config import MimoConfig

@@ -19,9 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from mp_bridge.comm import PartitionAdapter, ShardedBatch
-from mp_bridge.comm.bridge.balance import ImageBalancer
-from mp_bridge.comm.bridge.balance_plan import BalancePlan
+from mp_bridge.comm import BalancePlan, ImageBalancer, PartitionAdapter, ShardedBatch
 from mp_bridge.layers import masked_mean
 from mp_bridge.models.colocated.groups import MimoGroups
 from mp_bridge.models.data.images import RaggedImages
