@@ -75,8 +75,8 @@ def _skewed_batch(n_samples: int, packed: bool) -> RouteBatch:
 def test_balanced_route_equals_one_process(src, dest, sp, packed):
     rank = dist.get_rank()
     batch = _skewed_batch(8, packed)
-    src_grid = make_grid(**(dict(tp=1, dp=1) | src), dim_names=ORDER, create=("dp",))
-    dest_grid = make_grid(**dest, dim_names=ORDER, create=("cp", "tp"))
+    src_grid = make_grid(**(dict(tp=1, dp=1) | src), axis_names=ORDER, create=("dp",))
+    dest_grid = make_grid(**dest, axis_names=ORDER, create=("cp", "tp"))
     s_lay, d_lay = GridLayout.from_grid(src_grid), GridLayout.from_grid(dest_grid)
     dc, replica = d_lay.coords(rank), s_lay.coords(rank)["dp"]
     cp, tp = d_lay.dim("cp"), d_lay.dim("tp")
@@ -139,8 +139,8 @@ def test_balanced_route_equals_one_process(src, dest, sp, packed):
 @world.case
 def test_balance_that_moves_nothing_is_the_plain_route_and_bad_plans_raise():
     batch = RouteBatch(8, packed=False)
-    src_grid = make_grid(tp=2, dp=4, dim_names=ORDER, create=("dp",))
-    dest_grid = make_grid(tp=2, cp=2, dp=2, dim_names=ORDER, create=("cp", "tp"))
+    src_grid = make_grid(tp=2, dp=4, axis_names=ORDER, create=("dp",))
+    dest_grid = make_grid(tp=2, cp=2, dp=2, axis_names=ORDER, create=("cp", "tp"))
     s_lay, rank = GridLayout.from_grid(src_grid), dist.get_rank()
     s_samples = batch.samples(s_lay, rank)
     x = batch.X[batch.token_rows(s_samples)]

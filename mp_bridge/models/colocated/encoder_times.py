@@ -70,7 +70,7 @@ def encoder_times(
     device = device or torch.device("cpu")
     torch.manual_seed(seed)
     reference = ReferenceMimo(cfg)
-    grid = make_grid(tp=encoder_tp, dp=encoder_dp, dim_names=axis_names, create=("tp", "dp"))
+    grid = make_grid(tp=encoder_tp, dp=encoder_dp, axis_names=axis_names, create=("tp", "dp"))
     try:
         tp_group = grid.get_pg("tp")
         encoder = TPEncoder.from_full(reference.encoder, cfg, tp_group=tp_group, device=device)
