@@ -11,7 +11,8 @@ images, text-only samples, an encoder DP shard without images (samples 2 and 3: 
 1 of dp 4, replicas 2 and 3 of dp 8) and an uneven loss mask; the plan moves images at
 every encoder DP size used (asserted per case by recording the plans). Cases: both flows
 (routed: features routed straight from their encoder to their shards; gather: restored,
-then bridged), CP and SP, FAN_IN, FAN_OUT and EQUAL, packed text; the balanced step's
+then bridged), CP and SP, FAN_IN, FAN_OUT and EQUAL, packed text, a pipelined LLM (pp 2,
+2 microbatches: features reach the first stage only); the balanced step's
 losses equal the unbalanced step's; collective counts and bytes of a balanced forward
 and backward; a per-sample count mismatch on one rank raises the same error everywhere;
 and a teeth case (encoded rows reversed: far past every bound). Measured on gloo: loss rel
@@ -91,6 +92,9 @@ LAYOUTS = {
     "fan_out_cp2": dict(encoder_tp=4, encoder_dp=2, llm_tp=1, llm_cp=2, llm_dp=4),
     "equal_dp": dict(encoder_tp=2, encoder_dp=4, llm_tp=2, llm_cp=1, llm_dp=4),
     "fan_in_8_cp4": dict(encoder_tp=1, encoder_dp=8, llm_tp=2, llm_cp=4, llm_dp=1),
+    "fan_in_pp2_m2": dict(
+        encoder_tp=2, encoder_dp=4, llm_tp=2, llm_pp=2, llm_dp=2, microbatches=2
+    ),  # rows go to the first stage only
 }
 CASES = [
     ("routed", "fan_in_cp2_sp"),
@@ -98,6 +102,8 @@ CASES = [
     ("routed", "fan_out_cp2"),
     ("gather", "equal_dp"),
     ("routed", "fan_in_8_cp4"),
+    ("routed", "fan_in_pp2_m2"),
+    ("gather", "fan_in_pp2_m2"),
 ]
 
 
