@@ -2,8 +2,10 @@
 
 A skewed long-tail batch, seeded: per sample a heavy-tailed number of images (30 %
 text-only, then ``min(16, ⌊Pareto(1.1)⌋)``) and per image a heavy-tailed token count
-(``min(4096, ⌊64·Pareto(1.3)⌋)``); ``SAMPLES`` samples per encoder DP replica. Cost per
-image ``t² + c·t`` with ``c = 2·h + ffn`` of a ViT-L-like encoder (``h=1024, ffn=4096``).
+(``min(4096, ⌊64·Pareto(1.3)⌋)``; ``long_tail_images`` of ``mp_bridge.models.data``, which
+``synthetic_batch(images="long-tail")`` draws from); ``SAMPLES`` samples per encoder DP
+replica. Cost per image ``t² + c·t`` with ``c = 2·h + ffn`` of a ViT-L-like encoder
+(``h=1024, ffn=4096``).
 
 Prints, for one batch on 8 replicas, each replica's estimated cost (units of ``10⁶``)
 before and after, then over ``SEEDS`` batches per DP size: max/mean before and after,
@@ -21,6 +23,7 @@ import time
 import torch
 
 from mp_bridge.comm.bridge.balance_plan import plan_balance
+from mp_bridge.models.data import long_tail_images
 from mp_bridge.table import format_table
 
 SAMPLES, SEEDS, C = 8, 20, 2 * 1024 + 4096
@@ -29,16 +32,7 @@ SAMPLES, SEEDS, C = 8, 20, 2 * 1024 + 4096
 def long_tail_batch(replicas: int, seed: int) -> list[list[int]]:
     """Tokens per image of each replica's ``SAMPLES`` samples (sample-major)."""
     gen = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(replicas):
-        images = []
-        for _ in range(SAMPLES):
-            u = torch.rand(2, generator=gen, dtype=torch.float64)
-            n = 0 if u[0] < 0.3 else min(16, int(u[1] ** (-1 / 1.1)))
-            v = torch.rand(n, generator=gen, dtype=torch.float64)
-            images += [min(4096, int(64 * x ** (-1 / 1.3))) for x in v.tolist()]
-        out.append(images)
-    return out
+    return [long_tail_images(gen, SAMPLES)[1] for _ in range(replicas)]
 
 
 def main() -> None:

@@ -9,6 +9,9 @@ are ragged by default (each sample 0..3 images of 1..num_patches tokens, some te
 tokens per sample instead. The model runs the routed step by default (``--flow routed``:
 shard ids first, route each image token straight to its CP/SP shard); ``--flow gather``
 runs the full-sequence flow (bridge to the whole LLM replica, then partition).
+``--images long-tail`` draws a heavy-tailed number of images per sample and tokens per
+image; ``--balance`` spreads the images over the encoder DP replicas before encoding and
+prints each rank's encoder forward+backward time before and after balancing.
 
     mp-bridge demo --world 8 --encoder tp=2,dp=4 --llm tp=2,cp=2,dp=2 --steps 20
 
@@ -27,6 +30,7 @@ import time
 
 from mp_bridge.checks import check_int, check_positive_float
 from mp_bridge.comm import plan_bridge, seq_len_divisor
+from mp_bridge.commands.demo_plot import check_plot_target, plot_losses
 from mp_bridge.commands.layout_flag import layout_from_flag
 from mp_bridge.grid import GridLayout
 from mp_bridge.table import format_table
@@ -89,6 +93,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="colocated step: 'routed' (default; partition first, route image tokens to "
         "their shards) or 'gather' (full-sequence embeddings, then partition)",
     )
+    parser.add_argument(
+        "--images",
+        choices=("ragged", "long-tail"),
+        default="ragged",
+        help="ragged batches: 'ragged' (default, 0..3 images per sample) or 'long-tail' "
+        "(heavy-tailed images per sample and tokens per image)",
+    )
+    parser.add_argument(
+        "--balance",
+        action="store_true",
+        help="balanced encoders: whole images to encoder DP replicas by estimated cost, "
+        "then per-rank encoder time before/after",
+    )
     parser.add_argument("--plot", metavar="PATH", help="write a PNG of both loss curves")
     parser.set_defaults(run=run)
 
@@ -142,7 +159,10 @@ def _validate(args: argparse.Namespace) -> tuple[GridLayout, GridLayout]:
         args.batch_size = -(-8 // step) * step  # the smallest multiple of both DPs >= 8
     check_int("--batch-size", args.batch_size, low=1)
     if args.plot:
-        _check_plot_target(args.plot)
+        check_plot_target(args.plot)
+    images = getattr(args, "images", "ragged")  # a Namespace built by hand may lack it
+    if getattr(args, "uniform", False) and images != "ragged":
+        raise ValueError(f"--uniform and --images {images} exclude each other; pick one")
     # The written axis order is the grid's rank order, so nesting is checked on it.
     plan_bridge(enc_layout, llm_layout, src_name="encoder", dest_name="llm", pipeline=True)
     factor = seq_len_divisor(llm["cp"], llm["tp"], sequence_parallel=args.sequence_parallel)
@@ -209,16 +229,15 @@ def _worker(enc: GridLayout, llm: GridLayout, opts: dict):
     import torch.distributed as dist
 
     from mp_bridge.models import run_parity, synthetic_batch
+    from mp_bridge.models.colocated.encoder_times import encoder_times
     from mp_bridge.testing import current_device
 
     cfg = opts["config"]
     rank0 = dist.get_rank() == 0
     # A few different batches, cycled: the loss falls as the model memorizes them.
     ragged = None if opts["uniform"] else IMAGES_PER_SAMPLE
-    batches = [
-        synthetic_batch(cfg, opts["batch_size"], seed=100 + i, images_per_sample=ragged)
-        for i in range(POOL)
-    ]
+    kind = {"images": "long-tail"} if opts["long_tail"] else {"images_per_sample": ragged}
+    batches = [synthetic_batch(cfg, opts["batch_size"], seed=100 + i, **kind) for i in range(POOL)]
     tokens = opts["batch_size"] * cfg.seq_len
 
     def progress(step: int, loss: float, seconds: float) -> None:
@@ -229,14 +248,20 @@ def _worker(enc: GridLayout, llm: GridLayout, opts: dict):
                 flush=True,
             )
 
-    return run_parity(
+    report = run_parity(
         cfg, encoder_tp=enc.axis_size("tp"), encoder_dp=enc.axis_size("dp"),
         llm_tp=llm.axis_size("tp"), llm_cp=llm.axis_size("cp"), llm_dp=llm.axis_size("dp"),
         llm_pp=llm.axis_size("pp"), microbatches=opts["microbatches"],
         encoder_axis_names=enc.axis_names,
         llm_axis_names=llm.axis_names, sequence_parallel=opts["sequence_parallel"],
         fused_loss=opts["fused_loss"], batch=batches, steps=opts["steps"], lr=opts["lr"],
-        device=current_device(), on_step=progress, flow=opts["flow"],
+        device=current_device(), on_step=progress, flow=opts["flow"], balance=opts["balance"],
+    )  # fmt: skip
+    if not opts["balance"] or opts["uniform"]:
+        return report, None
+    return report, encoder_times(
+        cfg, batches, encoder_tp=enc.axis_size("tp"), encoder_dp=enc.axis_size("dp"),
+        axis_names=enc.axis_names, device=current_device(),
     )  # fmt: skip
 
 
@@ -296,42 +321,12 @@ def _passed(report, weight_atol: float) -> bool:
 
 
 def _batches(args: argparse.Namespace) -> str:
+    if args.images == "long-tail":
+        return f"long-tail (heavy-tailed images per sample, 1..{args.config.num_patches} tokens)"
     if args.uniform:
         return f"uniform ({args.config.num_patches} image tokens per sample)"
     lo, hi = IMAGES_PER_SAMPLE
     return f"ragged ({lo}..{hi} images of 1..{args.config.num_patches} tokens per sample)"
-
-
-def _check_plot_target(path: str) -> None:
-    """``--plot`` needs matplotlib and a writable folder: check before training, not after."""
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        raise ValueError(
-            "--plot needs matplotlib; install the viz extra: pip install 'mp_bridge[viz]'"
-        ) from None
-    folder = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
-        raise ValueError(f"--plot {path}: folder {folder} does not exist or is not writable")
-
-
-def _plot(report, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    steps = range(1, len(report.ref_losses) + 1)
-    fig, ax = plt.subplots(figsize=(6, 4))
-    ax.plot(steps, report.ref_losses, "o-", label="single process (oracle)")
-    ax.plot(steps, report.dist_losses, "x--", label=f"{report.encoder} -> {report.llm}")
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss")
-    ax.set_title("colocated MIMO: distributed vs single-process loss")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -347,20 +342,23 @@ def run(args: argparse.Namespace) -> int:
         "config": args.config,
         "uniform": args.uniform,
         "microbatches": args.microbatches,
+        "long_tail": args.images == "long-tail",
+        "balance": args.balance,
         "flow": parse_flow(args.flow),  # parsed once here; the workers get the object
     }
     start = time.perf_counter()
     if under_torchrun():
-        report, printer = _run_in_torchrun(args, enc, llm, opts)
+        (report, times), printer = _run_in_torchrun(args, enc, llm, opts)
     else:
         from mp_bridge.testing import run_distributed
 
         print(
             f"launching {args.world} ranks (gloo, CPU): encoder {args.encoder} -> llm "
-            f"{args.llm}, {_batches(args)} batches, {args.flow} flow",
+            f"{args.llm}, {_batches(args)} batches, {args.flow} flow"
+            + (", balanced encoders" if args.balance else ""),
             flush=True,
         )
-        report, printer = run_distributed(_worker, args.world, enc, llm, opts)[0], True
+        (report, times), printer = run_distributed(_worker, args.world, enc, llm, opts)[0], True
     if not printer:
         return 0 if _passed(report, WEIGHT_STEP_FRACTION * args.lr) else 1
     mean_s = sum(report.step_seconds) / len(report.step_seconds)
@@ -373,11 +371,16 @@ def run(args: argparse.Namespace) -> int:
     )
     print(
         f"parity vs single-process oracle ({report.encoder} -> {report.llm}, "
-        f"{_batches(args)} batches, {args.flow} flow):\n"
+        f"{_batches(args)} batches, {args.flow} flow{', balanced' if args.balance else ''}):\n"
     )
     print(format_parity_table(report, weight_atol=WEIGHT_STEP_FRACTION * args.lr))
+    if times is not None:
+        from mp_bridge.models.colocated.encoder_times import format_encoder_times
+
+        print(f"\nencoder forward+backward per rank ({POOL} batches), before/after balancing:")
+        print(format_encoder_times(times))
     if args.plot:
-        _plot(report, args.plot)
+        plot_losses(report, args.plot)
         print(f"\nwrote {args.plot}")
     ok = _passed(report, WEIGHT_STEP_FRACTION * args.lr)
     print(f"\nparity {'OK' if ok else 'FAILED'} in {time.perf_counter() - start:.1f} s")

@@ -169,6 +169,7 @@ def run_parity(
     device: torch.device | None = None,
     on_step: StepHook | None = None,
     flow: str | MimoFlow = "gather",
+    balance: bool = False,
     encoder_dim_names: Sequence[str] | None = None,
     llm_dim_names: Sequence[str] | None = None,
 ) -> ParityReport:
@@ -184,9 +185,10 @@ def run_parity(
     each must cover the whole world, so many layouts can run one after another in one
     world. ``on_step(step, loss, seconds)`` is called after every distributed step (e.g.
     for progress lines). ``flow``: the colocated model's step, ``"gather"`` or
-    ``"routed"`` (see :class:`ColocatedMimoModel`). ``llm_pp > 1``: the LLM runs in
-    pipeline stages over ``microbatches`` (``train_step``); each rank compares its own
-    stage's LLM weights and gradients, the worst over the world is reported.
+    ``"routed"``; ``balance``: balanced encoders (see :class:`ColocatedMimoModel`).
+    ``llm_pp > 1``: the LLM runs in pipeline stages over ``microbatches`` (``train_step``);
+    each rank compares its own stage's LLM weights and gradients, the worst over the world
+    is reported.
     """
     check_int("steps", steps, low=1)
     encoder_axis_names = _renamed("encoder_dim_names", encoder_dim_names, encoder_axis_names)
@@ -222,6 +224,7 @@ def run_parity(
     model = build_colocated_mimo(
         reference, enc_grid, llm_grid, sequence_parallel=sequence_parallel,
         fused_loss=fused_loss, device=device, flow=flow, microbatches=microbatches,
+        balance=balance,
     )  # fmt: skip
     try:
         rank = dist.get_rank()

@@ -71,3 +71,19 @@ def test_demo_with_a_pipelined_llm(capfd, argv):
     assert re.search(r"parity vs single-process oracle \(.*pp=2,dp=2,M=\d", out), out
     assert re.search(r"^weights \(gathered\) .* yes$", out, re.M), out
     assert "parity OK" in out
+
+
+def test_demo_balanced_long_tail_prints_encoder_times_before_and_after(capfd):
+    assert main(["demo", "--steps", "2", "--balance", "--images", "long-tail"]) == 0
+    out = capfd.readouterr().out
+    assert "long-tail (heavy-tailed images per sample" in out and "balanced encoders" in out
+    assert re.search(r"^encoder input grad .* yes$", out, re.M), out
+    table = re.findall(r"^(\d)\s+(\d+\.\d+)\s+(\d+\.\d+)$", out, re.M)
+    assert [int(r) for r, _, _ in table] == list(range(8)), out  # one row per rank
+    assert re.search(r"measured max/mean \d+\.\d+ -> \d+\.\d+", out), out
+    assert "parity OK" in out
+
+
+def test_demo_uniform_and_long_tail_exclude_each_other(capfd):
+    assert main(["demo", "--uniform", "--images", "long-tail"]) == 2
+    assert "--uniform and --images long-tail exclude each other" in capfd.readouterr().err

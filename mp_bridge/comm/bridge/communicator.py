@@ -11,13 +11,15 @@ agreement of its parsed spec across the ranks of its collective.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from mp_bridge.checks import FrozenSpec, agree, agreed, check_tensor
+from mp_bridge.checks import agree, agreed, check_tensor
+from mp_bridge.comm.bridge.balance_plan import BalancePlan
+from mp_bridge.comm.bridge.balance_route import check_balance, run_balanced_route
+from mp_bridge.comm.bridge.call_specs import BuildSpec, RouteSpec, RowsSpec, layout_key, plan_code
 from mp_bridge.comm.bridge.dense import bridge_dense, check_dim_mapping
 from mp_bridge.comm.bridge.groups import BridgeGroups, make_bridge_groups
 from mp_bridge.comm.bridge.names import bridge_names
@@ -34,33 +36,6 @@ from mp_bridge.grid import GridLayout
 __all__ = ["ColocatedBridgeCommunicator"]
 
 
-@dataclass(frozen=True)
-class _RowsSpec:
-    """What the ranks of one bridge call compare: the input's shape (or its row shape for
-    ragged calls, whose token counts differ), dtype and device type."""
-
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    device: str
-
-    def fields(self) -> dict[str, object]:
-        return {"x.shape": self.shape, "x.dtype": self.dtype, "x.device": self.device}
-
-
-@dataclass(frozen=True)
-class _BuildSpec(FrozenSpec):
-    """What every rank of the world builds the communicator with: both layouts (shape,
-    axis names, offset) and the dim mapping (names only label messages: not compared)."""
-
-    src: tuple[tuple[int, ...], tuple[str, ...], int]
-    dest: tuple[tuple[int, ...], tuple[str, ...], int]
-    dim_mapping: tuple[tuple[str, int], ...]
-
-
-def _layout_key(layout: GridLayout) -> tuple[tuple[int, ...], tuple[str, ...], int]:
-    return tuple(layout.shape), tuple(layout.axis_names), layout.rank_offset
-
-
 class ColocatedBridgeCommunicator:
     """Move an activation from ``src_grid``'s layout (TP×DP) to ``dest_grid``'s (TP×CP×DP).
 
@@ -74,7 +49,7 @@ class ColocatedBridgeCommunicator:
     Construction is collective over the whole world: every rank (even one outside the
     grids) builds the communicator with the same arguments, in the same order as its
     other group creations. It validates the layouts (``plan_bridge``) and ``dim_mapping``
-    and agrees on them over the world (:class:`_BuildSpec`) before creating any group,
+    and agrees on them over the world (:class:`BuildSpec`) before creating any group,
     then makes the gather groups, the dest CP group and the
     world group (:mod:`mp_bridge.comm.bridge.groups`, which says who owns which), and ends
     with one world barrier. The route groups are made on the first ``route`` (every rank of
@@ -138,8 +113,8 @@ class ColocatedBridgeCommunicator:
         self.src_grid, self.dest_grid = src_grid, dest_grid
         self._route_cache = RouteCache(maxsize=8)
         self._destroyed = False
-        spec = _BuildSpec(
-            _layout_key(src), _layout_key(dest), tuple(sorted(self._dim_mapping.items()))
+        spec = BuildSpec(
+            layout_key(src), layout_key(dest), tuple(sorted(self._dim_mapping.items()))
         )
         agree("ColocatedBridgeCommunicator.__init__", dist.group.WORLD, spec)
         self._groups: BridgeGroups = make_bridge_groups(
@@ -191,7 +166,7 @@ class ColocatedBridgeCommunicator:
         return self._groups.world
 
     # ------------------------------------------------------------------ entry guard
-    def _enter(self, call: str, spec: _RowsSpec | None = None, group: Any = None) -> None:
+    def _enter(self, call: str, spec: RowsSpec | None = None, group: Any = None) -> None:
         """The guard of every public call: ``spec`` (parsed by the call's local
         validation) is compared across ``group`` before the call's first collective."""
         if self._destroyed:
@@ -227,7 +202,7 @@ class ColocatedBridgeCommunicator:
                 f"divisible by {k}"
             )
         groups = self._groups
-        spec = _RowsSpec(tuple(x.shape), x.dtype, x.device.type)
+        spec = RowsSpec(tuple(x.shape), x.dtype, x.device.type)
         if self._stage is not None:  # every rank's batch: one exchange over the world
             self._enter("communicate", spec, groups.world)
             rows = stage_rows(self._stage, self._rank, [1] * x.shape[dim], [1] * (
@@ -284,7 +259,7 @@ class ColocatedBridgeCommunicator:
             return self._ragged_to_stage(x, tokens_per_sample)
         if self._plan.direction is not BridgeDirection.FAN_IN:
             groups = self._groups
-            spec = _RowsSpec(tuple(x.shape[1:]), x.dtype, x.device.type)
+            spec = RowsSpec(tuple(x.shape[1:]), x.dtype, x.device.type)
             group = groups.gather if self._plan.scale > 1 else groups.cp
             self._enter("communicate_ragged", spec, group)
         return bridge_ragged(
@@ -322,6 +297,7 @@ class ColocatedBridgeCommunicator:
         partition: PartitionAdapter,
         cu_seqlens: Sequence[int] | torch.Tensor | None = None,
         layout: PaddedLayout | None = None,
+        balance: BalancePlan | None = None,
     ) -> torch.Tensor:
         """Image tokens of this rank's encoder batch -> the image rows of its LLM shard.
 
@@ -344,15 +320,33 @@ class ColocatedBridgeCommunicator:
         passing a different number of samples, raises the same ``ValueError`` on every
         rank (naming the first bad sample). Plans are cached (8 layouts). Bytes, backward
         and errors: see :mod:`mp_bridge.comm.bridge.route`.
+
+        ``balance``: the :class:`BalancePlan` of ``ImageBalancer.balance`` (the same on
+        every rank). ``x`` then holds the encoded rows of the images this rank's replica
+        encoded (``balance.tokens_after(replica)``) and ``tokens_per_sample`` stays its
+        encoder DP batch's pre-balance counts (the count check runs on them). Each row goes
+        straight from its encoder to its consumers over every rank of the grids, no return
+        trip to its source replica: :mod:`mp_bridge.comm.bridge.balance_route`. A plan
+        that moves no image is the plain route.
         """
         self._enter("route")
         self.prepare_route()  # collective: before any local validation can raise
+        source_rows = None
+        if balance is not None:
+            self._plan.check_member(self._rank, "route()")
+            source_rows = check_balance(balance, x, self._plan, self._rank)
         call = parse_route(
             x, tokens_per_sample, image_mask, partition, cu_seqlens=cu_seqlens, layout=layout,
-            plan=self._plan, rank=self._rank,
+            plan=self._plan, rank=self._rank, source_rows=source_rows,
         )  # fmt: skip
         groups = self._groups
-        self._enter("route", _RowsSpec(tuple(x.shape[1:]), x.dtype, x.device.type), groups.world)
+        spec = RouteSpec(tuple(x.shape[1:]), x.dtype, x.device.type, plan_code(balance))
+        self._enter("route", spec, groups.world)
+        if balance is not None and balance.moved_images:
+            return run_balanced_route(
+                call, balance, plan=self._plan, rank=self._rank, world_group=groups.world,
+                cache=self._route_cache,
+            )  # fmt: skip
         return run_route(
             call,
             plan=self._plan,

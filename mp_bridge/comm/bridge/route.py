@@ -56,7 +56,7 @@ from mp_bridge.comm.sequence.padding import PaddedLayout
 from mp_bridge.comm.sequence.partition import PartitionAdapter
 from mp_bridge.comm.sequence.samples import sample_sums
 
-__all__ = ["RouteCall", "parse_route", "route_image_rows", "run_route"]
+__all__ = ["RouteCall", "apply_route", "parse_route", "route_image_rows", "run_route"]
 
 
 def _exchange(rows: torch.Tensor, send: Sequence[torch.Tensor], recv: Sequence[int], group):
@@ -141,11 +141,14 @@ def parse_route(
     layout: PaddedLayout | None = None,
     plan: BridgePlan,
     rank: int,
+    source_rows: int | None = None,
 ) -> RouteCall:
     """Validate one rank's ``route`` arguments (``ValueError``/``TypeError``, no collective).
 
     ``layout`` (``ShardedBatch.layout``) is used as is; without it the layout is parsed
-    here from ``image_mask``'s length and ``cu_seqlens``."""
+    here from ``image_mask``'s length and ``cu_seqlens``. ``source_rows``: with a balance
+    plan, the encoder DP batch's image tokens before balancing (``tokens_per_sample`` sums
+    to it, not to ``x``'s rows)."""
     plan.check_member(rank, "route()")
     if not isinstance(x, torch.Tensor) or x.dim() < 1:
         raise ValueError(f"x must be the flat image tokens [T, *rest] (e.g. [T, h]), got {x!r}")
@@ -182,7 +185,17 @@ def parse_route(
             f"layout describes {layout.seq_len} tokens but image_mask has shape "
             f"{tuple(image_mask.shape)}; pass the layout of this batch"
         )
-    counts = check_tokens_per_sample(tokens_per_sample, x.shape[0])
+    try:
+        counts = check_tokens_per_sample(
+            tokens_per_sample, x.shape[0] if source_rows is None else source_rows
+        )
+    except ValueError as error:
+        if source_rows is None:
+            raise
+        raise ValueError(
+            f"{error} (with balance=: the {source_rows} image tokens this encoder DP replica "
+            f"held before balancing; pass its pre-balance tokens_per_sample)"
+        ) from None
     mask = image_mask.detach().cpu()
     n_dest = mask.shape[0] if layout.bounds is None else len(layout.bounds) - 1
     k = plan.scale
@@ -248,8 +261,14 @@ def run_route(
         return plan_route(members, rank, holds, needs)
 
     route = make() if cache is None else cache.get(key, make)
+    return apply_route(x, route, group, exchange=fan_in and len(members) > 1)
+
+
+def apply_route(x: torch.Tensor, route: RankRoute, group, *, exchange: bool) -> torch.Tensor:
+    """Run one rank's planned ``route`` over ``group`` (the members' group, in order):
+    ``[route.x_rows, *rest] -> [route.n_local, *rest]``; ``exchange=False`` when every
+    row it needs is held (only the backward exchanges then)."""
     assert route.x_rows == x.shape[0], (route, x.shape)
-    exchange = fan_in and len(members) > 1
     return _RouteRows.apply(x, route, group, exchange)
 
 

@@ -143,46 +143,95 @@ def route_needs(
     return holds, needs
 
 
-def _sender_table(holds: Sequence[tuple[int, int]], total: int):
+Ranges = tuple[tuple[int, int], ...]
+
+
+def _as_ranges(held: object) -> Ranges:
+    """``(start, stop)`` or a sequence of them (ascending, disjoint) as a tuple of ranges."""
+    if len(held) == 2 and all(isinstance(v, int) for v in held):  # type: ignore[arg-type]
+        return ((int(held[0]), int(held[1])),)  # type: ignore[index]
+    return tuple((int(a), int(b)) for a, b in held)  # type: ignore[union-attr]
+
+
+class _Held:
+    """One member's held ``g`` ranges: ``has(g)`` and ``row(g)`` (its x row of ``g``)."""
+
+    def __init__(self, ranges: Ranges) -> None:
+        self.starts = torch.tensor([a for a, _ in ranges], dtype=torch.long)
+        self.stops = torch.tensor([b for _, b in ranges], dtype=torch.long)
+        sizes = self.stops - self.starts
+        self.offsets = torch.cumsum(sizes, 0) - sizes
+        self.rows = int(sizes.sum())
+
+    def _index(self, g: torch.Tensor) -> torch.Tensor:
+        return (torch.searchsorted(self.starts, g, right=True) - 1).clamp(min=0)
+
+    def has(self, g: torch.Tensor) -> torch.Tensor:
+        if not len(self.starts):
+            return torch.zeros(g.shape, dtype=torch.bool)
+        i = self._index(g)
+        return (g >= self.starts[i]) & (g < self.stops[i])
+
+    def row(self, g: torch.Tensor) -> torch.Tensor:
+        if not len(self.starts):
+            return g[:0]
+        i = self._index(g)
+        return self.offsets[i] + g - self.starts[i]
+
+
+def _sender_table(holds: Sequence[Ranges], total: int):
     """``(cuts, table)``: ``g`` in ``[cuts[i], cuts[i+1])`` has one holder set; for
     receiver ``q``, ``table[q, i]`` is holder number ``q mod |holders|`` (-1: none)."""
-    cuts = sorted({0, total, *(min(max(v, 0), total) for ab in holds for v in ab)})
-    table = torch.full((len(holds), max(len(cuts) - 1, 1)), -1, dtype=torch.long)
-    for i, (u, v) in enumerate(zip(cuts[:-1], cuts[1:])):
-        holders = [m for m, (a, b) in enumerate(holds) if a <= u and v <= b]
-        for q in range(len(holds)):
-            table[q, i] = holders[q % len(holders)] if holders else -1
-    return torch.tensor(cuts, dtype=torch.long), table
+    ends = {min(max(v, 0), total) for rs in holds for ab in rs for v in ab}
+    cuts = torch.tensor(sorted({0, total, *ends}), dtype=torch.long)
+    n_cut = max(len(cuts) - 1, 1)
+    holding = torch.zeros((len(holds), n_cut), dtype=torch.bool)  # [member, interval]
+    for m, rs in enumerate(holds):
+        for a, b in rs:
+            i, j = torch.searchsorted(cuts, torch.tensor([a, b])).tolist()
+            holding[m, i:j] = True
+    count = holding.sum(0)  # holders per interval
+    pairs = holding.t().nonzero()  # (interval, member), member ascending per interval
+    first = torch.cumsum(count, 0) - count
+    q = torch.arange(len(holds))[:, None]
+    pick = first[None, :] + q % count.clamp(min=1)[None, :]
+    table = pairs[:, 1][pick.clamp(max=max(len(pairs) - 1, 0))] if len(pairs) else pick
+    table = torch.where(count[None, :] > 0, table, torch.full_like(pick, -1))
+    return cuts, table
 
 
 def plan_route(
     members: Sequence[int],
     rank: int,
-    holds: Sequence[tuple[int, int]],
+    holds: Sequence[tuple[int, int] | Sequence[tuple[int, int]]],
     needs: Sequence[torch.Tensor],
 ) -> RankRoute:
-    """``rank``'s :class:`RankRoute` given every member's held range and needed tokens.
+    """``rank``'s :class:`RankRoute` given every member's held ranges and needed tokens.
 
-    ``holds[m]``: ``(start, stop)`` of the ``g`` member ``m`` holds (its x rows, in
-    order); ``needs[m]``: ascending ``g`` of its local shard's image tokens. Cost: ``O(G)``
-    plus, per other member, a few passes over both members' needs (no ``[members, G]``
-    matrix): holder sets are constant between range ends, and a token's consumers are
-    ranked by one running count over the members.
+    ``holds[m]``: ``(start, stop)``, or a list of ascending disjoint ranges (an encoder
+    rank after balancing holds a union of images), of the ``g`` member ``m`` holds: its x
+    rows are those ranges concatenated in order; ``needs[m]``: ascending ``g`` of its local
+    shard's image tokens. Cost: ``O(G)`` plus, per other member, a few passes over both
+    members' needs (no ``[members, G]`` matrix): holder sets are constant between range
+    ends, and a token's consumers are ranked by one running count over the members.
     """
     members = tuple(members)
     me, n_members = members.index(rank), len(members)
+    ranges = [_as_ranges(h) for h in holds]
+    held_by = [_Held(r) for r in ranges]
     needs = [torch.as_tensor(n, dtype=torch.long).reshape(-1).cpu() for n in needs]
-    total = max([b for _, b in holds] + [int(n.max()) + 1 for n in needs if len(n)] + [0])
+    ends = [b for rs in ranges for _, b in rs]
+    total = max(ends + [int(n.max()) + 1 for n in needs if len(n)] + [0])
     count = torch.zeros(total, dtype=torch.long)  # members needing g
     before = []  # before[m][i]: members ahead of m needing needs[m][i]
     for need in needs:
         before.append(count[need])
         count[need] += 1
-    cuts, table = _sender_table(holds, total)
-    start = holds[me][0]
+    cuts, table = _sender_table(ranges, total)
+    local = held_by[me].row
 
     def held(m: int, g: torch.Tensor) -> torch.Tensor:
-        return (g >= holds[m][0]) & (g < holds[m][1])
+        return held_by[m].has(g)
 
     def sender(q: int, g: torch.Tensor) -> torch.Tensor:
         return table[q, torch.searchsorted(cuts, g, right=True) - 1]
@@ -201,7 +250,7 @@ def plan_route(
                 lst.append(empty)
             continue
         theirs = needs[m]
-        send_x.append(theirs[~held(m, theirs) & (sender(m, theirs) == me)] - start)
+        send_x.append(local(theirs[~held(m, theirs) & (sender(m, theirs) == me)]))
         recv_y.append(pos[~held_me & (from_m == m)])
         # backward: encoder m gets g from its (m mod count)-th consumer, counted in order
         needed_by_m = torch.zeros(total, dtype=torch.bool)
@@ -209,18 +258,18 @@ def plan_route(
         unused_by_m = held(m, mine) & ~needed_by_m[mine]
         bwd_send_y.append(pos[unused_by_m & (m % count[mine] == before[me])])
         unused_by_me = held(me, theirs) & ~needed_by_me[theirs]
-        bwd_recv_x.append(theirs[unused_by_me & (me % count[theirs] == before[m])] - start)
+        bwd_recv_x.append(local(theirs[unused_by_me & (me % count[theirs] == before[m])]))
     kept = pos[held_me]
     return RankRoute(
         members=members,
         n_local=len(mine),
-        x_rows=holds[me][1] - start,
+        x_rows=held_by[me].rows,
         keep_y=kept,
-        keep_x=mine[held_me] - start,
+        keep_x=local(mine[held_me]),
         send_x=tuple(send_x),
         recv_y=tuple(recv_y),
         bwd_keep_y=kept,
-        bwd_keep_x=mine[held_me] - start,
+        bwd_keep_x=local(mine[held_me]),
         bwd_send_y=tuple(bwd_send_y),
         bwd_recv_x=tuple(bwd_recv_x),
     )

@@ -41,6 +41,7 @@ class BuildSpec(FrozenSpec):
     flow: str
     microbatches: int
     schedule: str
+    balance: bool
 
 
 @agreed("mp_bridge.models.build_colocated_mimo")
@@ -55,12 +56,13 @@ def build_colocated_mimo(
     flow: str | MimoFlow = "gather",
     microbatches: int = 1,
     schedule: str = "auto",
+    balance: bool = False,
 ) -> ColocatedMimoModel:
     """Shard ``reference`` into encoder (``tp``/``dp``) and LLM (``tp``/``cp``/``dp``) grids.
 
     Every group comes from ``make_mimo_groups(encoder_grid, llm_grid)`` (groups the grids
     lack are created on them; one bridge). Release them with :func:`destroy_colocated_mimo`.
-    ``flow``: ``"gather"`` or ``"routed"`` (see :class:`ColocatedMimoModel`). The grids'
+    ``flow``: ``"gather"`` or ``"routed"``; ``balance``: see :class:`ColocatedMimoModel`. The grids'
     layouts are agreed over the world by the bridge's constructor; then every rank of the
     grids agrees on the grids and options (:class:`BuildSpec`, over the encoder TP and DP
     groups: together the grid) before the model is returned. Ranks outside the grids
@@ -72,12 +74,12 @@ def build_colocated_mimo(
     spec = BuildSpec(
         grids, check_bool("sequence_parallel", sequence_parallel),
         check_bool("fused_loss", fused_loss), parse_flow(flow).name,
-        check_int("microbatches", microbatches, low=1), schedule,
+        check_int("microbatches", microbatches, low=1), schedule, check_bool("balance", balance),
     )  # fmt: skip
     model = ColocatedMimoModel.from_full(
         reference, encoder_grid, llm_grid, sequence_parallel=sequence_parallel,
         fused_loss=fused_loss, device=device, flow=flow, microbatches=microbatches,
-        schedule=schedule,
+        schedule=schedule, balance=balance,
     )  # fmt: skip
     groups = [model.groups.encoder_tp, model.groups.encoder_dp]
     agree("build_colocated_mimo", groups, spec, device=next(model.llm.parameters()).device)

@@ -12,6 +12,12 @@ Per rank (``S`` the LLM DP batch's sequence length, ``c`` CP size):
 5. ``partition.shard`` -> CP (and SP) shards; LLM -> per-token loss -> masked mean
    (:func:`~.parts.shard_loss`).
 
+Balanced (``ColocatedMimoModel(balance=True)``, ragged images): step 2 balances the raw
+patches first and runs the encoder on the images this replica received, then returns the
+features to their source replica (``ImageBalancer.restore``, one ``all_to_all_single``)
+before step 3: the features cross replicas twice (there and back, then the bridge); the
+routed flow sends them straight to their shards instead.
+
 Every rank of a replica holds the full-sequence ``[b_l, S, h]`` embeddings and, in
 backward, their gradient (the bridge's backward all-reduces it over CP).
 """
@@ -40,7 +46,10 @@ class GatherFlow(MimoFlow):
         if inputs.has_images:
             if inputs.ragged and isinstance(parts.bridge, ColocatedBridgeCommunicator):
                 agree_image_counts(parts.bridge, inputs)
-            image, counts = self.bridge_images(parts, parts.encode(inputs.images), inputs.images)
+            features, plan = parts.encode_balanced(inputs.images)
+            if plan is not None:  # encoded where balanced: back to the source replica
+                features = parts.balancer.restore(features, plan)
+            image, counts = self.bridge_images(parts, features, inputs.images)
         embeddings = place_images(parts.llm.embed_tokens, inputs, image, counts)
         shard = parts.partition.shard(
             embeddings, labels=inputs.labels, loss_mask=inputs.loss_mask,

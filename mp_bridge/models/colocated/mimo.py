@@ -33,8 +33,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from mp_bridge.checks import FrozenSpec, agree, agreed, check_int
-from mp_bridge.comm import PartitionAdapter, group_size
+from mp_bridge.checks import FrozenSpec, agree, agreed, check_bool, check_int
+from mp_bridge.comm import ColocatedBridgeCommunicator, ImageBalancer, PartitionAdapter, group_size
 from mp_bridge.grid import GridLayout
 from mp_bridge.models.colocated.agreement import agree_step_inputs
 from mp_bridge.models.colocated.flows import parse_flow
@@ -65,6 +65,11 @@ class ColocatedMimoModel(nn.Module):
         image_token_id: placeholder id whose positions receive image embeddings.
         flow: ``"gather"`` (default), ``"routed"`` or a :class:`MimoFlow` object (see
             :mod:`.gather`, :mod:`.routed`), parsed once here.
+        balance: spread ragged images over the encoder DP replicas by estimated cost
+            before encoding (:class:`~mp_bridge.comm.bridge.balance.ImageBalancer`, cost
+            ``t² + c·t``, ``c = cfg.encoder_cost_c``); the routed flow then sends
+            each feature row straight to its shard, the gather flow returns it to its
+            source replica first. Uniform images and one encoder replica: nothing moves.
 
     ``model(input_ids, labels, loss_mask, images=None, *, cu_seqlens=None)`` on this
     rank's shards: the LLM DP shard of the text (``[b, S]`` rows, or packed ``[T]``
@@ -96,11 +101,13 @@ class ColocatedMimoModel(nn.Module):
         flow: str | MimoFlow = "gather",
         microbatches: int = 1,
         schedule: str = "auto",
+        balance: bool = False,
         **deprecated,
     ):
         super().__init__()
         self._flow = parse_flow(flow)
         self.microbatches = check_int("microbatches", microbatches, low=1)
+        check_bool("balance", balance)
         cfg = llm.cfg  # BatchSpec checks image_token_id against the LLM vocab
         self.spec = BatchSpec(cfg.vocab_size, image_token_id, cfg.num_patches, cfg.patch_dim)
         if groups is None and set(deprecated) == {"groups"} and partition is None:
@@ -143,6 +150,12 @@ class ColocatedMimoModel(nn.Module):
         self.partition, self.groups = partition, groups
         self.image_token_id = image_token_id
         self._destroyed = False
+        self.balancer = None
+        if balance and isinstance(groups.bridge, ColocatedBridgeCommunicator):
+            self.balancer = ImageBalancer(
+                dp_group=groups.encoder_dp, count_group=groups.bridge.world_group,
+                c=cfg.encoder_cost_c,
+            )  # fmt: skip
 
     @property
     def flow(self) -> MimoFlow:
@@ -207,7 +220,9 @@ class ColocatedMimoModel(nn.Module):
 
     def parts(self) -> StepParts:
         """What the flow runs with."""
-        return StepParts(self.encoder, self.projection, self.llm, self.partition, self.groups)
+        return StepParts(
+            self.encoder, self.projection, self.llm, self.partition, self.groups, self.balancer
+        )
 
     @agreed("mp_bridge.models.ColocatedMimoModel.parse_and_agree")
     def parse_and_agree(
@@ -247,10 +262,11 @@ class ColocatedMimoModel(nn.Module):
         flow: str | MimoFlow = "gather",
         microbatches: int = 1,
         schedule: str = "auto",
+        balance: bool = False,
     ) -> ColocatedMimoModel:
         """This rank's shards of ``reference`` on ``groups`` (no collective; the model
         keeps ``groups``, which :func:`destroy_colocated_mimo` frees). ``flow``,
-        ``microbatches``, ``schedule``: see the class; with ``groups.llm_pp`` (LLM
+        ``microbatches``, ``schedule``, ``balance``: see the class; with ``groups.llm_pp`` (LLM
         pp > 1) the LLM is this rank's :class:`TPLLMStage`."""
         cfg = reference.cfg
         enc_tp, llm_tp, llm_cp = groups.encoder_tp, groups.llm_tp, groups.llm_cp
@@ -276,6 +292,7 @@ class ColocatedMimoModel(nn.Module):
             flow=flow,
             microbatches=microbatches,
             schedule=schedule,
+            balance=balance,
         )
 
     def to_full(self) -> dict[str, torch.Tensor]:

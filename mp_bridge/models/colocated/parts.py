@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from mp_bridge.comm import PartitionAdapter, ShardedBatch
+from mp_bridge.comm import BalancePlan, ImageBalancer, PartitionAdapter, ShardedBatch
 from mp_bridge.layers import masked_mean
 from mp_bridge.models.colocated.groups import MimoGroups
 from mp_bridge.models.data.images import RaggedImages
@@ -35,7 +35,8 @@ class StepParts:
 
     ``encoder``/``projection`` in the encoder grid (TP-replicated outputs), ``llm`` in
     the LLM grid, ``partition`` its CP (and SP) cut, ``groups`` every process group and
-    the bridge.
+    the bridge; ``balancer`` (``ColocatedMimoModel(balance=True)``) spreads ragged images
+    over the encoder DP replicas before encoding (``None``: each replica encodes its own).
     """
 
     encoder: nn.Module
@@ -43,6 +44,7 @@ class StepParts:
     llm: TPLLM
     partition: PartitionAdapter
     groups: MimoGroups
+    balancer: ImageBalancer | None = None
 
     @property
     def bridge(self):
@@ -51,6 +53,22 @@ class StepParts:
     def encode(self, images: torch.Tensor | RaggedImages) -> torch.Tensor:
         """Encoder + projection: ``[b_e, p, h]``, or ``[T_e, h]`` for ragged images."""
         return self.projection(self.encoder(images))
+
+    def encode_balanced(
+        self, images: torch.Tensor | RaggedImages
+    ) -> tuple[torch.Tensor, BalancePlan | None]:
+        """``(features, plan)``: with a balancer and ragged images, the images move whole to
+        the replica the plan picks (one count all-gather over every encoder rank, one
+        ``all_to_all_single`` of patch rows over the encoder DP group) and the encoder runs
+        on what this replica received: ``features [T_after, h]``, rows of
+        ``plan.tokens_after(replica)`` images in (source replica, index) order. Otherwise
+        ``(encode(images), None)`` (uniform images weigh the same everywhere)."""
+        if self.balancer is None or not isinstance(images, RaggedImages):
+            return self.encode(images), None
+        rows, plan = self.balancer.balance(images.tokens, images.tokens_per_image)
+        sizes = torch.tensor(plan.tokens_after(self.balancer.replica), dtype=torch.int64)
+        mine = RaggedImages(rows, sizes, torch.ones(len(sizes), dtype=torch.int64))
+        return self.encode(mine), plan
 
 
 class MimoFlow(abc.ABC):

@@ -119,14 +119,18 @@ def _deliver(parts: StepParts, inputs: StepInputs, flow: str):
     """Phase 1: ``(delivered, counts)``: this rank's delivered image rows (autograd-
     connected to the encoder) and, gather flow with ragged images, its LLM batch's
     tokens per sample."""
-    image = parts.encode(inputs.images)
+    image, plan = parts.encode_balanced(inputs.images)  # plan: balanced ragged images
     if flow == "routed":
-        x, counts = _image_rows(parts, image, inputs)
+        x, counts = _image_rows(parts, image, inputs) if plan is None else (
+            image, inputs.images.tokens_per_sample)  # fmt: skip
+        balanced = {} if plan is None else {"balance": plan}
         rows = parts.bridge.route(
             x, tokens_per_sample=counts, image_mask=inputs.image_mask,
-            partition=parts.partition, cu_seqlens=inputs.cu_seqlens,
+            partition=parts.partition, cu_seqlens=inputs.cu_seqlens, **balanced,
         )  # fmt: skip
         return rows, None
+    if plan is not None:  # gather flow: features back to their source replica first
+        image = parts.balancer.restore(image, plan)
     if inputs.ragged:
         return parts.bridge.communicate_ragged(image, inputs.images.tokens_per_sample)
     return parts.bridge.communicate(image), None

@@ -16,6 +16,11 @@ length, ``c`` CP size, ``t`` TP size):
 4. those rows replace the local image positions (``index_copy``), LLM -> per-token loss
    ``[b, S/c]`` -> ``masked_mean`` over the LLM DP x CP group.
 
+Balanced (``ColocatedMimoModel(balance=True)``, ragged images): step 3 balances the raw
+patches over the encoder DP replicas first, encodes what this replica received and
+routes each encoded row straight from its encoder to its shard(s)
+(``route(..., balance=plan)``): every patch row and every feature row moves at most once.
+
 No tensor of the full sequence length with a hidden dim exists on any rank (only the
 ``[b, S]`` integer/bool inputs). Uniform images ``[b_e, p, h]``: sample ``i`` uses its
 first ``n_i`` patch rows (``n_i`` its placeholders); the encoder side learns the ``n_i`` of
@@ -82,10 +87,16 @@ class RoutedFlow(MimoFlow):
             piece = is_image.shape[1] // part.tp_size
             is_image = is_image.narrow(1, part.tp_rank * piece, piece)
         if inputs.has_images:
-            x, counts = _image_rows(parts, parts.encode(inputs.images), inputs)
+            features, plan = parts.encode_balanced(inputs.images)
+            if plan is None:
+                x, counts = _image_rows(parts, features, inputs)
+            else:  # balanced rows: the plan names their holders, counts stay pre-balance
+                x, counts = features, inputs.images.tokens_per_sample
+            balanced = {} if plan is None else {"balance": plan}
             rows = parts.bridge.route(
                 x, tokens_per_sample=counts, image_mask=inputs.image_mask, partition=part,
                 layout=shard.layout,  # the layout shard built: route parses nothing
+                **balanced,
             )  # fmt: skip
             embeddings = place_local_rows(embeddings, rows, is_image)
         return shard_loss(parts, embeddings, shard)  # LLM -> per-token loss -> masked_mean

@@ -13,6 +13,7 @@ from .inputs import (
     packed_tokens,
     parse_step_inputs,
 )
+from .long_tail import long_tail_images
 from .packed import (
     check_cu_seqlens,
     document_sums,
@@ -28,6 +29,7 @@ __all__ = [
     "synthetic_batch",
     "MimoConfig",
     "RaggedImages",
+    "long_tail_images",
     "check_cu_seqlens",
     "document_sums",
     "placeholder_counts",

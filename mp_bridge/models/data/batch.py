@@ -23,9 +23,10 @@ from dataclasses import dataclass
 
 import torch
 
-from mp_bridge.checks import check_int, check_ints, is_int
+from mp_bridge.checks import check_choice, check_int, check_ints, is_int
 from mp_bridge.models.data.config import MimoConfig
 from mp_bridge.models.data.images import RaggedImages
+from mp_bridge.models.data.long_tail import long_tail_images
 from mp_bridge.models.data.packed import check_cu_seqlens
 
 __all__ = ["MimoBatch", "TextShard", "dp_shard", "synthetic_batch"]
@@ -126,6 +127,7 @@ def synthetic_batch(
     uneven_mask: bool = False,
     images_per_sample: tuple[int, int] | None = None,
     doc_lengths: Sequence[int] | None = None,
+    images: str | None = None,
 ) -> MimoBatch:
     """A deterministic global batch; samples listed in ``text_only`` get no image tokens.
 
@@ -135,7 +137,15 @@ def synthetic_batch(
     ``doc_lengths`` (``batch_size`` ints >= 0) makes it packed: sample ``i`` is one
     document of ``doc_lengths[i]`` tokens (``seq_len`` unused), which must hold its
     images (``num_patches``; ragged ``hi * num_patches``) unless it is ``text_only``.
+    ``images="long-tail"``: ragged with a heavy-tailed number of images per sample (30 %
+    text-only, at most ``hi``, default ``seq_len // num_patches``) and of tokens per image
+    (``1..num_patches``, :func:`~.long_tail.long_tail_images`): the skew balanced encoders
+    fix. ``None`` (default): as ``images_per_sample`` says.
     """
+    check_choice("images", images, [None, "long-tail"], fix="None or 'long-tail'")
+    if images == "long-tail" and images_per_sample is None:
+        images_per_sample = (0, max(1, cfg.seq_len // cfg.num_patches))
+    long_tail = images == "long-tail"
     check_int("batch_size", batch_size, low=1)
     bad = [i for i in text_only if not 0 <= i < batch_size]
     if bad:
@@ -143,9 +153,11 @@ def synthetic_batch(
     gen = torch.Generator().manual_seed(seed)
     if doc_lengths is not None:
         lengths = _check_lengths(doc_lengths, batch_size, cfg, set(text_only), images_per_sample)
-        return _packed_batch(cfg, lengths, gen, set(text_only), uneven_mask, images_per_sample)
+        return _packed_batch(cfg, lengths, gen, set(text_only), uneven_mask, images_per_sample,
+                             long_tail)  # fmt: skip
     if images_per_sample is not None:
-        return _ragged_batch(cfg, batch_size, gen, set(text_only), uneven_mask, images_per_sample)
+        return _ragged_batch(cfg, batch_size, gen, set(text_only), uneven_mask, images_per_sample,
+                             long_tail)  # fmt: skip
     b, s, p = batch_size, cfg.seq_len, cfg.num_patches
     images = torch.randn(b, p, cfg.patch_dim, generator=gen)
     # Text ids avoid the placeholder so only placed positions count as image tokens.
@@ -176,14 +188,28 @@ def _text(cfg: MimoConfig, shape: tuple[int, ...], gen: torch.Generator):
     return ids, torch.randint(0, cfg.vocab_size, shape, generator=gen)
 
 
-def _ragged_batch(cfg, batch_size, gen, text_only, uneven_mask, images_per_sample) -> MimoBatch:
+def _draw_images(gen, b: int, lo: int, hi: int, p: int, text_only, long_tail: bool):
+    """``(images_per_sample [b], tokens_per_image [N])`` int64: uniform ``lo..hi`` images
+    of ``1..p`` tokens, or the long tail (:func:`long_tail_images`, at most ``hi``)."""
+    if not long_tail:
+        n_images = torch.randint(lo, hi + 1, (b,), generator=gen)
+        n_images[sorted(text_only)] = 0
+        return n_images, torch.randint(1, p + 1, (int(n_images.sum()),), generator=gen)
+    per_sample, sizes = long_tail_images(gen, b, max_images=hi, max_tokens=p, base=max(1, p // 2))
+    kept, start = [], 0
+    for i, n in enumerate(per_sample):
+        kept += [] if i in text_only else sizes[start : start + n]
+        start += n
+    n_images = torch.tensor([0 if i in text_only else n for i, n in enumerate(per_sample)])
+    return n_images.to(torch.int64), torch.tensor(kept, dtype=torch.int64)
+
+
+def _ragged_batch(cfg, batch_size, gen, text_only, uneven_mask, images_per_sample, long_tail):
     lo, hi = _check_range(images_per_sample, cfg)
     b, s, p = batch_size, cfg.seq_len, cfg.num_patches
     ids, labels = _text(cfg, (b, s), gen)
     loss_mask = torch.ones(b, s)
-    n_images = torch.randint(lo, hi + 1, (b,), generator=gen)
-    n_images[sorted(text_only)] = 0
-    sizes = torch.randint(1, p + 1, (int(n_images.sum()),), generator=gen)
+    n_images, sizes = _draw_images(gen, b, lo, hi, p, text_only, long_tail)
     image = 0
     for i in range(b):
         mine = sizes[image : image + int(n_images[i])].tolist()
@@ -209,7 +235,7 @@ def _place_runs(ids, loss_mask, sizes: list[int], gen, image_token_id: int) -> N
         start += size
 
 
-def _packed_batch(cfg, lengths, gen, text_only, uneven_mask, images_per_sample) -> MimoBatch:
+def _packed_batch(cfg, lengths, gen, text_only, uneven_mask, images_per_sample, long_tail):
     """Sample ``i`` drawn as one document of ``lengths[i]`` tokens; documents concatenated."""
     b, p = len(lengths), cfg.num_patches
     text = [_text(cfg, (n,), gen) for n in lengths]
@@ -224,9 +250,7 @@ def _packed_batch(cfg, lengths, gen, text_only, uneven_mask, images_per_sample) 
                 masks[i][start : start + p] = 0.0
     else:
         lo, hi = images_per_sample
-        n_images = torch.randint(lo, hi + 1, (b,), generator=gen)
-        n_images[sorted(text_only)] = 0
-        sizes = torch.randint(1, p + 1, (int(n_images.sum()),), generator=gen)
+        n_images, sizes = _draw_images(gen, b, lo, hi, p, text_only, long_tail)
         bounds = torch.cat([torch.zeros(1, dtype=torch.int64), n_images.cumsum(0)]).tolist()
         for i in range(b):
             _place_runs(ids[i], masks[i], sizes[bounds[i] : bounds[i + 1]].tolist(), gen,

@@ -66,6 +66,12 @@ class MimoConfig:
                 "the image tokens must fit in the sequence"
             )
 
+    @property
+    def encoder_cost_c(self) -> float:
+        """``c`` of the balance plan's image cost ``t² + c·t`` for this encoder: per token
+        the linears weigh ``2·enc_hidden + enc_ffn`` against attention's ``t`` per token."""
+        return 2.0 * self.enc_hidden + self.enc_ffn
+
     def check_tp(self, *, encoder_tp: int = 1, llm_tp: int = 1) -> None:
         """Raise ``ValueError`` naming the size when a TP size does not divide the model."""
         checks = (
