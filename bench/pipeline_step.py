@@ -304,7 +304,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--seq", type=int, default=512)
     p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--batch", type=int, default=8, help="global batch (multiple of 8·M/8)")
+    p.add_argument(
+        "--batch", type=int, default=8, help="global batch: divisible by 8 and by LLM DP x M"
+    )
     p.add_argument("--microbatches", type=int, default=4)
     p.add_argument("--iters", type=int, default=5, help="timed steps per model")
     p.add_argument("--flow", choices=("routed", "gather"), default="routed")
