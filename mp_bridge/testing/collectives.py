@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed.distributed_c10d as _c10d
 
 from mp_bridge.checks import in_agreement_check
 
@@ -115,12 +116,20 @@ class CollectiveCounter:
             original = getattr(dist, attr, None)
             if original is None:
                 continue
+            wrapper = self._wrap(original, canonical)
             self._saved[attr] = original
-            setattr(dist, attr, self._wrap(original, canonical))
+            setattr(dist, attr, wrapper)
+            # ``P2POp`` and ``batch_isend_irecv`` test ``op is isend`` against c10d's own
+            # globals (torch's pipeline schedules build ``P2POp(dist.isend, ...)``): the
+            # same wrapper there keeps those checks true.
+            if getattr(_c10d, attr, None) is original:
+                setattr(_c10d, attr, wrapper)
         return self
 
     def __exit__(self, *exc: object) -> None:
         for attr, original in self._saved.items():
+            if getattr(_c10d, attr, None) is getattr(dist, attr):
+                setattr(_c10d, attr, original)
             setattr(dist, attr, original)
         self._saved.clear()
 
