@@ -43,21 +43,9 @@ import torch.distributed as dist
 
 from mp_bridge.checks import agreed
 from mp_bridge.layers.loss.blocks import TOKEN_TILE, BlockLayout, pad_single_shard
-from mp_bridge.layers.loss.checks import (
-    check_bool,
-    check_fused_inputs,
-    check_loss_args,
-    check_options,
-    check_reduction,
-    check_shard,
-    check_target,
-    check_temperature,
-    check_tp_agreement,
-    forbid_double_backward,
-)
-from mp_bridge.layers.loss.formulas import LossSpec
+from mp_bridge.layers.loss.call_spec import LossCall, parse_loss_call
+from mp_bridge.layers.loss.checks import check_tp_agreement, forbid_double_backward
 from mp_bridge.layers.loss.fused_engines import ChunkEngine, InvariantEngine, ShardEngine
-from mp_bridge.layers.loss.outputs import counted_tokens, returned
 
 __all__ = ["DEFAULT_CHUNK_ELEMENTS", "fused_linear_cross_entropy", "fused_linear_logprobs"]
 
@@ -186,54 +174,23 @@ def _chunks(n: int, chunk: int):
         yield slice(s, min(s + chunk, n))
 
 
-PRECISIONS = ("fp32", "input")
+def _fused_loss(hidden, weight, call: LossCall, reduction: str):
+    """Build the engine of the parsed ``call`` and run the loss (``reduction`` here, the
+    call's own or "none").
 
-
-def _fused_loss(
-    hidden,
-    weight,
-    target,
-    spec_of,
-    *,
-    temperature,
-    tp_group,
-    vocab_size,
-    chunk_size,
-    invariant,
-    reduction,
-    logits_precision,
-):
-    """Validate everything (before any collective), build the engine and run the loss.
-
-    ``spec_of(vocab_size, temperature) -> LossSpec`` once the true vocab size is known
-    (``temperature``: the float, 1.0 with a per-token tensor). Returns ``(values, extra,
-    sq)`` shaped like ``target`` (``reduction="none"``) or scalars.
+    Returns ``(values, extra, sq)`` shaped like ``target`` (``reduction="none"``) or
+    scalars.
     """
-    check_fused_inputs(hidden, weight, chunk_size)
-    if logits_precision not in PRECISIONS:
-        raise ValueError(
-            f"logits_precision={logits_precision!r} must be one of {PRECISIONS} ('fp32': "
-            "exact fp32-accumulated logits; 'input': logits rounded to the input dtype)"
-        )
     lead = tuple(hidden.shape[:-1])
     v_local = weight.shape[0]
-    shard = check_shard(v_local, vocab_size, tp_group)
-    temp = check_temperature(
-        temperature, lead, hidden, shape_of=f"the leading dims of hidden {tuple(hidden.shape)}: "
-    )
-    token_temp = None
-    if isinstance(temp, torch.Tensor):
-        token_temp, temp = temp.to(torch.float32).reshape(-1), 1.0
-    spec = spec_of(shard.vocab_size, temp)
-    target = check_target(
-        target,
-        lead,
-        spec.vocab_size,
-        spec.ignore_index,
-        shape_of=f"the leading dims of hidden {tuple(hidden.shape)}: ",
-    ).reshape(-1)
+    spec = call.spec()
+    token_temp = call.token_temperature
+    if token_temp is not None:
+        token_temp = token_temp.to(torch.float32).reshape(-1)
+    target = call.target.reshape(-1)
     hidden = hidden.reshape(-1, hidden.shape[-1])
-    if logits_precision == "fp32" and hidden.dtype in (torch.bfloat16, torch.float16):
+    tp_group, chunk_size, invariant = call.tp_group, call.chunk_size, call.flag("invariant")
+    if call.logits_precision == "fp32" and hidden.dtype in (torch.bfloat16, torch.float16):
         # Products of bf16 / fp16 values are exact in fp32: the logits (and every gradient
         # matmul) are fp32-accumulated and never rounded to the input dtype.
         hidden, weight = hidden.float(), weight.float()
@@ -247,14 +204,14 @@ def _fused_loss(
         {"spec": spec, "chunk": chunk, "invariant": invariant, "reduction": reduction},
         {"hidden": hidden, "target": target, "temperature": token_temp},
     )
-    if check_bool("invariant", invariant):
-        layout = BlockLayout.of_shard(shard)
+    if invariant:
+        layout = BlockLayout.of_shard(call.shard)
         chunk = -(-chunk // TOKEN_TILE) * TOKEN_TILE  # tiles must not depend on the chunk
         # TP = 1 with a vocab that is not a whole number of blocks: one zero-padded copy.
         weight = pad_single_shard(weight, 0, layout)
         engine: ChunkEngine = InvariantEngine(weight, tp_group, layout, spec)
     else:
-        engine = ShardEngine(weight, tp_group, shard, spec)
+        engine = ShardEngine(weight, tp_group, call.shard, spec)
     needs_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
     values, extra, sq = _FusedLinearLoss.apply(
         hidden, weight, target, engine, spec, chunk, reduction, needs_grad, token_temp
@@ -308,29 +265,11 @@ def fused_linear_cross_entropy(
     twice differentiable; with "mean" / "sum" one backward per call (gradients are made
     in forward).
     """
-    reduction = check_reduction(reduction)
-    ignore_index, eps = check_loss_args(ignore_index, label_smoothing)
-    softcap, zw, _ = check_options(
-        softcap=softcap, z_loss_weight=z_loss_weight, flags={"return_z_loss": return_z_loss}
-    )
-    loss, z_loss, _ = _fused_loss(
-        hidden,
-        weight,
-        target,
-        lambda vocab, temp: LossSpec.cross_entropy(
-            vocab, ignore_index, eps, temperature=temp, softcap=softcap, z_loss_weight=zw
-        ),
-        temperature=temperature,
-        tp_group=tp_group,
-        vocab_size=vocab_size,
-        chunk_size=chunk_size,
-        invariant=invariant,
-        reduction=reduction,
-        logits_precision=logits_precision,
-    )
+    call = parse_loss_call("ce", locals())
+    loss, z_loss, _ = _fused_loss(hidden, weight, call, call.reduction)
     if not return_z_loss:
         return loss
-    return loss, z_loss if zw != 0.0 else torch.zeros_like(loss.detach())
+    return loss, z_loss if call.z_loss_weight != 0.0 else torch.zeros_like(loss.detach())
 
 
 @agreed("mp_bridge.layers.fused_linear_logprobs")
@@ -365,31 +304,7 @@ def fused_linear_logprobs(
     Gradients recompute logits in backward. ``logits_precision``: as
     ``fused_linear_cross_entropy``.
     """
-    reduction = check_reduction(reduction)
-    flags = {"return_entropy": return_entropy, "return_sum_pi_squared": return_sum_pi_squared}
-    softcap, _, ignore_index = check_options(
-        softcap=softcap, ignore_index=ignore_index, flags=flags
-    )
-    lp, entropy, sq = _fused_loss(
-        hidden,
-        weight,
-        target,
-        lambda vocab, temp: LossSpec.logprob(
-            vocab,
-            temp,
-            ignore_index=ignore_index,
-            softcap=softcap,
-            entropy=return_entropy,
-            sum_pi_squared=return_sum_pi_squared,
-        ),
-        temperature=temperature,
-        tp_group=tp_group,
-        vocab_size=vocab_size,
-        chunk_size=chunk_size,
-        invariant=invariant,
-        reduction="none",  # reduced below, like every other output (backward recomputes)
-        logits_precision=logits_precision,
-    )
-    outputs = [lp, entropy if return_entropy else None, sq if return_sum_pi_squared else None]
-    counted = counted_tokens(target, ignore_index) if reduction == "mean" else None
-    return returned(outputs, counted, reduction)
+    call = parse_loss_call("logprob", locals())
+    # reduced by the call, like every other output (backward recomputes)
+    out = _fused_loss(hidden, weight, call, "none")
+    return call.returned(*out)

@@ -43,20 +43,9 @@ import torch.distributed as dist
 
 from mp_bridge.checks import agreed
 from mp_bridge.layers.loss.blocks import BlockLayout, pad_single_shard
-from mp_bridge.layers.loss.checks import (
-    check_ignore_index,
-    check_logits,
-    check_loss_args,
-    check_options,
-    check_reduction,
-    check_shard,
-    check_target,
-    check_temperature,
-    check_tp_agreement,
-)
-from mp_bridge.layers.loss.formulas import LossSpec
+from mp_bridge.layers.loss.call_spec import LossCall, parse_loss_call
+from mp_bridge.layers.loss.checks import check_ignore_index, check_shard, check_tp_agreement
 from mp_bridge.layers.loss.materialized import InvariantLoss, ShardLoss
-from mp_bridge.layers.loss.outputs import counted_tokens, returned
 
 __all__ = [
     "invariant_cross_entropy",
@@ -67,21 +56,20 @@ __all__ = [
 ]
 
 
-def _tokens(logits: torch.Tensor) -> str:
-    return f"logits shape {tuple(logits.shape)} without the vocab dim "
-
-
-def _check_target(target: object, logits: torch.Tensor, vocab: int, ignore_index) -> torch.Tensor:
-    shape = tuple(logits.shape[:-1])
-    return check_target(target, shape, vocab, ignore_index, shape_of=_tokens(logits))
-
-
-def _temperature(temperature, logits: torch.Tensor):
-    """``(float, tensor or None)``: the spec's float and the per-token tensor (then 1.0)."""
-    temp = check_temperature(
-        temperature, tuple(logits.shape[:-1]), logits, shape_of=_tokens(logits)
-    )
-    return (1.0, temp) if isinstance(temp, torch.Tensor) else (temp, None)
+def _run(where: str, logits: torch.Tensor, call: LossCall):
+    """The parsed ``call`` on the default (``ShardLoss``) or TP-invariant engine; its
+    returned outputs. No target (entropy): ids -1, which own no column."""
+    target = call.target
+    if target is None:
+        target = torch.full(logits.shape[:-1], -1, dtype=torch.long, device=logits.device)
+    if call.flag("invariant"):
+        out = _invariant(logits, target, call)
+    else:
+        spec = call.spec()
+        _agree(where, logits, target, call.tp_group, spec, call.token_temperature)
+        temp_rows = _rows_of(call.token_temperature, logits.dtype)
+        out = ShardLoss.apply(logits, target, call.tp_group, call.shard, spec, temp_rows)
+    return call.returned(*out)
 
 
 def _agree(where: str, logits, target, tp_group, spec, token_temperature) -> None:
@@ -132,42 +120,8 @@ def vocab_parallel_cross_entropy(
     MAX then one batched all-reduce SUM over ``tp_group`` (fwd only). ``invariant=True``
     delegates to ``invariant_cross_entropy`` (bitwise TP-invariant).
     """
-    shard = check_logits(logits, tp_group, vocab_size)
-    ignore_index, eps = check_loss_args(ignore_index, label_smoothing)
-    flags = {"return_z_loss": return_z_loss, "invariant": invariant}
-    softcap, zw, _ = check_options(softcap=softcap, z_loss_weight=z_loss_weight, flags=flags)
-    reduction = check_reduction(reduction)
-    target = _check_target(target, logits, shard.vocab_size, ignore_index)
-    temp, token_temp = _temperature(temperature, logits)
-    if invariant:
-        return invariant_cross_entropy(
-            logits,
-            target,
-            tp_group=tp_group,
-            vocab_size=vocab_size,
-            ignore_index=ignore_index,
-            label_smoothing=eps,
-            return_z_loss=return_z_loss,
-            temperature=temp if token_temp is None else token_temp,
-            softcap=softcap,
-            z_loss_weight=zw,
-            reduction=reduction,
-        )
-    spec = LossSpec.cross_entropy(
-        shard.vocab_size, ignore_index, eps, temperature=temp, softcap=softcap, z_loss_weight=zw
-    )
-    _agree("vocab_parallel_cross_entropy", logits, target, tp_group, spec, token_temp)
-    temp_rows = _rows_of(token_temp, logits.dtype)
-    loss, z_loss, _ = ShardLoss.apply(logits, target, tp_group, shard, spec, temp_rows)
-    return _with_z_loss(
-        loss, z_loss, return_z_loss, counted_tokens(target, ignore_index), reduction
-    )
-
-
-def _with_z_loss(loss, z_loss, return_z_loss: bool, counted, reduction: str):
-    if return_z_loss:
-        z_loss = z_loss.view(loss.shape) if z_loss.numel() else torch.zeros_like(loss.detach())
-    return returned([loss, z_loss if return_z_loss else None], counted, reduction)
+    call = parse_loss_call("ce", locals())
+    return _run("vocab_parallel_cross_entropy", logits, call)
 
 
 @agreed("mp_bridge.layers.vocab_parallel_logprobs")
@@ -202,44 +156,8 @@ def vocab_parallel_logprobs(
     logits is ``g * (onehot - softmax) / T`` (times the soft-cap derivative).
     ``invariant=True`` delegates to ``invariant_logprobs``.
     """
-    shard = check_logits(logits, tp_group, vocab_size)
-    flags = {
-        "return_entropy": return_entropy,
-        "return_sum_pi_squared": return_sum_pi_squared,
-        "invariant": invariant,
-    }
-    softcap, _, ignore_index = check_options(
-        softcap=softcap, ignore_index=ignore_index, flags=flags
-    )
-    reduction = check_reduction(reduction)
-    target = _check_target(target, logits, shard.vocab_size, ignore_index)
-    temp, token_temp = _temperature(temperature, logits)
-    if invariant:
-        return invariant_logprobs(
-            logits,
-            target,
-            tp_group=tp_group,
-            vocab_size=vocab_size,
-            temperature=temp if token_temp is None else token_temp,
-            ignore_index=ignore_index,
-            softcap=softcap,
-            return_entropy=return_entropy,
-            return_sum_pi_squared=return_sum_pi_squared,
-            reduction=reduction,
-        )
-    spec = LossSpec.logprob(
-        shard.vocab_size,
-        temp,
-        ignore_index=ignore_index,
-        softcap=softcap,
-        entropy=return_entropy,
-        sum_pi_squared=return_sum_pi_squared,
-    )
-    _agree("vocab_parallel_logprobs", logits, target, tp_group, spec, token_temp)
-    temp_rows = _rows_of(token_temp, logits.dtype)
-    lp, entropy, sq = ShardLoss.apply(logits, target, tp_group, shard, spec, temp_rows)
-    outputs = [lp, entropy if return_entropy else None, sq if return_sum_pi_squared else None]
-    return returned(outputs, counted_tokens(target, ignore_index), reduction)
+    call = parse_loss_call("logprob", locals())
+    return _run("vocab_parallel_logprobs", logits, call)
 
 
 @agreed("mp_bridge.layers.vocab_parallel_entropy")
@@ -266,43 +184,20 @@ def vocab_parallel_entropy(
     ``invariant=True``: the entropy of ``invariant_logprobs(..., return_entropy=True)``
     (one all-gather, bitwise TP-invariant).
     """
-    shard = check_logits(logits, tp_group, vocab_size)
-    softcap, _, ignore_index = check_options(
-        softcap=softcap, ignore_index=ignore_index, flags={"invariant": invariant}
-    )
-    reduction = check_reduction(reduction)
-    if target is not None:
-        target = _check_target(target, logits, shard.vocab_size, ignore_index)
-    temp, token_temp = _temperature(temperature, logits)
-    counted = counted_tokens(target, ignore_index)
-    # The entropy output of log-probs; no target: -1 owns no column, and no id is ignored.
-    ignored_id = ignore_index
-    if target is None:
-        target = torch.full(logits.shape[:-1], -1, dtype=torch.long, device=logits.device)
-        ignored_id = None
-    spec_of = lambda vocab: LossSpec.logprob(  # noqa: E731
-        vocab, temp, ignore_index=ignored_id, softcap=softcap, entropy=True
-    )
-    if not invariant:
-        spec = spec_of(shard.vocab_size)
-        _agree("vocab_parallel_entropy", logits, target, tp_group, spec, token_temp)
-        temp_rows = _rows_of(token_temp, logits.dtype)
-        entropy = ShardLoss.apply(logits, target, tp_group, shard, spec, temp_rows)[1]
-        return returned([entropy], counted, reduction)
-    entropy = _invariant(logits, target, tp_group, vocab_size, spec_of, token_temp)[1]
-    return returned([entropy], counted, reduction)
+    call = parse_loss_call("entropy", locals())
+    return _run("vocab_parallel_entropy", logits, call)
 
 
-def _invariant(logits, target, tp_group, vocab_size, spec_of, token_temperature=None):
+def _invariant(logits, target, call: LossCall):
     """``(value, extra, sq)`` of ``InvariantLoss`` (see ``ShardLoss``)."""
-    layout = BlockLayout.of_shard(check_shard(logits.shape[-1], vocab_size, tp_group))
-    spec = spec_of(layout.vocab_size)
-    _agree("invariant loss", logits, target, tp_group, spec, token_temperature)
+    layout = BlockLayout.of_shard(call.shard)
+    spec = call.spec(layout.vocab_size)
+    _agree("invariant loss", logits, target, call.tp_group, spec, call.token_temperature)
     logits = pad_single_shard(logits, -1, layout)
     temp = None
-    if token_temperature is not None:
-        temp = token_temperature.to(torch.float32).reshape(-1)
-    return InvariantLoss.apply(logits, target, tp_group, layout, spec, temp)
+    if call.token_temperature is not None:
+        temp = call.token_temperature.to(torch.float32).reshape(-1)
+    return InvariantLoss.apply(logits, target, call.tp_group, layout, spec, temp)
 
 
 def _split(temperature) -> tuple[float, torch.Tensor | None]:
@@ -334,24 +229,23 @@ def invariant_cross_entropy(
     (a temperature tensor: already broadcast to ``target.shape``).
     """
     temp, token_temp = _split(temperature)
-    loss, z_loss, _ = _invariant(
-        logits,
+    shard = check_shard(logits.shape[-1], vocab_size, tp_group)
+    flags = (("return_z_loss", bool(return_z_loss)),)
+    call = LossCall(
+        "ce",
+        shard,
         target,
-        tp_group,
-        vocab_size,
-        lambda vocab: LossSpec.cross_entropy(
-            vocab,
-            ignore_index,
-            label_smoothing,
-            temperature=temp,
-            softcap=softcap,
-            z_loss_weight=z_loss_weight,
-        ),
+        reduction,
+        ignore_index,
+        label_smoothing,
+        softcap,
+        z_loss_weight,
+        temp,
         token_temp,
+        flags,
+        tp_group,
     )
-    return _with_z_loss(
-        loss, z_loss, return_z_loss, counted_tokens(target, ignore_index), reduction
-    )
+    return call.returned(*_invariant(logits, target, call))
 
 
 def invariant_logprobs(
@@ -370,21 +264,24 @@ def invariant_logprobs(
     """``log_softmax(softcap(logits) / temperature)[target]`` ``[...]`` (fp32), bitwise
     TP-invariant; options as ``vocab_parallel_logprobs`` (validated by the caller)."""
     temp, token_temp = _split(temperature)
-    ignore_index = check_ignore_index(ignore_index)
-    lp, entropy, sq = _invariant(
-        logits,
-        target,
-        tp_group,
-        vocab_size,
-        lambda vocab: LossSpec.logprob(
-            vocab,
-            temp,
-            ignore_index=ignore_index,
-            softcap=softcap,
-            entropy=return_entropy,
-            sum_pi_squared=return_sum_pi_squared,
-        ),
-        token_temp,
+    shard = check_shard(logits.shape[-1], vocab_size, tp_group)
+    flags = (
+        ("return_entropy", bool(return_entropy)),
+        ("return_sum_pi_squared", bool(return_sum_pi_squared)),
     )
-    outputs = [lp, entropy if return_entropy else None, sq if return_sum_pi_squared else None]
-    return returned(outputs, counted_tokens(target, ignore_index), reduction)
+    ignore_index = check_ignore_index(ignore_index)
+    call = LossCall(
+        "logprob",
+        shard,
+        target,
+        reduction,
+        ignore_index,
+        0.0,
+        softcap,
+        0.0,
+        temp,
+        token_temp,
+        flags,
+        tp_group,
+    )
+    return call.returned(*_invariant(logits, target, call))
