@@ -52,14 +52,15 @@ lint: install
 test: install lint
 	$(BIN)/python -m pytest -q --durations=15 tests
 
-# The quick loop while editing (under a minute on a quiet 2-core machine): every unit test
-# plus one functional case per wing (bridge, partition, fused loss, the routed MIMO step).
-# Run `make test` (lint + the whole suite, what CI runs) before pushing.
+# The quick loop while editing (about a minute on a quiet 2-core machine): every unit test,
+# 20 hypothesis examples per property, plus one functional case per wing (bridge, route,
+# partition, losses). The model oracles take ~20 s a case, so they wait for `make test`
+# (lint + the whole suite, what CI runs), which you run before pushing.
 SMOKE := \
   "tests/functional/test_bridge.py::test_bridge_layout_of_eight_ranks[fan_in_k4_cp2]" \
+  "tests/functional/test_route.py::test_route_on_eight_ranks[fan_in_cp2-nosp-plain]" \
   "tests/functional/test_partition.py::test_partition_cp2_sp_tp2_against_literal_token_lists" \
-  "tests/functional/test_fused_loss.py::test_fused_matches_full_vocab_oracle_fp32" \
-  "tests/functional/test_models_oracle_routed.py::test_routed_ragged_parity_with_one_process[fan_in_cp2]"
+  "tests/functional/test_losses.py::test_cross_entropy_fp32"
 
 test-fast: install
 	MP_BRIDGE_FAST=1 $(BIN)/python -m pytest -q -x tests/unit $(SMOKE)
