@@ -17,6 +17,7 @@ from .agreement import (
 from .autograd import forbid_double_backward
 from .entry_points import ENTRY_POINTS, agreed, agreed_name
 from .validate import (
+    as_int,
     check_bool,
     check_choice,
     check_device,
@@ -32,6 +33,7 @@ from .validate import (
 )
 
 __all__ = [
+    "as_int",
     "AgreementSpec",
     "FrozenSpec",
     "agree",

@@ -13,12 +13,14 @@ the call site. Nothing here touches a process group's members: safe before any c
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 
 __all__ = [
+    "as_int",
     "check_bool",
     "check_choice",
     "check_device",
@@ -38,17 +40,31 @@ def _hint(fix: str) -> str:
     return f"; {fix}" if fix else ""
 
 
+def as_int(value: object) -> int | None:
+    """``value`` as an ``int`` if it is an integer (Python or NumPy, not ``bool``, not a
+    tensor), else ``None``."""
+    if isinstance(value, (bool, torch.Tensor)):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
+
+
 def is_int(value: object) -> bool:
-    """True for a Python/NumPy-free ``int`` that is not a ``bool``."""
-    return isinstance(value, int) and not isinstance(value, bool)
+    """True for a Python or NumPy integer that is not a ``bool``."""
+    return as_int(value) is not None
 
 
 def check_int(
     name: str, value: object, *, low: int | None = None, high: int | None = None, fix: str = ""
 ) -> int:
-    """An ``int`` (not ``bool``) in ``[low, high]`` (either bound optional)."""
-    if not is_int(value):
-        raise TypeError(f"{name} must be an int, got {value!r}{_hint(fix)}")
+    """An integer (Python or NumPy, not ``bool``) in ``[low, high]`` (either bound
+    optional), returned as an ``int``."""
+    original = value
+    value = as_int(value)
+    if value is None:
+        raise TypeError(f"{name} must be an int, got {original!r}{_hint(fix)}")
     if (low is not None and value < low) or (high is not None and value > high):
         lo = "" if low is None else f">= {low}"
         hi = "" if high is None else f"<= {high}"
@@ -94,14 +110,22 @@ def check_float(
     ok = not math.isnan(v)
     ok = ok and (v > low if open_low else v >= low) and (v < high if open_high else v <= high)
     if not ok:
-        lb, hb = "(" if open_low else "[", ")" if open_high else "]"
-        raise ValueError(f"{name}={value!r} must be a float in {lb}{low}, {high}{hb}{_hint(fix)}")
+        if high == math.inf and open_high:  # the common "finite and >= low" form
+            want = f"a finite float {'>' if open_low else '>='} {low:g}"
+        else:
+            lb, hb = "(" if open_low else "[", ")" if open_high else "]"
+            want = f"a float in {lb}{low}, {high}{hb}"
+        raise ValueError(f"{name}={value!r} must be {want}{_hint(fix)}")
     return v
 
 
 def check_positive_float(name: str, value: object, *, fix: str = "") -> float:
     """A finite float > 0 (rejects 0, negatives, inf and nan)."""
-    return check_float(name, value, low=0.0, open_low=True, high=math.inf, open_high=True, fix=fix)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a float, got {value!r}{_hint(fix)}")
+    if not 0.0 < value < math.inf:  # also rejects nan
+        raise ValueError(f"{name}={value!r} must be a finite float > 0{_hint(fix)}")
+    return float(value)
 
 
 def check_choice(name: str, value: object, choices: Sequence[object], *, fix: str = "") -> object:

@@ -17,24 +17,14 @@ Example, ``GridLayout((2, 2, 2), ("tp", "cp", "dp"))``:
 from __future__ import annotations
 
 import math
-import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from mp_bridge.checks import as_int
 from mp_bridge.deprecations import warn_deprecated
 
 __all__ = ["GridLayout"]
-
-
-def _as_int(value: object) -> int | None:
-    """``value`` as an ``int`` if it is an integer (Python or NumPy, not bool), else None."""
-    if isinstance(value, bool):
-        return None
-    try:
-        return operator.index(value)
-    except TypeError:
-        return None
 
 
 def _as_axis_list(axes: str | Sequence[str]) -> list[str]:
@@ -76,9 +66,9 @@ class GridLayout:
         shape = tuple(shape)
         names = tuple(axis_names)
         for size in shape:
-            if _as_int(size) is None:
+            if as_int(size) is None:
                 raise TypeError(f"shape entries must be ints, got {size!r} in shape={shape}")
-        shape = tuple(_as_int(size) for size in shape)  # NumPy ints -> int
+        shape = tuple(as_int(size) for size in shape)  # NumPy ints -> int
         for name in names:
             if not isinstance(name, str) or not name:
                 raise TypeError(
@@ -95,7 +85,7 @@ class GridLayout:
         bad = [s for s in shape if s <= 0]
         if bad:
             raise ValueError(f"shape={shape} has non-positive sizes {bad}; every size must be >= 1")
-        offset = _as_int(rank_offset)
+        offset = as_int(rank_offset)
         if offset is None:
             raise TypeError(f"rank_offset must be an int, got {rank_offset!r}")
         if offset < 0:
@@ -146,7 +136,7 @@ class GridLayout:
         return self.axis_size(name)
 
     def __contains__(self, rank: object) -> bool:
-        value = _as_int(rank)
+        value = as_int(rank)
         return value is not None and value in self.ranks
 
     def __repr__(self) -> str:
@@ -157,9 +147,9 @@ class GridLayout:
     # ------------------------------------------------------------ coordinates
     def coords(self, rank: int) -> dict[str, int]:
         """Coordinates of a global ``rank``, e.g. ``{"tp": 1, "cp": 0, "dp": 1}``."""
-        if _as_int(rank) is None:
+        if as_int(rank) is None:
             raise TypeError(f"rank must be an int, got {rank!r}")
-        rank = _as_int(rank)
+        rank = as_int(rank)
         if rank not in self.ranks:
             raise ValueError(
                 f"rank={rank} is outside {self!r}, which covers ranks "
@@ -179,7 +169,7 @@ class GridLayout:
         """
         for name, value in coords.items():
             size = self.axis_size(name)
-            if _as_int(value) is None:
+            if as_int(value) is None:
                 raise TypeError(f"coordinate {name}={value!r} must be an int")
             if not 0 <= value < size:
                 raise ValueError(
@@ -194,7 +184,7 @@ class GridLayout:
             )
         local, stride = 0, 1
         for name, size in zip(self.axis_names, self.shape):
-            local += _as_int(coords.get(name, 0)) * stride
+            local += as_int(coords.get(name, 0)) * stride
             stride *= size
         return self.rank_offset + local
 

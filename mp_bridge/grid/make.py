@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch.distributed as dist
 from megatron.core.hyper_comm_grid import HyperCommGrid
 
-from mp_bridge.checks import FrozenSpec, agree, agreed
+from mp_bridge.checks import FrozenSpec, agree, agreed, check_int
 from mp_bridge.deprecations import warn_deprecated
 from mp_bridge.grid.layout import GridLayout
 from mp_bridge.grid.spec import AXIS_NAMES
@@ -79,14 +78,7 @@ def make_grid(
         )
     sizes = {"tp": tp, "cp": cp, "pp": pp, "dp": dp}
     for axis, size in sizes.items():  # name the argument, before any collective
-        try:
-            if isinstance(size, bool):
-                raise TypeError
-            size = sizes[axis] = operator.index(size)
-        except TypeError:
-            raise TypeError(f"make_grid({axis}={size!r}): {axis} must be an int >= 1") from None
-        if size < 1:
-            raise ValueError(f"make_grid({axis}={size}): {axis} must be >= 1 (1 = no split)")
+        sizes[axis] = check_int(axis, size, low=1, fix=f"the make_grid {axis} size (1 = no split)")
     names = tuple(axis_names)
     unknown = [n for n in names if n not in sizes]
     if unknown:

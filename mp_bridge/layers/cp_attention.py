@@ -28,7 +28,14 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from mp_bridge.checks import agree, agreed, check_bool, check_group, check_tensor
+from mp_bridge.checks import (
+    agree,
+    agreed,
+    check_bool,
+    check_group,
+    check_positive_float,
+    check_tensor,
+)
 from mp_bridge.comm import (
     PaddedLayout,
     gather_kv,
@@ -76,13 +83,7 @@ def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
 
 def check_softmax_scale(scale: object) -> float:
     """A finite float > 0 (nan or inf would make every score nan)."""
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
-        raise TypeError(f"softmax_scale must be a float or None, got {scale!r}")
-    if not 0.0 < scale < math.inf:  # also rejects nan
-        raise ValueError(
-            f"softmax_scale={scale!r} must be a finite float > 0 (None = 1/sqrt(head dim))"
-        )
-    return float(scale)
+    return check_positive_float("softmax_scale", scale, fix="None = 1/sqrt(head dim)")
 
 
 def _check_positions(position_ids: torch.Tensor, b: int, s: int) -> torch.Tensor:

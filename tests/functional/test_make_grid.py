@@ -125,9 +125,9 @@ def test_destroy_grid_frees_its_groups_and_allows_rebuilding():
 
 @world.case(world_size=4)
 def test_make_grid_errors_name_the_argument_and_dp_first_groups_on_four_ranks():
-    with pytest.raises(ValueError, match=r"make_grid\(tp=0\): tp must be >= 1"):
+    with pytest.raises(ValueError, match=r"tp=0 must be an int >= 1; the make_grid tp size"):
         make_grid(tp=0)
-    with pytest.raises(TypeError, match=r"make_grid\(dp=2.0\): dp must be an int"):
+    with pytest.raises(TypeError, match=r"dp must be an int, got 2.0; the make_grid dp size"):
         make_grid(dp=2.0)
     with pytest.raises(ValueError, match="needs 8 ranks .* world has only 4"):
         make_grid(tp=4, dp=2)

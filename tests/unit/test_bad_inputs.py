@@ -86,10 +86,15 @@ def test_bad_softmax_scale_type():
         context_parallel_attention(*_qkv(), causal=False, softmax_scale="0.5")
 
 
-@pytest.mark.parametrize("eps", [-1.0, 0.0, math.nan, math.inf, True])
+@pytest.mark.parametrize("eps", [-1.0, 0.0, math.nan, math.inf])
 def test_mimo_config_rejects_bad_norm_eps(eps):
     with pytest.raises(ValueError, match=f"norm_eps={eps!r} must be a finite float > 0"):
         MimoConfig(norm_eps=eps)
+
+
+def test_mimo_config_rejects_a_bool_norm_eps_as_the_wrong_kind():
+    with pytest.raises(TypeError, match=r"MimoConfig.norm_eps must be a float, got True"):
+        MimoConfig(norm_eps=True)
 
 
 def test_dp_shard_rejects_a_rank_outside_the_dp_size():

@@ -202,7 +202,7 @@ def test_relabeling_replicas_relabels_the_plan(data):
         ([[2], "ab"], {}, TypeError, r"tokens_per_image\[1\] must be a list of ints"),
         ([], {}, ValueError, "tokens_per_image is empty"),
         (5, {}, TypeError, "tokens_per_image must be a list with one list"),
-        ([[2]], {"c": -1.0}, ValueError, r"c=-1.0 must be a float in \[0.0, inf\)"),
+        ([[2]], {"c": -1.0}, ValueError, r"c=-1.0 must be a finite float >= 0"),
         ([[2, 3]], {"cost": torch.ones(3)}, ValueError, r"cost has shape \(3,\); pass one"),
         ([[2]], {"cost": torch.tensor([-1.0])}, ValueError, "must be finite and >= 0"),
         ([[2]], {"cost": torch.ones(1, dtype=torch.long)}, TypeError, "float tensor"),

@@ -31,8 +31,8 @@ from mp_bridge.models import MimoConfig, ParityReport
         # sequence) to fit; see tests/unit/test_acceptance_layers_unit.py.
         # dp 4 -> dp 3 does not nest: the bridge plan refuses it with the rank's coordinates.
         (["--world", "12", "--encoder", "tp=3,dp=4", "--llm", "tp=4,dp=3"], "divide"),
-        (["--lr", "-1"], r"--lr=-1.0 must be a float in \(0.0, inf\); e.g. --lr 1e-2"),
-        (["--lr", "nan"], r"--lr=nan must be a float in \(0.0, inf\)"),
+        (["--lr", "-1"], r"--lr=-1.0 must be a finite float > 0; e.g. --lr 1e-2"),
+        (["--lr", "nan"], r"--lr=nan must be a finite float > 0"),
         (["--batch-size", "0"], "--batch-size=0 must be an int >= 1"),
         # Checked before training, not when the PNG is written at the end.
         (["--plot", "/nonexistent/dir/x.png"], "folder /nonexistent/dir does not exist"),

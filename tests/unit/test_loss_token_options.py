@@ -214,7 +214,10 @@ def test_bad_temperature_tensors_are_clear_errors():
             t[1, 2] = bad
             with pytest.raises(ValueError, match="temperature must be finite and > 0 everywhere"):
                 call(t)
-        with pytest.raises(TypeError, match="temperature must be a float or a floating tensor"):
+        with pytest.raises(
+            TypeError,
+            match=r"temperature must be a float, got .*; pass a float or a floating tensor",
+        ):
             call("0.7")
 
 

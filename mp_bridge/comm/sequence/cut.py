@@ -14,12 +14,11 @@ Example, ``S = 8``, ``cp = 2`` (chunks of 2)::
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Sequence
 
 import torch
 
-from mp_bridge.checks import check_bool, check_int
+from mp_bridge.checks import as_int, check_bool, check_int
 from mp_bridge.deprecations import warn_deprecated
 
 _COMPLEX = (torch.complex64, torch.complex128)
@@ -90,12 +89,10 @@ def normalize_cu_seqlens(
         )
     else:
         values = list(cu_seqlens)
-        try:
-            if any(isinstance(v, bool) for v in values):
-                raise TypeError
-            values = [operator.index(v) for v in values]  # ints, NumPy ints
-        except TypeError:
-            raise TypeError(f"cu_seqlens must hold ints, got {values!r}; e.g. [0, 8, 24]") from None
+        ints = [as_int(v) for v in values]  # ints, NumPy ints; not bools
+        if None in ints:
+            raise TypeError(f"cu_seqlens must hold ints, got {values!r}; e.g. [0, 8, 24]")
+        values = ints
     if len(values) < 2 or values[0] != 0:
         raise ValueError(
             f"cu_seqlens={values} must start at 0 and hold at least one sequence, "

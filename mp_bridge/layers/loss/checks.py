@@ -20,6 +20,8 @@ from mp_bridge.checks import (
     check_choice,
     check_float,
     check_group,
+    check_int,
+    check_positive_float,
     is_int,
 )
 from mp_bridge.checks import forbid_double_backward as _forbid_double_backward
@@ -53,8 +55,7 @@ def check_vocab_size(vocab_size: object, padded: int, v_local: int, tp_size: int
     """Validate ``vocab_size`` (``None`` = no padding) against the padded vocab; return it."""
     if vocab_size is None:
         return padded
-    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int):
-        raise TypeError(f"vocab_size must be an int or None, got {vocab_size!r}")
+    check_int("vocab_size", vocab_size, fix="pass an int or None")
     if not 1 <= vocab_size <= padded:
         raise ValueError(
             f"vocab_size={vocab_size} must be in [1, {padded}]: the shard holds V_local="
@@ -108,10 +109,8 @@ def check_fused_inputs(hidden: object, weight: object, chunk_size: object) -> No
 
 def check_chunk_size(chunk_size: object) -> None:
     """``None`` or a positive int."""
-    if chunk_size is not None and (
-        isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1
-    ):
-        raise ValueError(f"chunk_size={chunk_size!r} must be a positive int or None")
+    if chunk_size is not None:
+        check_int("chunk_size", chunk_size, low=1, fix="or None for the default")
 
 
 def check_reduction(reduction: object) -> str:
@@ -184,11 +183,9 @@ def check_temperature(
     """
     if isinstance(temperature, torch.Tensor):
         return _check_temperature_tensor(temperature, tuple(shape), like, shape_of)
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
-        raise TypeError(f"temperature must be a float or a floating tensor, got {temperature!r}")
-    if not 0.0 < temperature < float("inf"):  # also rejects nan
-        raise ValueError(f"temperature={temperature!r} must be a finite float > 0 (1.0 = none)")
-    return float(temperature)
+    return check_positive_float(
+        "temperature", temperature, fix="pass a float or a floating tensor (1.0 = none)"
+    )
 
 
 def _check_temperature_tensor(
@@ -237,15 +234,14 @@ def check_options(
     """The RL-head options: ``softcap`` None or a finite float > 0, ``z_loss_weight`` a
     finite float >= 0, ``ignore_index`` None or an int, every ``flags`` value a bool."""
     if softcap is not None:
-        if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
-            raise TypeError(f"softcap must be a float or None, got {softcap!r}")
-        if not 0.0 < softcap < float("inf"):
-            raise ValueError(f"softcap={softcap!r} must be a finite float > 0 (None = no cap)")
-        softcap = float(softcap)
-    if isinstance(z_loss_weight, bool) or not isinstance(z_loss_weight, (int, float)):
-        raise TypeError(f"z_loss_weight must be a float, got {z_loss_weight!r}")
-    if not 0.0 <= z_loss_weight < float("inf"):
-        raise ValueError(f"z_loss_weight={z_loss_weight!r} must be a finite float >= 0 (0 = none)")
+        softcap = check_positive_float("softcap", softcap, fix="None = no cap")
+    z_loss_weight = check_float(
+        "z_loss_weight",
+        z_loss_weight,
+        low=0.0,
+        open_high=True,
+        fix="0 = none",
+    )
     ignore_index = check_ignore_index(ignore_index)
     for name, flag in (flags or {}).items():
         check_bool(name, flag)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mp_bridge.checks import check_int
+from mp_bridge.checks import check_int, check_positive_float
 
 __all__ = ["MimoConfig"]
 
@@ -36,12 +36,11 @@ class MimoConfig:
     norm_eps: float = 1e-5
 
     def __post_init__(self) -> None:
-        eps = self.norm_eps
-        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 < eps < float("inf"):
-            raise ValueError(
-                f"MimoConfig.norm_eps={eps!r} must be a finite float > 0, e.g. 1e-5 (the "
-                "LayerNorm epsilon: <= 0 can divide by zero)"
-            )
+        check_positive_float(
+            "MimoConfig.norm_eps",
+            self.norm_eps,
+            fix="e.g. 1e-5 (the LayerNorm epsilon: <= 0 can divide by zero)",
+        )
         for name, value in self.__dict__.items():
             if name == "norm_eps":
                 continue
