@@ -127,21 +127,32 @@ def test_balanced_step_equals_the_unbalanced_step(flow):
         assert abs(a - b) <= LOSS_RTOL * abs(b), (balanced.dist_losses, plain.dist_losses)
 
 
-@world.case
-def test_balanced_routed_step_moves_each_row_once():
-    """Forward: the balance all-to-all carries exactly the patch rows of the images that
-    come in; the route all-to-all at most this shard's image rows (each once). Backward:
-    the route's gradient exchange, then the balance's return of the moved images."""
+def _balanced_routed_model():
+    """encoder tp2·dp4 -> LLM tp2·cp2·dp2, routed flow, balance=True (seeded weights)."""
     torch.manual_seed(0)
     reference = ReferenceMimo(CFG).to(current_device())
     enc = make_grid(tp=2, dp=4, create=("tp", "dp"))
     llm = make_grid(tp=2, cp=2, dp=2, create=("tp", "cp", "dp", ("dp", "cp")))
     model = build_colocated_mimo(reference, enc, llm, flow="routed", balance=True,
                                  device=current_device())  # fmt: skip
+    return enc, llm, model
+
+
+def _local_batch(rank: int):
+    """This rank's encoder shard (replica rank // 2 of 4) and LLM shard (rank // 4 of 2)."""
+    batch = _long_tail().to(current_device())
+    return batch.encoder_shard(rank // 2, 4), batch.llm_shard(rank // 4, 2)
+
+
+@world.case
+def test_balanced_routed_step_moves_each_row_once():
+    """Forward: the balance all-to-all carries exactly the patch rows of the images that
+    come in; the route all-to-all at most this shard's image rows (each once). Backward:
+    the route's gradient exchange, then the balance's return of the moved images."""
+    enc, llm, model = _balanced_routed_model()
     try:
         rank = dist.get_rank()
-        batch = _long_tail().to(current_device())
-        images, text = batch.encoder_shard(rank // 2, 4), batch.llm_shard(rank // 4, 2)
+        images, text = _local_batch(rank)
         images = images.with_tokens(images.tokens.clone().requires_grad_())  # patch gradients
         text_args = (text.input_ids, text.labels, text.loss_mask)
         model(*text_args, images)  # the route groups and cached plans, outside the count
@@ -167,16 +178,10 @@ def test_balanced_routed_step_moves_each_row_once():
 
 @world.case
 def test_a_count_mismatch_on_one_rank_is_the_same_error_on_every_rank():
-    torch.manual_seed(0)
-    reference = ReferenceMimo(CFG).to(current_device())
-    enc = make_grid(tp=2, dp=4, create=("tp", "dp"))
-    llm = make_grid(tp=2, cp=2, dp=2, create=("tp", "cp", "dp", ("dp", "cp")))
-    model = build_colocated_mimo(reference, enc, llm, flow="routed", balance=True,
-                                 device=current_device())  # fmt: skip
+    enc, llm, model = _balanced_routed_model()
     try:
         rank = dist.get_rank()
-        batch = _long_tail().to(current_device())
-        images, text = batch.encoder_shard(rank // 2, 4), batch.llm_shard(rank // 4, 2)
+        images, text = _local_batch(rank)
         bridge, part = model.bridge, model.partition
         x = torch.zeros(images.tokens.shape[0], CFG.llm_hidden, device=current_device())
         y, plan = model.balancer.balance(x, images.tokens_per_image)
