@@ -348,7 +348,7 @@ def test_bad_input_raises_before_any_collective():
             fused_linear_logprobs(
                 hidden, w_local, target.clamp(min=0), tp_group=group, vocab_size=1001
             )
-        with pytest.raises(ValueError, match=r"chunk_size=0 must be a positive int"):
+        with pytest.raises(ValueError, match=r"chunk_size=0 must be an int >= 1; or None"):
             fused_linear_logprobs(
                 hidden, w_local, target.clamp(min=0), tp_group=group, chunk_size=0
             )
