@@ -19,6 +19,7 @@ from mp_bridge.layers import (
     vocab_shard_ranges,
     vocab_shard_size,
 )
+from mp_bridge.layers.loss.blocks import TOKEN_TILE
 from mp_bridge.testing import CollectiveCounter, DistributedWorld, current_device
 from tests.oracles import gather_rows, rank_in, tp_group, tp_member, vocab_cut
 
@@ -290,14 +291,17 @@ def test_collective_count_and_bytes_per_call():
     with CollectiveCounter() as bwd:
         out.sum().backward()
     assert fwd.counts() == {"all_gather": 3} and bwd.counts() == {"all_reduce": 3}
-    # invariant: chunk 40 -> 64 rows, k = 2; each rank holds one block = one subtree (P = 1).
+    # invariant: chunk 40 -> rounded up to whole token tiles; each rank holds one block = one
+    # subtree (P = 1); per chunk one stats and one d-hidden all-gather of whole tiles.
     with CollectiveCounter() as fwd:
         loss = fused_linear_cross_entropy(
             h, w_local, target, tp_group=group, chunk_size=40, invariant=True
         )
-    assert fwd.counts() == {"all_gather": 4}
-    grad_bytes = 3 * 2 * 64 * H * 4
-    assert fwd.bytes_received("all_gather") == 3 * 2 * 64 * 4 * 4 + grad_bytes
+    chunk = -(-40 // TOKEN_TILE) * TOKEN_TILE
+    chunks = [min(chunk, n - s) for s in range(0, n, chunk)]
+    rows = sum(-(-c // TOKEN_TILE) * TOKEN_TILE for c in chunks)  # padded to whole tiles
+    assert fwd.counts() == {"all_gather": 2 * len(chunks)}
+    assert fwd.bytes_received("all_gather") == 3 * rows * 4 * 4 + 3 * rows * H * 4
     with torch.no_grad(), CollectiveCounter() as fwd:
         fused_linear_cross_entropy(hidden, w_local, target, tp_group=group, chunk_size=40)
     assert fwd.counts() == {"all_gather": 3}

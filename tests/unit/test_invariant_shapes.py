@@ -145,7 +145,7 @@ def test_one_set_of_matmul_shapes_for_every_tp_chunk_and_batch(monkeypatch, h_di
     assert shapes == {
         ((g, tile, hp), (g, hp, b), (g, tile, b)),  # logits (into the call's buffer)
         ((g, b, hp), (g, b, tile), (g, tile, hp)),  # d weight, accumulated in place
-        ((g, tile, b), (g, b, hp)),  # d hidden
+        ((g, tile, b), (g, b, hp), (g, tile, hp)),  # d hidden (into one reused buffer)
     }
     # Per token tile, one multiset at each TP whatever the chunk size and the batches.
     for tp in (1, 2, 8):

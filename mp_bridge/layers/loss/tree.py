@@ -23,7 +23,15 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import TypeVar
 
-__all__ = ["Piece", "fold_tree", "local_pieces", "max_pieces", "stream_fold", "tree_depth"]
+__all__ = [
+    "Piece",
+    "StreamFold",
+    "fold_tree",
+    "local_pieces",
+    "max_pieces",
+    "stream_fold",
+    "tree_depth",
+]
 
 Piece = tuple[int, int]  # (level, idx): tree node covering [idx * 2**level, (idx+1) * 2**level)
 T = TypeVar("T")
@@ -53,6 +61,27 @@ def _first(a: T, b: T) -> T:
     return a
 
 
+class StreamFold:
+    """Incremental ``stream_fold``: ``push`` consecutive leaves; ``stack`` holds the
+    ``(piece, value)`` nodes folded so far (bottom first). A merge keeps the left node's
+    position and value object (``combine`` may work in place), so a caller can move the
+    values of ``stack`` into storage of its own between pushes."""
+
+    def __init__(self, combine: Callable[[T, T], T]) -> None:
+        self.combine = combine
+        self.stack: list[tuple[Piece, T]] = []
+
+    def push(self, j: int, value: T) -> None:
+        stack = self.stack
+        if stack and _end(stack[-1][0]) != j:
+            raise ValueError(f"leaves must be consecutive; got {j} after {stack[-1][0]}")
+        node: tuple[Piece, T] = ((0, j), value)
+        while stack and _siblings(stack[-1][0], node[0]):
+            (level, idx), left = stack.pop()
+            node = ((level + 1, idx // 2), self.combine(left, node[1]))
+        stack.append(node)
+
+
 def stream_fold(
     leaves: Iterable[tuple[int, T]], combine: Callable[[T, T], T]
 ) -> list[tuple[Piece, T]]:
@@ -61,16 +90,10 @@ def stream_fold(
     Merges two stack tops exactly when they are siblings, so peak storage is
     O(log #leaves) values and the operations are those of the canonical tree.
     """
-    stack: list[tuple[Piece, T]] = []
+    fold = StreamFold(combine)
     for j, value in leaves:
-        if stack and _end(stack[-1][0]) != j:
-            raise ValueError(f"leaves must be consecutive; got {j} after {stack[-1][0]}")
-        node: tuple[Piece, T] = ((0, j), value)
-        while stack and _siblings(stack[-1][0], node[0]):
-            (level, idx), left = stack.pop()
-            node = ((level + 1, idx // 2), combine(left, node[1]))
-        stack.append(node)
-    return stack
+        fold.push(j, value)
+    return fold.stack
 
 
 def _end(piece: Piece) -> int:
