@@ -20,6 +20,7 @@ from mp_bridge.layers import (
     vocab_shard_ranges,
     vocab_shard_size,
 )
+from mp_bridge.layers.loss.blocks import TOKEN_TILE
 from mp_bridge.layers.loss.vocab_parallel import invariant_cross_entropy, invariant_logprobs
 from mp_bridge.testing import CollectiveCounter, DistributedWorld, current_device
 from tests.loss_refs import Checks
@@ -152,8 +153,9 @@ def test_one_all_gather_forward_none_backward():
         out.sum().backward()
     assert fwd.counts() == {"all_gather": 1} and bwd.counts() == {}
     # 2 blocks per rank, 5 of 8 ranks hold real blocks ([0,2),[2,4),[4,6),[6,8),[8,10)):
-    # one subtree each (P = 1); [1, 3 tiles, 4, 64] fp32 from each of 7 peers.
-    assert fwd.bytes_received("all_gather") == 7 * 3 * 4 * 64 * 4
+    # one subtree each (P = 1); [1, tiles, 4, TOKEN_TILE] fp32 from each of 7 peers.
+    tiles = -(-150 // TOKEN_TILE)
+    assert fwd.bytes_received("all_gather") == 7 * tiles * 4 * TOKEN_TILE * 4
 
 
 @world.case

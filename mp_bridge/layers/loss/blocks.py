@@ -54,8 +54,10 @@ __all__ = [
 #: fold is cheap; block math runs batched over all (tile, block) pairs of a chunk, each
 #: row's bits independent of the batch (see ``formulas``).
 VOCAB_BLOCK = 256
-#: Token rows per matmul (invariant mode). 64 keeps the last-chunk padding small and is
-#: part of the numeric identity (changing it changes the bits); see bench/RESULTS.md.
+#: Token rows per matmul (invariant mode), part of the numeric identity (the d-weight sum
+#: goes tile by tile). 128, not 64: MKL runs the d-hidden ``[G, TILE, B] x [G, B, Hp]``
+#: batch about 30 % faster per FLOP at 128 rows (bench/RESULTS.md); a chunk pads to whole
+#: tiles (at most 127 zero rows).
 TOKEN_TILE = 128
 
 
