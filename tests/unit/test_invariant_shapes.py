@@ -27,6 +27,7 @@ from mp_bridge.layers.loss.blocks import (
     BLOCK_GROUP,
     HIDDEN_ALIGN,
     TOKEN_TILE,
+    WEIGHT_GRAD_ROWS,
     BlockLayout,
     block_groups,
 )
@@ -138,20 +139,21 @@ def test_one_set_of_matmul_shapes_for_every_tp_chunk_and_batch(monkeypatch, h_di
     }
     assert _differences(runs) == []
     hp = -(-h_dim // HIDDEN_ALIGN) * HIDDEN_ALIGN
-    g, tile, b = BLOCK_GROUP, TOKEN_TILE, 256
+    g, tile, b, r = BLOCK_GROUP, TOKEN_TILE, 256, WEIGHT_GRAD_ROWS
     calls = next(iter(runs.values()))[0]
     assert {op for op, _ in calls} == {"bmm", "baddbmm_"}
     shapes = {tuple(shape for shape, _, _ in sig) for _, sig in calls}
     assert shapes == {
         ((g, tile, hp), (g, hp, b), (g, tile, b)),  # logits (into the call's buffer)
-        ((g, b, hp), (g, b, tile), (g, tile, hp)),  # d weight, accumulated in place
+        ((g, b, hp), (g, b, r), (g, r, hp)),  # d weight, accumulated in place
         ((g, tile, b), (g, b, hp), (g, tile, hp)),  # d hidden (into one reused buffer)
     }
     # Per token tile, one multiset at each TP whatever the chunk size and the batches.
     for tp in (1, 2, 8):
         same_tp = [_per_tile(*r) for name, r in runs.items() if name.startswith(f"tp{tp} ")]
         assert len(same_tp) >= 2 and all(p == same_tp[0] for p in same_tp)
-        # ... with one call of each kind per group of blocks a rank holds.
+        # ... with one logits and one d-hidden call per group of blocks a rank holds, and
+        # TOKEN_TILE / WEIGHT_GRAD_ROWS d-weight calls.
         v_local = vocab_shard_size(VOCAB, tp, multiple=256)
         groups = sum(
             len(
@@ -163,7 +165,7 @@ def test_one_set_of_matmul_shapes_for_every_tp_chunk_and_batch(monkeypatch, h_di
             )
             for r in range(tp)
         )
-        assert sum(same_tp[0].values()) == 3 * groups
+        assert sum(same_tp[0].values()) == (2 + TOKEN_TILE // WEIGHT_GRAD_ROWS) * groups
 
 
 def test_a_planted_tp_dependent_matmul_is_detected(monkeypatch):

@@ -37,6 +37,7 @@ __all__ = [
     "HIDDEN_ALIGN",
     "TOKEN_TILE",
     "VOCAB_BLOCK",
+    "WEIGHT_GRAD_ROWS",
     "BlockGroup",
     "BlockLayout",
     "TargetSlots",
@@ -54,11 +55,16 @@ __all__ = [
 #: fold is cheap; block math runs batched over all (tile, block) pairs of a chunk, each
 #: row's bits independent of the batch (see ``formulas``).
 VOCAB_BLOCK = 256
-#: Token rows per matmul (invariant mode), part of the numeric identity (the d-weight sum
-#: goes tile by tile). 128, not 64: MKL runs the d-hidden ``[G, TILE, B] x [G, B, Hp]``
-#: batch about 30 % faster per FLOP at 128 rows (bench/RESULTS.md); a chunk pads to whole
-#: tiles (at most 127 zero rows).
+#: Token rows per logits / d-hidden matmul (invariant mode). 128, not 64: MKL runs the
+#: d-hidden ``[G, TILE, B] x [G, B, Hp]`` batch about 30 % faster per FLOP at 128 rows
+#: (bench/RESULTS.md); a chunk pads to whole tiles (at most 127 zero rows). A row's bits
+#: do not depend on the tile size (``HIDDEN_ALIGN``); the d-weight sum does, and goes
+#: ``WEIGHT_GRAD_ROWS`` tokens at a time.
 TOKEN_TILE = 128
+#: Tokens per d-weight product (invariant mode), in token order: part of the numeric
+#: identity. 64 gives the bits of the 64-row tiles this engine had before, and 2-3 % less
+#: fp32 error against fp64 than 128-token products (shorter dot products, measured).
+WEIGHT_GRAD_ROWS = 64
 
 
 #: Blocks per matmul call (fused invariant engine): every call is a batch of exactly this

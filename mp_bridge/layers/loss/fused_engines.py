@@ -22,6 +22,7 @@ from mp_bridge.layers.loss.blocks import (
     BLOCK_GROUP,
     HIDDEN_ALIGN,
     TOKEN_TILE,
+    WEIGHT_GRAD_ROWS,
     BlockGroup,
     BlockLayout,
     block_groups,
@@ -190,17 +191,20 @@ def _settle(fold: StreamFold, slots: list[torch.Tensor]) -> None:
 
 
 def _add_weight_grad(acc, gg, hi, grp: BlockGroup) -> None:
-    """``acc [>= G, B, Hp] += gg^T @ hi`` for the blocks ``grp`` adds: one ``G x (B, TILE)
-    @ (TILE, Hp)`` product per call, ``baddbmm_`` in fp32 (``bmm`` then add in a low
-    input dtype, which ``baddbmm_`` cannot mix with an fp32 ``acc``)."""
+    """``acc [>= G, B, Hp] += gg^T @ hi`` for the blocks ``grp`` adds: one ``G x (B,
+    WEIGHT_GRAD_ROWS) @ (WEIGHT_GRAD_ROWS, Hp)`` product per ``WEIGHT_GRAD_ROWS`` tokens of
+    the tile, in token order; ``baddbmm_`` in fp32 (``bmm`` then add in a low input dtype,
+    which ``baddbmm_`` cannot mix with an fp32 ``acc``)."""
     if grp.lo:  # a window: its first slots are done; their rows of g add exact zeros
         gg = gg.clone()
         gg[: grp.lo] = 0.0
     target = acc[grp.start : grp.start + BLOCK_GROUP]
-    if gg.dtype == torch.float32:
-        target.baddbmm_(gg.transpose(1, 2), hi)
-    else:
-        target.add_(torch.bmm(gg.transpose(1, 2), hi))
+    for r in range(0, TOKEN_TILE, WEIGHT_GRAD_ROWS):
+        g_r, h_r = gg[:, r : r + WEIGHT_GRAD_ROWS].transpose(1, 2), hi[:, r : r + WEIGHT_GRAD_ROWS]
+        if gg.dtype == torch.float32:
+            target.baddbmm_(g_r, h_r)
+        else:
+            target.add_(torch.bmm(g_r, h_r))
 
 
 @dataclass(frozen=True, eq=False)
@@ -216,8 +220,8 @@ class InvariantEngine:
 
         logits    bmm  [G, TILE, Hp] x [G, Hp, B]     (the tile expanded over the group)
         d hidden  bmm  [G, TILE, B]  x [G, B, Hp]
-        d weight  baddbmm_  [G, B, Hp] += [G, B, TILE] x [G, TILE, Hp]
-                  (tile by tile in token order; in a low input dtype: bmm, then add)
+        d weight  baddbmm_  [G, B, Hp] += [G, B, R] x [G, R, Hp]   (R = WEIGHT_GRAD_ROWS)
+                  (R tokens at a time in token order; in a low input dtype: bmm, then add)
 
     Each batch entry is the product of one (tile, block), whose bits depend on the shapes
     and the entry alone (``bmm`` gives the bits of one ``mm`` per entry on this build,
