@@ -2,7 +2,8 @@
 
 Run before and after a change that must not move a single bit; the two outputs must be
 identical (same machine, build and thread count). Covers the materialized and fused
-paths, default and invariant, fp32 and bf16, at TP 1/2/4 (gloo ranks on CPU).
+paths, default and invariant, fp32 and bf16, at TP 1/2/4 (gloo ranks on CPU), and the fused
+paths at a multi-tile shape.
 ``--check`` compares with the recorded reference ``bench/numerics_hashes.txt`` (torch
 2.13 CPU on the project's build machine) and exits 1 naming the lines that differ; a
 change that is allowed to move bits records the new lines there.
@@ -90,6 +91,36 @@ def _rank_hashes() -> list[str]:
                 gw = [torch.empty_like(w.grad) for _ in range(tp)]
                 dist.all_gather(gw, w.grad.contiguous())
                 out.append(f"{tag} fused_{what:<9}{_digest(val, h.grad, torch.cat(gw))}")
+    out += _fused_multi_tile(tp, rank, group)
+    return out
+
+
+def _fused_multi_tile(tp: int, rank: int, group) -> list[str]:
+    """Fused paths at a shape that spans several token tiles, d-weight products and weight
+    slabs (N = 300, V = 4096: 3 tiles of 128, 5 products of 64 tokens, 2 slabs at TP 1),
+    fp32, default chunking and 160-row chunks."""
+    g = torch.Generator().manual_seed(4321)
+    n, h_dim, vocab = 300, 48, 4096
+    hidden = torch.randn(n, h_dim, generator=g)
+    weight = torch.randn(vocab, h_dim, generator=g) / h_dim**0.5
+    target = torch.randint(0, vocab, (n,), generator=g)
+    rows = slice(rank * vocab // tp, (rank + 1) * vocab // tp)
+    out = []
+    for invariant in (False, True):
+        for chunk in (None, 160):
+            h = hidden.clone().requires_grad_()
+            w = weight[rows].clone().requires_grad_()
+            loss = fused_linear_cross_entropy(
+                h, w, target, tp_group=group, chunk_size=chunk, invariant=invariant
+            )
+            lp = fused_linear_logprobs(
+                h, w, target, tp_group=group, chunk_size=chunk, invariant=invariant
+            )
+            (loss + lp.sum()).backward()
+            gw = [torch.empty_like(w.grad) for _ in range(tp)]
+            dist.all_gather(gw, w.grad.contiguous())
+            tag = f"float32 inv={int(invariant)} n={n} chunk={chunk}"
+            out.append(f"{tag} fused  {_digest(loss, lp, h.grad, torch.cat(gw))}")
     return out
 
 

@@ -49,10 +49,13 @@ from mp_bridge.layers.loss.fused_engines import ChunkEngine, InvariantEngine, Sh
 
 __all__ = ["DEFAULT_CHUNK_ELEMENTS", "fused_linear_cross_entropy", "fused_linear_logprobs"]
 
-#: Default chunk: about this many fp32 logits (8 MiB) per chunk, at least 128 rows (a
-#: smaller matmul loses BLAS efficiency); with the fp32 d weight it keeps the peak far
-#: below the materialized [N, V_local] logits and their gradient at TP 1-8.
-DEFAULT_CHUNK_ELEMENTS = 1 << 21
+#: Default chunk: about this many fp32 logits (32 MiB) per chunk, at least 128 rows (a
+#: smaller matmul loses BLAS efficiency). The same budget at every TP size: a chunk of
+#: rows fixed in bytes would shrink as ``V_local`` does, and the per-chunk collectives and
+#: small matmuls would make TP 2-4 slower than megatron's unchunked head (bench/RESULTS.md:
+#: 8 MiB chunks gave 1.02-1.06x megatron's time at TP 2/4). The peak stays the fp32 d
+#: weight and d hidden plus this one chunk, far below ``[N, V_local]`` logits.
+DEFAULT_CHUNK_ELEMENTS = 1 << 23
 
 
 class _FusedLinearLoss(torch.autograd.Function):
