@@ -21,7 +21,7 @@ ranks of the wall time of one fwd+bwd (after a small warm-up), gloo on CPU, fp32
 the same for the process CPU time (user + system) of each rank, which other jobs on a
 shared machine disturb much less than wall time. With ``--repeat R`` the methods run R
 times in turn (a, b, c, d, a, b, ...) and each figure is the best of the R (memory: the
-worst). ``--threads`` takes several values (``0`` = ``cores // TP``, the default runs
+worst); ``cpu spread`` is the worst of the R CPU times over the best. ``--threads`` takes several values (``0`` = ``cores // TP``, the default runs
 1 and ``cores // TP``). Prints the command, the load average before and after, a markdown
 table, and the issue-23 target ratios per (V, TP, threads): (c)/(b) time, (c)/(a) peak
 memory, (d)/(c), (c)/floor and (d)/floor. Never asserts on time.
@@ -112,18 +112,26 @@ def _rank_bench(
     w0 = w_full[rank * v_local : (rank + 1) * v_local].clone()
     del w_full
     target = torch.randint(0, vocab, (n,), generator=g)
-    out: dict[str, tuple] = {"floor": (0, float("inf"), float("inf"))}
+    # (peak bytes, best wall, best cpu, worst cpu) over the repeats
+    out: dict[str, tuple] = {"floor": (0, float("inf"), float("inf"), 0.0)}
     for _ in range(repeat):
         # The floor is taken in turn with the methods, best of the repeats like them.
         wall, cpu = _gemm_floor(h0, w0)
-        out["floor"] = (0, min(out["floor"][1], wall), min(out["floor"][2], cpu))
+        old = out["floor"]
+        out["floor"] = (0, min(old[1], wall), min(old[2], cpu), max(old[3], cpu))
         for method in methods:
             if method in out and out[method][0] is None:
                 continue  # failed once: do not retry
             result = _one_run(method, tp, hidden, v_local, w0, h0, target, group)
+            result = (*result, result[2])  # the worst cpu so far
             if method in out and result[0] is not None:
                 old = out[method]
-                result = (max(old[0], result[0]), min(old[1], result[1]), min(old[2], result[2]))
+                result = (
+                    max(old[0], result[0]),
+                    min(old[1], result[1]),
+                    min(old[2], result[2]),
+                    max(old[3], result[3]),
+                )
             out[method] = result
     return out
 
@@ -204,9 +212,10 @@ def main(argv: list[str] | None = None) -> None:
         + "\n"
     )
     header = (
-        "| V | TP | threads | method | peak extra MiB | x (a) | fwd+bwd s | x (a) | cpu s | x (a) |"
+        "| V | TP | threads | method | peak extra MiB | x (a) | fwd+bwd s | x (a) | cpu s | x (a) "
+        "| cpu spread |"
     )
-    print(header + "\n|---|---|---|---|---|---|---|---|---|---|")
+    print(header + "\n|---|---|---|---|---|---|---|---|---|---|---|")
     start = time.perf_counter()
     os.environ.setdefault("MP_BRIDGE_CHECK", "0")  # time the losses, not the debug checks
     verdicts = []
@@ -258,7 +267,7 @@ def _bench_one(args, vocab: int, tp: int, nthreads: int) -> dict[str, tuple]:
         timeout_s=1800,
     )
     base, rows = None, {}
-    rows["floor"] = (0, max(r["floor"][1] for r in per_rank), max(r["floor"][2] for r in per_rank))
+    rows["floor"] = tuple(max(r["floor"][i] for r in per_rank) for i in range(4))
     for method in args.methods:
         results = [r[method] for r in per_rank]
         if any(r[0] is None for r in results):
@@ -267,7 +276,8 @@ def _bench_one(args, vocab: int, tp: int, nthreads: int) -> dict[str, tuple]:
         mem = max(r[0] for r in results)
         sec = max(r[1] for r in results)
         cpu = max(r[2] for r in results)
-        rows[method] = (mem, sec, cpu)
+        worst = max(r[3] for r in results)
+        rows[method] = (mem, sec, cpu, worst)
         if method == "materialized":
             base = (mem, sec, cpu)
         rm, rt, rc = (
@@ -277,16 +287,21 @@ def _bench_one(args, vocab: int, tp: int, nthreads: int) -> dict[str, tuple]:
         )
         print(
             f"| {vocab} | {tp} | {nthreads} | {method} | {mem / 2**20:.0f} | {rm} | {sec:.2f} "
-            f"| {rt} | {cpu:.2f} | {rc} |",
+            f"| {rt} | {cpu:.2f} | {rc} | {_spread(cpu, worst)} |",
             flush=True,
         )
-    _, floor_s, floor_c = rows["floor"]
+    _, floor_s, floor_c, floor_w = rows["floor"]
     rt, rc = (f"{floor_s / base[1]:.2f}", f"{floor_c / base[2]:.2f}") if base else ("", "")
     print(
         f"| {vocab} | {tp} | {nthreads} | floor (megatron GEMMs) | | | {floor_s:.2f} | {rt} "
-        f"| {floor_c:.2f} | {rc} |"
+        f"| {floor_c:.2f} | {rc} | {_spread(floor_c, floor_w)} |"
     )
     return rows
+
+
+def _spread(best: float, worst: float) -> str:
+    """Worst over best of the repeats' CPU time (max over ranks), as ``+x.x %``."""
+    return f"+{100 * (worst / best - 1):.1f} %" if best else ""
 
 
 if __name__ == "__main__":
