@@ -21,10 +21,11 @@ ranks of the wall time of one fwd+bwd (after a small warm-up), gloo on CPU, fp32
 the same for the process CPU time (user + system) of each rank, which other jobs on a
 shared machine disturb much less than wall time. With ``--repeat R`` the methods run R
 times in turn (a, b, c, d, a, b, ...) and each figure is the best of the R (memory: the
-worst); ``cpu spread`` is the worst of the R CPU times over the best. ``--threads`` takes several values (``0`` = ``cores // TP``, the default runs
-1 and ``cores // TP``). Prints the command, the load average before and after, a markdown
-table, and the issue-23 target ratios per (V, TP, threads): (c)/(b) time, (c)/(a) peak
-memory, (d)/(c), (c)/floor and (d)/floor. Never asserts on time.
+worst); ``cpu spread`` is the worst of the R CPU times over the best. ``--threads``
+takes several values (``0`` = ``cores // TP``, the default runs 1 and ``cores // TP``).
+Prints the command, the load average before and after, a markdown table, and the
+issue-23 target ratios per (V, TP, threads): (c)/(b) time, (c)/(a) peak memory, (d)/(c),
+(c)/floor and (d)/floor. Never asserts on time.
 
     .venv/bin/python bench/lm_head.py                       # the issue-7 grid
     .venv/bin/python bench/lm_head.py --vocab 65536 --repeat 2   # steadier on a busy box
