@@ -373,12 +373,9 @@ class InvariantEngine:
         slots: list[torch.Tensor] = []
         pieces = None
         for i in range(tiles):
-            hi = hb[i].expand(BLOCK_GROUP, TOKEN_TILE, hp)
             fold = StreamFold(_add_)
             for grp in self._groups:
                 gg = self._take(g[i], grp)
-                if acc is not None:  # tiles in token order: d W sums tile by tile
-                    _add_weight_grad(acc, gg, hi, grp)
                 wg = self._wb[grp.start : grp.start + BLOCK_GROUP]
                 if gg.dtype == torch.float32:
                     torch.bmm(gg, wg, out=part)  # G x (TILE, B) @ (B, Hp)
@@ -393,7 +390,14 @@ class InvariantEngine:
                 ]
             for (_, out), (_, v) in zip(pieces, fold.stack, strict=True):
                 out[i].copy_(v)
-        if acc is not None and acc is not gw_blocks:
-            gw_blocks.copy_(acc[:k, :, :hd])
+        if acc is not None:
+            # d W group by group (its [G, B, Hp] rows stay in cache), tiles in token order
+            # inside each group: every element gets the adds of the tile-major order.
+            for grp in self._groups:
+                for i in range(tiles):
+                    hi = hb[i].expand(BLOCK_GROUP, TOKEN_TILE, hp)
+                    _add_weight_grad(acc, self._take(g[i], grp), hi, grp)
+            if acc is not gw_blocks:
+                gw_blocks.copy_(acc[:k, :, :hd])
         root = gather_fold(pieces, lay, self.tp_group, _add_, (tiles, TOKEN_TILE, hp), h.device)
         return root.reshape(-1, hp)[:n, :hd]
