@@ -56,14 +56,14 @@ __all__ = [
 #: row's bits independent of the batch (see ``formulas``).
 VOCAB_BLOCK = 256
 #: Token rows per logits / d-hidden matmul (invariant mode). 128, not 64: MKL runs the
-#: d-hidden ``[G, TILE, B] x [G, B, Hp]`` batch about 30 % faster per FLOP at 128 rows
-#: (bench/RESULTS.md); a chunk pads to whole tiles (at most 127 zero rows). A row's bits
+#: logits and d-hidden batches 13-16 % faster per FLOP at 128 rows
+#: (bench/lm_head_gemm_shapes.py); a chunk pads to whole tiles (at most 127 zero rows). A row's bits
 #: do not depend on the tile size (``HIDDEN_ALIGN``); the d-weight sum does, and goes
 #: ``WEIGHT_GRAD_ROWS`` tokens at a time.
 TOKEN_TILE = 128
 #: Tokens per d-weight product (invariant mode), in token order: part of the numeric
-#: identity. 64 gives the bits of the 64-row tiles this engine had before, and 2-3 % less
-#: fp32 error against fp64 than 128-token products (shorter dot products, measured).
+#: identity. 64 keeps the bits (and the fp32 error) of the 64-row tiles this engine had
+#: before; 128-token products moved them and measured slightly more error against fp64.
 WEIGHT_GRAD_ROWS = 64
 
 
