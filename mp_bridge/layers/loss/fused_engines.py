@@ -22,7 +22,6 @@ from mp_bridge.layers.loss.blocks import (
     BLOCK_GROUP,
     HIDDEN_ALIGN,
     TOKEN_TILE,
-    WEIGHT_GRAD_ROWS,
     BlockGroup,
     BlockLayout,
     block_groups,
@@ -39,6 +38,7 @@ from mp_bridge.layers.loss.formulas import (
     transform_logits_,
 )
 from mp_bridge.layers.loss.grad import softmax_grad_blocks_, softmax_grad_rows_
+from mp_bridge.layers.loss.group_steps import add_, add_weight_grad, settle
 from mp_bridge.layers.loss.reduce import all_reduce_sum_, gather_fold, gather_merge_stats
 from mp_bridge.layers.loss.tree import StreamFold
 from mp_bridge.layers.vocab_shards import VocabShard
@@ -174,38 +174,6 @@ class ShardEngine:
         gh = torch.mm(g, self.weight)  # (C, V_local) @ (V_local, H): this shard's part
         gh = gh if gh.dtype == torch.float32 else gh.float()
         return all_reduce_sum_(gh, self.tp_group)
-
-
-def _add_(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    return x.add_(y)
-
-
-def _settle(fold: StreamFold, slots: list[torch.Tensor]) -> None:
-    """Move the values of ``fold.stack`` that are not yet in their position's slot (views of
-    the product buffer about to be overwritten) into ``slots[position]`` (made on first
-    use); a merged node already sits in its left operand's slot (``_add_`` is in place)."""
-    for p, (piece, v) in enumerate(fold.stack):
-        if p == len(slots):
-            slots.append(torch.empty_like(v))
-        if v is not slots[p]:
-            fold.stack[p] = (piece, slots[p].copy_(v))
-
-
-def _add_weight_grad(acc, gg, hi, grp: BlockGroup) -> None:
-    """``acc [>= G, B, Hp] += gg^T @ hi`` for the blocks ``grp`` adds: one ``G x (B,
-    WEIGHT_GRAD_ROWS) @ (WEIGHT_GRAD_ROWS, Hp)`` product per ``WEIGHT_GRAD_ROWS`` tokens of
-    the tile, in token order; ``baddbmm_`` in fp32 (``bmm`` then add in a low input dtype,
-    which ``baddbmm_`` cannot mix with an fp32 ``acc``)."""
-    if grp.lo:  # a window: its first slots are done; their rows of g add exact zeros
-        gg = gg.clone()
-        gg[: grp.lo] = 0.0
-    target = acc[grp.start : grp.start + BLOCK_GROUP]
-    for r in range(0, TOKEN_TILE, WEIGHT_GRAD_ROWS):
-        g_r, h_r = gg[:, r : r + WEIGHT_GRAD_ROWS].transpose(1, 2), hi[:, r : r + WEIGHT_GRAD_ROWS]
-        if gg.dtype == torch.float32:
-            target.baddbmm_(g_r, h_r)
-        else:
-            target.add_(torch.bmm(g_r, h_r))
 
 
 @dataclass(frozen=True, eq=False)
@@ -374,7 +342,7 @@ class InvariantEngine:
         slots: list[torch.Tensor] = []
         pieces = None
         for i in range(tiles):
-            fold = StreamFold(_add_)
+            fold = StreamFold(add_)
             for grp in self._groups:
                 gg = self._take(g[i], grp)
                 wg = self._wb[grp.start : grp.start + BLOCK_GROUP]
@@ -384,7 +352,7 @@ class InvariantEngine:
                     part.copy_(torch.bmm(gg, wg))
                 for j in range(grp.lo, grp.hi):
                     fold.push(lay.first + grp.start + j, part[j])
-                _settle(fold, slots)
+                settle(fold, slots)
             if pieces is None:
                 pieces = [
                     (piece, part.new_empty((tiles, TOKEN_TILE, hp))) for piece, _ in fold.stack
@@ -397,8 +365,8 @@ class InvariantEngine:
             for grp in self._groups:
                 for i in range(tiles):
                     hi = hb[i].expand(BLOCK_GROUP, TOKEN_TILE, hp)
-                    _add_weight_grad(acc, self._take(g[i], grp), hi, grp)
+                    add_weight_grad(acc, self._take(g[i], grp), hi, grp)
             if acc is not gw_blocks:
                 gw_blocks.copy_(acc[:k, :, :hd])
-        root = gather_fold(pieces, lay, self.tp_group, _add_, (tiles, TOKEN_TILE, hp), h.device)
+        root = gather_fold(pieces, lay, self.tp_group, add_, (tiles, TOKEN_TILE, hp), h.device)
         return root.reshape(-1, hp)[:n, :hd]
