@@ -103,6 +103,19 @@ def ref_local_tokens(lengths, packed, cp, c, pieces, t):
     return piece([tok for d in docs for tok in cut(d)])
 
 
+def local_image_rows(batch, d_lay: GridLayout, rank: int, *, packed: bool, sp: bool) -> list[int]:
+    """Global rows of ``batch.X`` that LLM rank ``rank`` holds, in its local token order,
+    computed in one process from the cut (``ref_local_tokens``)."""
+    dc, d_samples = d_lay.coords(rank), batch.samples(d_lay, rank)
+    cp, tp = d_lay.axis_size("cp"), d_lay.axis_size("tp")
+    pieces = tp if sp and tp > 1 else 1
+    local = ref_local_tokens(
+        [batch.lengths[s] for s in d_samples], packed, cp, dc["cp"], pieces, dc["tp"] % pieces
+    )
+    rows = [batch.global_row(d_samples[i], p) for i, p in (tok for tok in local if tok)]
+    return [r for r in rows if r is not None]
+
+
 def grids(src: dict, dest: dict):
     src_grid = make_grid(**src, axis_names=ORDER, create=())
     return src_grid, make_grid(**dest, axis_names=ORDER, create=("cp", "tp"))
@@ -122,11 +135,7 @@ def check_route(src: dict, dest: dict, n_samples: int, *, direction: str, sp: bo
     tps = [batch.counts[s] for s in s_samples]
     mask, cu = batch.image_mask(d_samples)
 
-    local = ref_local_tokens(
-        [batch.lengths[s] for s in d_samples], packed, cp, dc["cp"], pieces, dc["tp"] % pieces
-    )
-    rows = [batch.global_row(d_samples[i], p) for i, p in (tok for tok in local if tok)]
-    rows = [r for r in rows if r is not None]
+    rows = local_image_rows(batch, d_lay, rank, packed=packed, sp=sp)
     consumes = dc["pp"] == 0  # with LLM PP > 1 only the first stage receives image rows
     rows = rows if consumes else []
     want = batch.X[rows]

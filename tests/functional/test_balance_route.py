@@ -31,7 +31,7 @@ from mp_bridge.comm import (
 )
 from mp_bridge.grid import GridLayout, make_grid
 from mp_bridge.testing import CollectiveCounter, DistributedWorld
-from tests.functional.route_oracle import ORDER, H, RouteBatch, ref_local_tokens
+from tests.functional.route_oracle import ORDER, H, RouteBatch, local_image_rows
 
 world = DistributedWorld(8)
 
@@ -78,19 +78,13 @@ def test_balanced_route_equals_one_process(src, dest, sp, packed):
     src_grid = make_grid(**(dict(tp=1, dp=1) | src), axis_names=ORDER, create=("dp",))
     dest_grid = make_grid(**dest, axis_names=ORDER, create=("cp", "tp"))
     s_lay, d_lay = GridLayout.from_grid(src_grid), GridLayout.from_grid(dest_grid)
-    dc, replica = d_lay.coords(rank), s_lay.coords(rank)["dp"]
-    cp, tp = d_lay.dim("cp"), d_lay.dim("tp")
-    pieces = tp if sp and tp > 1 else 1
+    replica = s_lay.coords(rank)["dp"]
     s_samples, d_samples = batch.samples(s_lay, rank), batch.samples(d_lay, rank)
     own = batch.token_rows(s_samples)
     x = batch.X[own].clone().requires_grad_()
     tps = [batch.counts[s] for s in s_samples]
     mask, cu = batch.image_mask(d_samples)
-    local = ref_local_tokens(
-        [batch.lengths[s] for s in d_samples], packed, cp, dc["cp"], pieces, dc["tp"] % pieces
-    )
-    rows = [batch.global_row(d_samples[i], p) for i, p in (tok for tok in local if tok)]
-    rows = [r for r in rows if r is not None]
+    rows = local_image_rows(batch, d_lay, rank, packed=packed, sp=sp)
     partition = PartitionAdapter(
         cp_group=dest_grid.get_pg("cp"), tp_group=dest_grid.get_pg("tp"), sequence_parallel=sp
     )
