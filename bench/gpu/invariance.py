@@ -103,7 +103,7 @@ def _shard(x: torch.Tensor, dim: int, start: int, end: int) -> torch.Tensor:
     return torch.cat([piece, x.new_zeros(pad)], dim).contiguous()
 
 
-def _rank(device: str, n: int, hidden: int, vocab: int, dtypes: tuple[str, ...]):
+def _rank(device: str, n: int, hidden: int, vocab: int, dtypes: tuple[str, ...], checks=CHECKS):
     warnings.filterwarnings("ignore", category=FutureWarning)  # torch's collective renames
     dev = torch.device(device)
     rank = dist.get_rank()
@@ -120,8 +120,9 @@ def _rank(device: str, n: int, hidden: int, vocab: int, dtypes: tuple[str, ...])
     for name in dtypes:
         dtype = getattr(torch, name)
         h, w = h32.to(dev, dtype), w32.to(dev, dtype)
-        z = (h.float() @ w.float().t()).to(dtype)  # [N, V]: the materialized logits
-        for check in CHECKS:
+        mat = any(c.startswith("mat") for c in checks)  # [N, V] logits only when checked
+        z = (h.float() @ w.float().t()).to(dtype) if mat else None
+        for check in checks:
             ref_out, ref_grads = _run(check, h, w, z, t, None, vocab, up)
             if check == "mat_ce" and name == "float32":
                 full = z.double().clone()
@@ -142,15 +143,15 @@ def _rank(device: str, n: int, hidden: int, vocab: int, dtypes: tuple[str, ...])
                     pairs += [(grads[0], _shard(ref_grads[0], 1, start, end))]
                 res = [_cmp(a, b) for a, b in pairs]
                 out[(check, name, tp)] = (all(s for s, _ in res), max(d for _, d in res))
-        out.update(_batch(h, w, z, t, up, groups[4], vocab, name))
+        out.update(_batch(h, w, z, t, up, groups[4], vocab, name, checks))
     return out
 
 
-def _batch(h, w, z, t, up, group_rank, vocab: int, name: str) -> dict:
+def _batch(h, w, z, t, up, group_rank, vocab: int, name: str, checks=CHECKS) -> dict:
     """Base tokens alone vs with 90 unrelated tokens appended / prepended, TP 1 and 4."""
     hx, _, tx = _problem(90, h.shape[1], vocab, seed=7)
     hx, tx = hx.to(h.device, h.dtype), tx.to(h.device)
-    zx = (hx.float() @ w.float().t()).to(z.dtype)
+    zx = None if z is None else (hx.float() @ w.float().t()).to(z.dtype)
     n, res = h.shape[0], {}
     extra = {"h": hx, "z": zx, "t": tx, "up": up.new_zeros(90)}
     base = {"h": h, "z": z, "t": t, "up": up}
@@ -161,17 +162,17 @@ def _batch(h, w, z, t, up, group_rank, vocab: int, name: str) -> dict:
         def local(x, dim, tp=tp, start=start, end=end):
             return x if tp == 1 else _shard(x, dim, start, end)
 
-        for check in ("fused_ce_none", "mat_lp"):
+        for check in [c for c in ("fused_ce_none", "mat_lp") if c in checks]:
             fused = check.startswith("fused")
             wl = local(w, 0)
-            b_out, b_grads = _run(check, h, wl, local(z, 1), t, group, vocab, up)
+            zl = None if z is None else local(z, 1)
+            b_out, b_grads = _run(check, h, wl, zl, t, group, vocab, up)
             for where in ("append", "prepend"):
                 first, second = (base, extra) if where == "append" else (extra, base)
-                cat = {k: torch.cat([first[k], second[k]]) for k in base}
+                cat = {k: torch.cat([first[k], second[k]]) for k in base if base[k] is not None}
                 rows = slice(0, n) if where == "append" else slice(90, 90 + n)
-                outs, grads = _run(
-                    check, cat["h"], wl, local(cat["z"], 1), cat["t"], group, vocab, cat["up"]
-                )
+                zc = None if z is None else local(cat["z"], 1)
+                outs, grads = _run(check, cat["h"], wl, zc, cat["t"], group, vocab, cat["up"])
                 pairs = [(outs[0][rows], b_out[0]), (grads[0][rows], b_grads[0])]
                 if fused and where == "append":  # d weight: tiles summed in token order
                     pairs.append((grads[1], b_grads[1]))
@@ -195,7 +196,8 @@ def _cell(results: list[dict], key) -> str:
 def _report(results: list[dict], dtypes, args, seconds: float) -> str:
     from report import markdown_table
 
-    rows = [(c, d, *(_cell(results, (c, d, tp)) for tp in TPS)) for d in dtypes for c in CHECKS]
+    checks = args.checks
+    rows = [(c, d, *(_cell(results, (c, d, tp)) for tp in TPS)) for d in dtypes for c in checks]
     lines = [
         "### Invariant mode: bitwise across TP on one device (stage c)\n",
         "command: `" + " ".join([os.path.basename(sys.executable), *sys.argv]) + "`\n",
@@ -209,6 +211,7 @@ def _report(results: list[dict], dtypes, args, seconds: float) -> str:
         (c, d, tp, *(_cell(results, ("batch", c, d, tp, w)) for w in ("append", "prepend")))
         for d in dtypes
         for c in ("fused_ce_none", "mat_lp")
+        if c in checks
         for tp in (1, 4)
     ]
     lines.append(markdown_table(("check", "inputs", "TP", "appended", "prepended"), rows))
@@ -227,6 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hidden", type=int, default=512)
     p.add_argument("--vocab", type=int, default=50000)
     p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    p.add_argument("--checks", nargs="+", default=list(CHECKS), choices=CHECKS)
     p.add_argument("--timeout", type=float, default=240.0)
     p.add_argument("--out", required=True, help="markdown file to write")
     args = p.parse_args(argv)
@@ -240,6 +244,7 @@ def main(argv: list[str] | None = None) -> int:
         args.hidden,
         args.vocab,
         tuple(args.dtypes),
+        tuple(args.checks),
         backend="gloo",
         timeout_s=args.timeout,
     )

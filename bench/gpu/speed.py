@@ -247,9 +247,14 @@ def main(argv: list[str] | None = None) -> int:
         print(parts[-1], flush=True)
         with open(args.out, "w") as f:  # after each shape: a killed stage keeps the first
             f.write("\n".join(parts))
-        if args.json:
+        if args.json:  # merged with what earlier calls wrote (one call per shape)
+            merged = {}
+            if os.path.exists(args.json):
+                with open(args.json) as f:
+                    merged = json.load(f).get("results", {})
+            merged.update({str(k): v for k, v in raw.items()})
             with open(args.json, "w") as f:
-                json.dump({"device": name, "versions": versions, "results": raw}, f, indent=1)
+                json.dump({"device": name, "versions": versions, "results": merged}, f, indent=1)
     return 0
 
 

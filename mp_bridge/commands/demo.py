@@ -244,7 +244,7 @@ def _worker(enc: GridLayout, llm: GridLayout, opts: dict):
         if rank0:
             print(
                 f"step {step + 1:3d}/{opts['steps']}  loss {loss:.6f}  "
-                f"tokens/s {tokens / seconds:9.0f}",
+                f"tokens/s {tokens / seconds:9.0f}  step {seconds * 1e3:8.1f} ms",
                 flush=True,
             )
 
@@ -350,10 +350,10 @@ def run(args: argparse.Namespace) -> int:
     if under_torchrun():
         (report, times), printer = _run_in_torchrun(args, enc, llm, opts)
     else:
-        from mp_bridge.testing import run_distributed
+        from mp_bridge.testing import current_device, run_distributed
 
         print(
-            f"launching {args.world} ranks (gloo, CPU): encoder {args.encoder} -> llm "
+            f"launching {args.world} ranks (gloo, {current_device()}): encoder {args.encoder} -> llm "
             f"{args.llm}, {_batches(args)} batches, {args.flow} flow"
             + (", balanced encoders" if args.balance else ""),
             flush=True,

@@ -1,10 +1,36 @@
-"""Multi-process test kit: ``run_distributed``, one-world test suites, collective counting."""
+"""Multi-process test kit: ``run_distributed``, one-world test suites, collective counting.
+
+Three ways to run a functional suite, one code path:
+
+- **CPU** (default): gloo ranks on this machine, tensors on the CPU.
+- **One GPU**: ``MP_BRIDGE_TEST_DEVICE=cuda`` (or ``cuda:N``): gloo ranks whose tensors
+  all live on that one GPU (gloo carries the collectives through host memory; NCCL
+  refuses two ranks on one device). :func:`current_device` says so in every rank.
+- **N GPUs**: ``MP_BRIDGE_BACKEND=nccl torchrun --nproc-per-node N -m pytest ...``: the
+  cases run in the launched processes, rank r on ``cuda:r``; a world of another size is
+  skipped with its reason.
+
+Start methods: ranks are forked on a machine without CUDA (fast: ``torch`` is already
+imported) and started by ``forkserver`` wherever CUDA is (fork after CUDA or after a
+backward pass on a GPU machine kills the child); ``MP_BRIDGE_START_METHOD`` overrides
+(:mod:`mp_bridge.testing.start_method`). The contract that makes every suite run under
+both:
+
+- a :class:`DistributedWorld` is built at a module's top level and its cases are
+  registered at import (decorators at module level): ranks started by forkserver import
+  that module and find the world by its place there;
+- a function given to :func:`run_distributed` is a module-level function of an
+  importable module, and its arguments and return values pickle;
+- a case builds its tensors and modules on :func:`current_device` (reference modules,
+  megatron's included), or skips on CUDA saying why.
+"""
 
 from mp_bridge.testing.collectives import CollectiveCall, CollectiveCounter
 from mp_bridge.testing.launcher import (
     DistributedError,
     current_device,
     run_distributed,
+    device_under_test,
     under_torchrun,
 )
 from mp_bridge.testing.world import DistributedWorld, world_backend
@@ -16,6 +42,7 @@ __all__ = [
     "DistributedWorld",
     "current_device",
     "run_distributed",
+    "device_under_test",
     "under_torchrun",
     "world_backend",
 ]

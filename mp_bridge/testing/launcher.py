@@ -1,10 +1,14 @@
 """``run_distributed``: run a function on N local processes with an initialized world.
 
-Processes are forked (after ``import torch``; ~3 s for 8 ranks on 2 cores versus ~34 s
-with spawn), rendezvous through a ``file://`` store in a fresh temp dir (no ports), and
-send their return value back pickled. Any failing rank raises in the caller with that
-rank's traceback; a rank that hangs or dies fails the call within ``timeout_s`` and every
-child is killed, so no process is left behind.
+Processes start by ``fork`` where that is safe and by ``forkserver`` where CUDA makes
+fork unsafe (the rule: :mod:`mp_bridge.testing.start_method`), rendezvous through a
+``file://`` store in a fresh temp dir (no ports), and send their return value back
+pickled. Every rank gets the caller's environment as it is at the call (a forkserver
+started earlier would otherwise hand out its own) and, with ``MP_BRIDGE_TEST_DEVICE``
+naming a CUDA device, that device as its current one (:func:`current_device`). Any
+failing rank raises in the caller with that rank's traceback; a rank that hangs or dies
+fails the call within ``timeout_s`` and every child is killed, so no process is left
+behind.
 
 The rank named is the *first cause*, not a victim: when a rank dies, its peers fail too
 ("Connection closed by peer", or a SIGABRT inside gloo). After the first failure the
@@ -41,8 +45,15 @@ import torch.distributed as dist
 
 from mp_bridge.checks import check_choice, check_int, check_positive_float
 from mp_bridge.testing.stacks import collect_stacks, culprit, describe, stack_path
+from mp_bridge.testing.start_method import START_METHODS, rank_context
 
-__all__ = ["DistributedError", "current_device", "run_distributed", "under_torchrun"]
+__all__ = [
+    "DistributedError",
+    "current_device",
+    "run_distributed",
+    "device_under_test",
+    "under_torchrun",
+]
 
 DEFAULT_TIMEOUT_S = 300.0
 #: Seconds the parent keeps collecting failures after the first, to find the first cause.
@@ -81,11 +92,32 @@ def under_torchrun() -> bool:
     return all(k in os.environ for k in ("TORCHELASTIC_RUN_ID", "RANK", "WORLD_SIZE"))
 
 
+def device_under_test() -> torch.device:
+    """The device named by ``MP_BRIDGE_TEST_DEVICE`` (default ``cpu``): ``cuda`` means
+    ``cuda:0``, ``cuda:N`` that GPU. This is the one-GPU mode: every gloo rank of a test
+    world holds its tensors on that one device while gloo carries the collectives."""
+    name = os.environ.get("MP_BRIDGE_TEST_DEVICE", "").strip().lower() or "cpu"
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        raise ValueError(
+            f"MP_BRIDGE_TEST_DEVICE={name!r} is not a test device; use 'cpu', 'cuda' or "
+            "'cuda:N' (the one-GPU mode: every gloo rank's tensors on that GPU)"
+        )
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", 0)
+    return device
+
+
 def current_device() -> torch.device:
-    """The device this rank should use: ``cuda:<local rank>`` under NCCL, else CPU."""
+    """The device this rank's tensors belong on: ``cuda:<local rank>`` under NCCL, else
+    :func:`device_under_test` (``MP_BRIDGE_TEST_DEVICE``: CPU by default, or one GPU shared by
+    every gloo rank), under any start method and under torchrun."""
     if dist.is_initialized() and dist.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    return device_under_test()
 
 
 def _child(
@@ -97,7 +129,11 @@ def _child(
     init_file: str,
     timeout_s: float,
     conn: Any,
+    env: dict[str, str],
 ) -> None:
+    # The caller's environment at the call (a forkserver's children inherit the server's).
+    os.environ.clear()
+    os.environ.update(env)
     # One intra-op thread per rank: N ranks on a few cores would otherwise oversubscribe.
     torch.set_num_threads(1)
     # The parent asks a hanging rank for its stacks with SIGUSR1 (kept open until exit).
@@ -110,6 +146,8 @@ def _child(
     try:
         if backend == "nccl":
             torch.cuda.set_device(rank % torch.cuda.device_count())
+        elif device_under_test().type == "cuda":
+            torch.cuda.set_device(device_under_test())
         dist.init_process_group(
             backend,
             init_method=f"file://{init_file}",
@@ -193,12 +231,16 @@ def run_distributed(
     backend: str = "gloo",
     timeout_s: float = DEFAULT_TIMEOUT_S,
     should_abort: Callable[[], str | None] | None = None,
+    start_method: str | None = None,
 ) -> list[Any]:
-    """Run ``fn(*args)`` on ``world_size`` forked ranks; return the per-rank results.
+    """Run ``fn(*args)`` on ``world_size`` new ranks; return the per-rank results.
 
-    Each rank has ``torch.distributed`` initialized (``backend``: ``"gloo"`` on CPU,
-    ``"nccl"`` with rank r on ``cuda:r``; do not initialize CUDA in the caller before
-    forking). Return values must be picklable. Raises :class:`DistributedError` naming the
+    Each rank has ``torch.distributed`` initialized (``backend``: ``"gloo"``, its tensors
+    on :func:`current_device`; ``"nccl"`` with rank r on ``cuda:r``). ``start_method``:
+    ``None`` picks by :func:`~mp_bridge.testing.start_method.rank_start_method` (``fork``
+    on a machine without CUDA, else ``forkserver``); under ``forkserver`` / ``spawn``,
+    ``fn`` and ``args`` travel pickled, so ``fn`` must be a module-level function of an
+    importable module. Return values must be picklable. Raises :class:`DistributedError` naming the
     first failing rank with its traceback, or after ``timeout_s`` seconds naming the ranks
     that had not finished; all children are killed before it returns or raises.
     ``should_abort`` is polled while waiting (every ~10 ms); when it returns a message the
@@ -209,17 +251,18 @@ def run_distributed(
     if backend == "nccl" and torch.cuda.device_count() < 1:
         raise ValueError("backend='nccl' needs CUDA devices; use backend='gloo' on CPU")
     timeout_s = check_positive_float("timeout_s", timeout_s, fix="seconds, e.g. timeout_s=60")
-    ctx = mp.get_context("fork")
+    ctx = _context(fn, backend, start_method)
     tmpdir = tempfile.mkdtemp(prefix="mp_bridge_rdzv_")
     init_file = os.path.join(tmpdir, "store")
     procs: list[mp.Process] = []
     conns = []
+    env = dict(os.environ)
     try:
         for rank in range(world_size):
             parent_end, child_end = ctx.Pipe(duplex=False)
             proc = ctx.Process(
                 target=_child,
-                args=(fn, args, rank, world_size, backend, init_file, timeout_s, child_end),
+                args=(fn, args, rank, world_size, backend, init_file, timeout_s, child_end, env),
                 daemon=True,
             )
             proc.start()
@@ -232,6 +275,26 @@ def run_distributed(
         for conn in conns:
             conn.close()
         shutil.rmtree(tmpdir, ignore_errors=True)
+
+
+def _context(fn: Callable[..., Any], backend: str, start_method: str | None) -> Any:
+    """The multiprocessing context for this world; under a pickling start method, a ``fn``
+    that cannot travel is a ``TypeError`` here rather than a confusing one in ``start``."""
+    if start_method is not None:
+        check_choice("start_method", start_method, START_METHODS)
+    device = "cuda" if backend == "nccl" else device_under_test().type
+    ctx = rank_context(device, start_method)
+    if ctx.get_start_method() != "fork":
+        try:
+            pickle.dumps(fn)
+        except Exception as exc:  # noqa: BLE001 - any pickling failure means the same fix
+            raise TypeError(
+                f"fn={fn!r} cannot be pickled ({exc}), and ranks started by "
+                f"{ctx.get_start_method()!r} receive it pickled; pass a module-level "
+                "function of an importable module (or MP_BRIDGE_START_METHOD=fork on a "
+                "machine without CUDA)"
+            ) from exc
+    return ctx
 
 
 def _collect(

@@ -31,20 +31,28 @@ outcomes; each test then reports its own case. Per case:
   the remaining cases, so a rank that failed before a collective cannot misalign the
   collectives of later cases.
 
-Backend: ``MP_BRIDGE_BACKEND`` (default ``gloo``). Under ``torchrun`` (``RANK`` /
-``WORLD_SIZE`` set by the launcher) the cases run in the launched processes themselves,
-e.g. on 8 GPUs::
+Backend: ``MP_BRIDGE_BACKEND`` (default ``gloo``). Under ``torchrun`` the cases run in
+the launched processes themselves, and a world of another size than the launched one is
+skipped with its reason, e.g. on 8 GPUs::
 
     MP_BRIDGE_BACKEND=nccl torchrun --nproc-per-node 8 -m pytest tests/functional
+
+Start methods (:mod:`mp_bridge.testing.start_method`): under ``fork`` the ranks inherit
+the world object; under ``forkserver`` / ``spawn`` (any machine with CUDA) the world
+travels as a reference, ``(module, n)``: the rank imports the module that built it and
+takes the n-th world built at that module's top level, whose cases its import registered
+again. So a world whose ranks may start that way is built at module level, and its cases
+are registered at import time (decorators at module level); a world built inside a
+function raises a ``TypeError`` saying so when it would have to travel.
 """
 
 from __future__ import annotations
 
 import datetime
 import functools
-import multiprocessing as mp
 import os
 import pickle
+import sys
 import time
 import traceback
 from collections.abc import Callable, Iterable, Sequence
@@ -60,10 +68,36 @@ from mp_bridge.testing.launcher import (
     DistributedError,
     _severity,
     run_distributed,
+    device_under_test,
     under_torchrun,
 )
+from mp_bridge.testing.start_method import rank_context
 
 __all__ = ["DistributedWorld", "world_backend"]
+
+#: Worlds built at a module's top level, by (module name, order of construction there):
+#: how a rank started by forkserver / spawn finds the world its parent pickled.
+_MODULE_WORLDS: dict[tuple[str, int], DistributedWorld] = {}
+
+
+def _find_world(module: str, index: int) -> DistributedWorld:
+    """The ``index``-th top-level world of ``module`` (imported here if it is not yet)."""
+    import importlib
+
+    importlib.import_module(module)
+    try:
+        return _MODULE_WORLDS[(module, index)]
+    except KeyError:
+        raise LookupError(
+            f"{module} built no top-level DistributedWorld number {index} on import; build "
+            "worlds at module level so ranks started by forkserver/spawn can find them"
+        ) from None
+
+
+def _run_world_cases(world: DistributedWorld, size: int, todo: list[str], queue, meet):
+    """The function every rank of a world runs (module level, so it pickles)."""
+    world._queue, world._meet = queue, meet
+    return world._run_cases(size, todo)
 
 
 def world_backend() -> str:
@@ -107,6 +141,21 @@ class DistributedWorld:
         self._failure: dict[int, BaseException] = {}
         self._queue: Any = None
         self._meet: Any = None
+        caller = sys._getframe(1)
+        self._ref: tuple[str, int] | None = None
+        if caller.f_code.co_name == "<module>":  # built on import: findable by reference
+            module = caller.f_globals.get("__name__", "")
+            self._ref = (module, sum(1 for m, _ in _MODULE_WORLDS if m == module))
+            _MODULE_WORLDS[self._ref] = self
+
+    def __reduce__(self) -> tuple[Any, tuple[str, int]]:
+        if self._ref is None:
+            raise TypeError(
+                "this DistributedWorld was built inside a function, so ranks started by "
+                "forkserver/spawn (any machine with CUDA) cannot import it; build it at "
+                "module level, or run with MP_BRIDGE_START_METHOD=fork on a CPU machine"
+            )
+        return _find_world, self._ref
 
     @property
     def sizes(self) -> tuple[int, ...]:
@@ -214,6 +263,10 @@ class DistributedWorld:
             raise DistributedError(
                 f"the shared {size}-rank world failed earlier: {self._failure[size]}"
             )
+        if under_torchrun() and int(os.environ["WORLD_SIZE"]) != size:
+            import pytest
+
+            pytest.skip(f"needs {size} ranks, torchrun launched {os.environ['WORLD_SIZE']}")
         if size not in self._outcomes:
             try:
                 if under_torchrun():
@@ -245,7 +298,7 @@ class DistributedWorld:
 
     def _run_world(self, size: int, todo: list[str]) -> dict[str, list[Outcome]]:
         """Run the cases ``todo`` in one world; outcomes of those that ended (>= 1)."""
-        ctx = mp.get_context("fork")
+        ctx = rank_context("cuda" if world_backend() == "nccl" else device_under_test().type)
         # A SimpleQueue writes synchronously (no feeder thread), so nothing is lost when a
         # rank exits right after reporting.
         self._queue = ctx.SimpleQueue()
@@ -253,13 +306,17 @@ class DistributedWorld:
         progress = CaseProgress(self._queue, size, self.abort_grace_s)
         try:
             per_rank = run_distributed(
-                self._run_cases,
+                _run_world_cases,
                 size,
+                self,
                 size,
                 todo,
+                self._queue,
+                self._meet,
                 backend=world_backend(),
                 timeout_s=self.timeout_s,
                 should_abort=progress.abort_reason,
+                start_method=ctx.get_start_method(),
             )
         except DistributedError as exc:
             progress.drain()
@@ -346,15 +403,14 @@ class DistributedWorld:
         return self._meet[2 * i + 1] > 0
 
     def _run_in_process(self, size: int) -> dict[str, list[Outcome]]:
-        import pytest
 
         world = int(os.environ["WORLD_SIZE"])
-        if world != size:
-            pytest.skip(f"needs {size} ranks, torchrun launched {world}")
         if not dist.is_initialized():
             backend = world_backend()
             if backend == "nccl":
                 torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+            elif device_under_test().type == "cuda":  # the one-GPU mode under torchrun
+                torch.cuda.set_device(device_under_test())
             dist.init_process_group(backend, timeout=datetime.timedelta(seconds=self.timeout_s))
         mine = self._run_cases(size, [name for name, _ in self._cases[size]])
         gathered: list[dict[str, Outcome] | None] = [None] * world

@@ -20,7 +20,8 @@ def test_demo_trains_and_reports_parity(capfd, tmp_path):
     out = capfd.readouterr().out
     assert "ragged (0..3 images of 1..4 tokens per sample) batches" in out  # the default
     assert "batches, routed flow" in out  # the default flow
-    assert len(re.findall(r"^step +\d+/3  loss \d+\.\d+  tokens/s +\d+$", out, re.M)) == 3
+    step = r"^step +\d+/3  loss \d+\.\d+  tokens/s +\d+  step +\d+\.\d ms$"
+    assert len(re.findall(step, out, re.M)) == 3
     assert re.search(r"^loss \(3 steps\) .* yes$", out, re.M), out
     assert re.search(r"^weights \(gathered\) .* yes$", out, re.M), out
     assert "parity OK" in out

@@ -75,48 +75,6 @@ def test_run_distributed_skip_skips_the_test():
         run_distributed(_skip_everywhere, 2, timeout_s=120)
 
 
-# ------------------------------------------------------------------ DistributedWorld
-def test_world_reports_each_fault_in_its_own_case():
-    world = DistributedWorld(2, timeout_s=120, abort_grace_s=5)
-
-    @world.case
-    def test_before():
-        x = torch.ones(1)
-        dist.all_reduce(x)
-        return x.item()
-
-    for kind in ("raise", "exit", "kill", "hang", "skip"):
-        case = _named(kind)
-        world.case(case)
-
-    @world.case
-    def test_after():  # a misaligned world would pair this all-reduce with a stale one
-        x = torch.full((1,), float(dist.get_rank() + 1))
-        dist.all_reduce(x)
-        return x.item()
-
-    start = time.monotonic()
-    assert world.check("test_before") == [2.0, 2.0]  # passed before any fault: stays so
-    expected = {
-        "raise": r"'test_fault_raise' failed on rank 1:(.|\n)*RuntimeError: injected fault",
-        "exit": r"'test_fault_exit' failed on rank 1:(.|\n)*rank 1 died \(exit code 3\)",
-        "kill": r"'test_fault_kill' failed on rank 1:(.|\n)*killed by signal SIGKILL",
-        "hang": r"'test_fault_hang' did not finish on rank 1(.|\n)*stacks of rank 1(.|\n)*_fault",
-    }
-    for kind, pattern in expected.items():
-        with pytest.raises(DistributedError, match=pattern) as info:
-            world.check(f"test_fault_{kind}")
-        assert info.value.rank == FAULTY
-    with pytest.raises(pytest.skip.Exception, match="skipped on rank 1: injected skip"):
-        world.check("test_fault_skip")
-    assert world.check("test_after") == [3.0, 3.0]  # 1 + 2: aligned, in a fresh world
-    assert world.check("test_before") == [2.0, 2.0]
-    # Each fault stopped its world early (grace 5 s, plus a restart each): without that,
-    # raise, exit, kill and hang would each wait out the 120 s timeout (480 s); 300 s
-    # leaves room for 6 world starts on a loaded 2-core machine.
-    assert time.monotonic() - start < 300
-
-
 def _named(kind: str):
     def case():
         # A hang while the peers wait in a collective looks like a hang on every rank
@@ -125,3 +83,50 @@ def _named(kind: str):
 
     case.__name__ = f"test_fault_{kind}"
     return case
+
+
+# ------------------------------------------------------------------ DistributedWorld
+# Built at module level, like every world of the suite, so its ranks can start by
+# forkserver/spawn too (the kit's contract); its cases run only through the test below.
+faults = DistributedWorld(2, timeout_s=120, abort_grace_s=5)
+
+
+@faults.case
+def case_before():
+    x = torch.ones(1)
+    dist.all_reduce(x)
+    return x.item()
+
+
+for _kind in ("raise", "exit", "kill", "hang", "skip"):
+    faults.case(_named(_kind))
+
+
+@faults.case
+def case_after():  # a misaligned world would pair this all-reduce with a stale one
+    x = torch.full((1,), float(dist.get_rank() + 1))
+    dist.all_reduce(x)
+    return x.item()
+
+
+def test_world_reports_each_fault_in_its_own_case():
+    start = time.monotonic()
+    assert faults.check("case_before") == [2.0, 2.0]  # passed before any fault: stays so
+    expected = {
+        "raise": r"'test_fault_raise' failed on rank 1:(.|\n)*RuntimeError: injected fault",
+        "exit": r"'test_fault_exit' failed on rank 1:(.|\n)*rank 1 died \(exit code 3\)",
+        "kill": r"'test_fault_kill' failed on rank 1:(.|\n)*killed by signal SIGKILL",
+        "hang": r"'test_fault_hang' did not finish on rank 1(.|\n)*stacks of rank 1(.|\n)*_fault",
+    }
+    for kind, pattern in expected.items():
+        with pytest.raises(DistributedError, match=pattern) as info:
+            faults.check(f"test_fault_{kind}")
+        assert info.value.rank == FAULTY
+    with pytest.raises(pytest.skip.Exception, match="skipped on rank 1: injected skip"):
+        faults.check("test_fault_skip")
+    assert faults.check("case_after") == [3.0, 3.0]  # 1 + 2: aligned, in a fresh world
+    assert faults.check("case_before") == [2.0, 2.0]
+    # Each fault stopped its world early (grace 5 s, plus a restart each): without that,
+    # raise, exit, kill and hang would each wait out the 120 s timeout (480 s); 300 s
+    # leaves room for 6 world starts on a loaded 2-core machine.
+    assert time.monotonic() - start < 300

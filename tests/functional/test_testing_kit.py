@@ -1,7 +1,7 @@
 """DistributedWorld: many cases in one world, per-case reports, no long hang on a stuck case,
 cases at several world sizes and parametrized cases in one module.
 
-Most tests here build their own small worlds (the thing under test is the world itself);
+Most tests here check small worlds of their own (the thing under test is the world itself);
 the module-level ``world`` shows the registration forms as pytest collects them.
 """
 
@@ -44,66 +44,184 @@ def test_parametrized_sized_case(size):
         assert dist.get_world_size(group) == size
 
 
+# The worlds below are the things under test. They are built at module level, like every
+# world of the suite, so their ranks can start by forkserver/spawn as well as by fork (the
+# kit's contract, ``mp_bridge.testing``); their cases are named ``case_*`` so pytest runs
+# them only through the tests that check them.
+shared = DistributedWorld(4, timeout_s=60)
+_PIDS: list[int] = []
+
+
+@shared.case
+def case_ok():
+    x = torch.ones(1)
+    dist.all_reduce(x)
+    assert x.item() == 4
+    return dist.get_rank()
+
+
+@shared.case
+def case_fails_on_rank_3_after_its_collectives():
+    x = torch.ones(1)
+    dist.all_reduce(x)
+    assert dist.get_rank() != 3, "rank 3 disagrees"
+
+
+@shared.case
+def case_still_runs_after_a_symmetric_failure():
+    _PIDS.append(os.getpid())
+    x = torch.ones(1)
+    dist.all_reduce(x)
+    return os.getpid()
+
+
 def test_cases_share_one_world_and_report_separately():
-    world = DistributedWorld(4, timeout_s=60)
-    pids: list[int] = []
-
-    @world.case
-    def test_ok():
-        x = torch.ones(1)
-        dist.all_reduce(x)
-        assert x.item() == 4
-        return dist.get_rank()
-
-    @world.case
-    def test_fails_on_rank_3_after_its_collectives():
-        x = torch.ones(1)
-        dist.all_reduce(x)
-        assert dist.get_rank() != 3, "rank 3 disagrees"
-
-    @world.case
-    def test_still_runs_after_a_symmetric_failure():
-        import os
-
-        pids.append(os.getpid())
-        x = torch.ones(1)
-        dist.all_reduce(x)
-        return os.getpid()
-
-    assert world.check("test_ok") == [0, 1, 2, 3]
+    assert shared.check("case_ok") == [0, 1, 2, 3]
     with pytest.raises(DistributedError, match=r"failed on rank 3:(.|\n)*rank 3 disagrees"):
-        test_fails_on_rank_3_after_its_collectives()
-    later = world.check("test_still_runs_after_a_symmetric_failure")
+        case_fails_on_rank_3_after_its_collectives()
+    later = shared.check("case_still_runs_after_a_symmetric_failure")
     assert len(set(later)) == 4  # four processes, one world started once
-    assert pids == []  # the cases ran in the children, not here
+    assert _PIDS == []  # the cases ran in the children, not here
+
+
+stuck = DistributedWorld(3, timeout_s=120, abort_grace_s=2)
+
+
+@stuck.case
+def case_before():
+    dist.barrier()
+
+
+@stuck.case
+def case_rank_0_raises_before_a_collective():
+    if dist.get_rank() == 0:
+        raise RuntimeError("bad input on rank 0")
+    dist.all_reduce(torch.ones(1))  # ranks 1, 2 wait here for rank 0 forever
+
+
+@stuck.case
+def case_after():
+    x = torch.ones(1)
+    dist.all_reduce(x)  # would pair with the stuck all-reduce in the same world
+    return x.item()
 
 
 def test_case_stuck_in_a_collective_stops_the_world_quickly():
-    world = DistributedWorld(3, timeout_s=120, abort_grace_s=2)
-
-    @world.case
-    def test_before():
-        dist.barrier()
-
-    @world.case
-    def test_rank_0_raises_before_a_collective():
-        if dist.get_rank() == 0:
-            raise RuntimeError("bad input on rank 0")
-        dist.all_reduce(torch.ones(1))  # ranks 1, 2 wait here for rank 0 forever
-
-    @world.case
-    def test_after():
-        x = torch.ones(1)
-        dist.all_reduce(x)  # would pair with the stuck all-reduce in the same world
-        return x.item()
-
     start = time.monotonic()
-    test_before()  # finished before the failure: still reported as passing
+    case_before()  # finished before the failure: still reported as passing
     elapsed = time.monotonic() - start
     assert elapsed < 60, f"the world waited {elapsed:.0f} s; it should stop ~2 s after the failure"
     with pytest.raises(DistributedError, match=r"failed on rank 0:(.|\n)*bad input on rank 0"):
-        test_rank_0_raises_before_a_collective()
-    assert world.check("test_after") == [3.0, 3.0, 3.0]  # a new world ran the rest
+        case_rank_0_raises_before_a_collective()
+    assert stuck.check("case_after") == [3.0, 3.0, 3.0]  # a new world ran the rest
+
+
+sized = DistributedWorld(4, timeout_s=120)
+
+
+@sized.case
+def case_default():
+    return dist.get_world_size(), os.getpid()
+
+
+@sized.case(world_size=2)
+def case_two():
+    return dist.get_world_size(), os.getpid()
+
+
+@sized.case(world_size=2)
+def case_two_again():
+    return dist.get_world_size(), os.getpid()
+
+
+@sized.case(world_size=3)
+def case_expects_six_ranks_but_registered_at_three():
+    assert dist.get_world_size() == 6, f"world size {dist.get_world_size()}, not 6"
+
+
+def test_cases_at_several_sizes_each_see_their_own_world():
+    assert sized.sizes == (4, 2, 3)
+    default, two, two_again = (
+        sized.check(n) for n in ("case_default", "case_two", "case_two_again")
+    )
+    assert [s for s, _ in default] == [4] * 4 and [s for s, _ in two] == [2, 2]
+    assert two == two_again  # one start-up per size: the same two processes ran both cases
+    assert not {p for _, p in two} & {p for _, p in default}  # and another world for size 4
+    with pytest.raises(DistributedError, match=r"failed on rank 0:(.|\n)*world size 3, not 6"):
+        case_expects_six_ranks_but_registered_at_three()
+
+
+params = DistributedWorld(2, timeout_s=120)
+
+
+@params.parametrize("cp, sp", [(1, False), (2, True)], world_size=3)
+def case_shard(cp, sp):
+    assert not sp or dist.get_rank() != 2, "rank 2 rejects sp"
+    return cp * 10 + dist.get_world_size()
+
+
+@params.parametrize("layout", [dict(tp=2), dict(tp=4)], ids=["tp2", "tp4"])
+def case_layout(layout):
+    return layout["tp"]
+
+
+def test_parametrize_registers_one_case_and_one_test_id_per_set():
+    (mark,) = case_shard.pytestmark
+    assert mark.name == "parametrize" and mark.args == ("world_case", ["1-False", "2-True"])
+    assert case_shard.__name__ == "case_shard"
+    assert params.check("case_shard[1-False]") == [13, 13, 13]
+    case_layout("tp4")
+    assert params.check("case_layout[tp2]") == [2, 2]
+    with pytest.raises(DistributedError, match=r"case_shard\[2-True\]' failed on rank 2"):
+        case_shard("2-True")
+
+
+sizes_apart = DistributedWorld(2, timeout_s=120, abort_grace_s=2)
+
+
+@sizes_apart.case(world_size=3)
+def case_three_ranks_rank_0_raises_before_a_collective():
+    if dist.get_rank() == 0:
+        raise RuntimeError("bad input on rank 0")
+    dist.all_reduce(torch.ones(1))  # ranks 1, 2 wait here for rank 0 forever
+
+
+@sizes_apart.case
+def case_two_ranks_still_run():
+    x = torch.ones(1)
+    dist.all_reduce(x)
+    return x.item()
+
+
+def test_a_stuck_world_of_one_size_leaves_the_other_sizes_alone():
+    start = time.monotonic()
+    with pytest.raises(DistributedError, match=r"failed on rank 0:(.|\n)*bad input on rank 0"):
+        case_three_ranks_rank_0_raises_before_a_collective()
+    assert time.monotonic() - start < 60  # stopped ~2 s after the failure, not at 120 s
+    assert sizes_apart.check("case_two_ranks_still_run") == [2.0, 2.0]
+
+
+sleepy = DistributedWorld(2, timeout_s=120, abort_grace_s=2)
+
+
+@sleepy.case
+def case_rank_1_sleeps():
+    if dist.get_rank() == 1:
+        time.sleep(600)  # rank 0 ends the case and waits for it
+    return dist.get_rank()
+
+
+def test_a_rank_hanging_outside_a_collective_in_a_case_is_named():
+    start = time.monotonic()
+    with pytest.raises(DistributedError) as info:
+        case_rank_1_sleeps()
+    assert time.monotonic() - start < 60  # stopped ~2 s after rank 0 ended the case
+    text = str(info.value)
+    assert info.value.rank == 1 and "did not finish on rank 1" in text
+    assert re.search(
+        r"rank 1 is at \S*test_testing_kit.py:\d+ in case_rank_1_sleeps \(outside", text
+    )
+    assert "rank 0 is at" in text and "(finished, waiting for the other ranks)" in text
 
 
 def test_duplicate_case_names_are_rejected():
@@ -115,58 +233,6 @@ def test_duplicate_case_names_are_rejected():
     world.case(test_same)
     with pytest.raises(ValueError, match="registered twice"):
         world.case(test_same)
-
-
-def test_cases_at_several_sizes_each_see_their_own_world():
-    world = DistributedWorld(4, timeout_s=120)
-
-    @world.case
-    def test_default():
-        return dist.get_world_size(), os.getpid()
-
-    @world.case(world_size=2)
-    def test_two():
-        return dist.get_world_size(), os.getpid()
-
-    @world.case(world_size=2)
-    def test_two_again():
-        return dist.get_world_size(), os.getpid()
-
-    @world.case(world_size=3)
-    def test_expects_six_ranks_but_registered_at_three():
-        assert dist.get_world_size() == 6, f"world size {dist.get_world_size()}, not 6"
-
-    assert world.sizes == (4, 2, 3)
-    default, two, two_again = (
-        world.check(n) for n in ("test_default", "test_two", "test_two_again")
-    )
-    assert [s for s, _ in default] == [4] * 4 and [s for s, _ in two] == [2, 2]
-    assert two == two_again  # one start-up per size: the same two processes ran both cases
-    assert not {p for _, p in two} & {p for _, p in default}  # and another world for size 4
-    with pytest.raises(DistributedError, match=r"failed on rank 0:(.|\n)*world size 3, not 6"):
-        test_expects_six_ranks_but_registered_at_three()
-
-
-def test_parametrize_registers_one_case_and_one_test_id_per_set():
-    world = DistributedWorld(2, timeout_s=120)
-
-    @world.parametrize("cp, sp", [(1, False), (2, True)], world_size=3)
-    def test_shard(cp, sp):
-        assert not sp or dist.get_rank() != 2, "rank 2 rejects sp"
-        return cp * 10 + dist.get_world_size()
-
-    @world.parametrize("layout", [dict(tp=2), dict(tp=4)], ids=["tp2", "tp4"])
-    def test_layout(layout):
-        return layout["tp"]
-
-    (mark,) = test_shard.pytestmark
-    assert mark.name == "parametrize" and mark.args == ("world_case", ["1-False", "2-True"])
-    assert test_shard.__name__ == "test_shard"
-    assert world.check("test_shard[1-False]") == [13, 13, 13]
-    test_layout("tp4")
-    assert world.check("test_layout[tp2]") == [2, 2]
-    with pytest.raises(DistributedError, match=r"test_shard\[2-True\]' failed on rank 2"):
-        test_shard("2-True")
 
 
 def test_registration_errors_name_the_problem():
@@ -187,46 +253,3 @@ def test_registration_errors_name_the_problem():
         world.parametrize("a", ["x", "x"])(lambda a: None)
     with pytest.raises(KeyError, match="no case 'test_missing'"):
         world.check("test_missing")
-
-
-def test_a_stuck_world_of_one_size_leaves_the_other_sizes_alone():
-    world = DistributedWorld(2, timeout_s=120, abort_grace_s=2)
-
-    @world.case(world_size=3)
-    def test_rank_0_raises_before_a_collective():
-        if dist.get_rank() == 0:
-            raise RuntimeError("bad input on rank 0")
-        dist.all_reduce(torch.ones(1))  # ranks 1, 2 wait here for rank 0 forever
-
-    @world.case
-    def test_two_ranks_still_run():
-        x = torch.ones(1)
-        dist.all_reduce(x)
-        return x.item()
-
-    start = time.monotonic()
-    with pytest.raises(DistributedError, match=r"failed on rank 0:(.|\n)*bad input on rank 0"):
-        test_rank_0_raises_before_a_collective()
-    assert time.monotonic() - start < 60  # stopped ~2 s after the failure, not at 120 s
-    assert world.check("test_two_ranks_still_run") == [2.0, 2.0]
-
-
-def test_a_rank_hanging_outside_a_collective_in_a_case_is_named():
-    world = DistributedWorld(2, timeout_s=120, abort_grace_s=2)
-
-    @world.case
-    def test_rank_1_sleeps():
-        if dist.get_rank() == 1:
-            time.sleep(600)  # rank 0 ends the case and waits for it
-        return dist.get_rank()
-
-    start = time.monotonic()
-    with pytest.raises(DistributedError) as info:
-        test_rank_1_sleeps()
-    assert time.monotonic() - start < 60  # stopped ~2 s after rank 0 ended the case
-    text = str(info.value)
-    assert info.value.rank == 1 and "did not finish on rank 1" in text
-    assert re.search(
-        r"rank 1 is at \S*test_testing_kit.py:\d+ in test_rank_1_sleeps \(outside", text
-    )
-    assert "rank 0 is at" in text and "(finished, waiting for the other ranks)" in text
