@@ -17,7 +17,7 @@ TRITON_SPEC ?= triton==3.9.0
 VENV_LATEST := .venv-mcore019
 BIN_LATEST := $(VENV_LATEST)/bin
 
-.PHONY: install install-megatron-latest test test-fast test-megatron-latest demo plan lint bench clean gpu-wheels
+.PHONY: install install-megatron-latest test test-fast test-gpu test-megatron-latest demo plan lint bench clean gpu-wheels
 
 $(BIN)/.installed: setup.py
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -49,8 +49,26 @@ lint: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
+# The second pytest run forces the CUDA-safe start method (forkserver) on whole functional
+# files, so the path every GPU machine takes cannot rot on this CPU-only CI.
+FORKSERVER_TESTS := tests/functional/test_bridge.py tests/functional/test_testing_kit.py
 test: install lint
 	$(BIN)/python -m pytest -q --durations=15 tests
+	MP_BRIDGE_START_METHOD=forkserver $(BIN)/python -m pytest -q $(FORKSERVER_TESTS)
+
+# The functional suite on this machine's GPUs: NCCL under torchrun with one rank per GPU
+# when there are at least 8, else the one-GPU mode (gloo ranks, every tensor on cuda:0).
+test-gpu: install
+	@ngpu=$$($(BIN)/python -c "import torch; print(torch.cuda.device_count())"); \
+	if [ "$$ngpu" -ge 8 ]; then \
+	  echo "make test-gpu: $$ngpu GPUs: NCCL, torchrun --nproc-per-node 8"; \
+	  MP_BRIDGE_BACKEND=nccl $(BIN)/torchrun --nproc-per-node 8 -m pytest -q tests/functional; \
+	elif [ "$$ngpu" -ge 1 ]; then \
+	  echo "make test-gpu: $$ngpu GPU(s): the one-GPU mode (MP_BRIDGE_TEST_DEVICE=cuda)"; \
+	  MP_BRIDGE_TEST_DEVICE=cuda $(BIN)/python -m pytest -q tests/functional; \
+	else \
+	  echo "make test-gpu: no CUDA device on this machine; nothing was run"; \
+	fi
 
 # The quick loop while editing (about a minute on a quiet 2-core machine): every unit test,
 # 20 hypothesis examples per property, plus one functional case per wing (bridge, route,

@@ -29,8 +29,8 @@ from mp_bridge.testing.collectives import CollectiveCall, CollectiveCounter
 from mp_bridge.testing.launcher import (
     DistributedError,
     current_device,
-    run_distributed,
     device_under_test,
+    run_distributed,
     under_torchrun,
 )
 from mp_bridge.testing.world import DistributedWorld, world_backend

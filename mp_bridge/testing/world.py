@@ -37,13 +37,9 @@ skipped with its reason, e.g. on 8 GPUs::
 
     MP_BRIDGE_BACKEND=nccl torchrun --nproc-per-node 8 -m pytest tests/functional
 
-Start methods (:mod:`mp_bridge.testing.start_method`): under ``fork`` the ranks inherit
-the world object; under ``forkserver`` / ``spawn`` (any machine with CUDA) the world
-travels as a reference, ``(module, n)``: the rank imports the module that built it and
-takes the n-th world built at that module's top level, whose cases its import registered
-again. So a world whose ranks may start that way is built at module level, and its cases
-are registered at import time (decorators at module level); a world built inside a
-function raises a ``TypeError`` saying so when it would have to travel.
+Start methods (:mod:`~mp_bridge.testing.start_method`): under ``fork`` the ranks inherit
+the world; under ``forkserver`` / ``spawn`` it travels as a reference to the module that
+built it at top level (:mod:`~mp_bridge.testing.world_registry`).
 """
 
 from __future__ import annotations
@@ -67,31 +63,14 @@ from mp_bridge.testing.launcher import (
     DEFAULT_TIMEOUT_S,
     DistributedError,
     _severity,
-    run_distributed,
     device_under_test,
+    run_distributed,
     under_torchrun,
 )
 from mp_bridge.testing.start_method import rank_context
+from mp_bridge.testing.world_registry import find_world, module_reference
 
 __all__ = ["DistributedWorld", "world_backend"]
-
-#: Worlds built at a module's top level, by (module name, order of construction there):
-#: how a rank started by forkserver / spawn finds the world its parent pickled.
-_MODULE_WORLDS: dict[tuple[str, int], DistributedWorld] = {}
-
-
-def _find_world(module: str, index: int) -> DistributedWorld:
-    """The ``index``-th top-level world of ``module`` (imported here if it is not yet)."""
-    import importlib
-
-    importlib.import_module(module)
-    try:
-        return _MODULE_WORLDS[(module, index)]
-    except KeyError:
-        raise LookupError(
-            f"{module} built no top-level DistributedWorld number {index} on import; build "
-            "worlds at module level so ranks started by forkserver/spawn can find them"
-        ) from None
 
 
 def _run_world_cases(world: DistributedWorld, size: int, todo: list[str], queue, meet):
@@ -141,12 +120,8 @@ class DistributedWorld:
         self._failure: dict[int, BaseException] = {}
         self._queue: Any = None
         self._meet: Any = None
-        caller = sys._getframe(1)
-        self._ref: tuple[str, int] | None = None
-        if caller.f_code.co_name == "<module>":  # built on import: findable by reference
-            module = caller.f_globals.get("__name__", "")
-            self._ref = (module, sum(1 for m, _ in _MODULE_WORLDS if m == module))
-            _MODULE_WORLDS[self._ref] = self
+        # Built on import: ranks started by forkserver/spawn find it by this reference.
+        self._ref = module_reference(self, sys._getframe(1))
 
     def __reduce__(self) -> tuple[Any, tuple[str, int]]:
         if self._ref is None:
@@ -155,7 +130,7 @@ class DistributedWorld:
                 "forkserver/spawn (any machine with CUDA) cannot import it; build it at "
                 "module level, or run with MP_BRIDGE_START_METHOD=fork on a CPU machine"
             )
-        return _find_world, self._ref
+        return find_world, self._ref
 
     @property
     def sizes(self) -> tuple[int, ...]:

@@ -11,7 +11,6 @@ that bounds the fused path is only meaningful because it sees the full logits th
 from __future__ import annotations
 
 import ctypes
-import multiprocessing as mp
 import os
 
 import pytest
@@ -19,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from mp_bridge.layers import fused_linear_cross_entropy
+from mp_bridge.testing.start_method import rank_context
 
 N, H, V = 4096, 64, 8192
 LOGITS_BYTES = N * V * 4  # 128 MiB of fp32 logits
@@ -65,7 +65,7 @@ def _measure(kind: str, conn) -> None:
 
 
 def _peak_extra(kind: str) -> int:
-    ctx = mp.get_context("fork")
+    ctx = rank_context()  # fork on a CPU machine; forkserver where CUDA makes fork unsafe
     parent, child = ctx.Pipe(duplex=False)
     proc = ctx.Process(target=_measure, args=(kind, child))
     proc.start()
