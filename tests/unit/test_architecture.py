@@ -29,6 +29,8 @@ FLOORS: dict[str, float] = {
     "mp_bridge.comm.collectives": 2.1,
     "mp_bridge.comm.sequence": 2.2,
     "mp_bridge.comm.bridge": 2.3,
+    "mp_bridge.comm.bridge.plans": 2.3,
+    "mp_bridge.comm.bridge.execution": 2.4,
     "mp_bridge.layers": 3,
     "mp_bridge.layers.loss": 3.1,
     "mp_bridge.models": 4,
@@ -212,3 +214,25 @@ def test_floor_lookup(module):
         assert floor_of(module) == 0  # top-level modules sit on the ground floor
     else:
         assert floor_of(module) == 4
+
+
+def test_the_bridge_plans_never_import_torch_distributed():
+    # The bridge's two halves: plans are pure (no process group), execution runs them.
+    plans = ROOT / "comm" / "bridge" / "plans"
+    bad = []
+    for f in sorted(plans.rglob("*.py")):
+        for node in ast.walk(ast.parse(f.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom):
+                names = [node.module or ""]
+            bad += [f"{f.name}: {n}" for n in names if n.startswith("torch.distributed")]
+    assert bad == []
+    graph = import_graph()
+    up = [
+        f"{m} imports {d}"
+        for m, deps in graph.items()
+        if m.startswith("mp_bridge.comm.bridge.plans")
+        for d in deps
+        if d.startswith("mp_bridge.comm.bridge.execution")
+    ]
+    assert up == []

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import torch
 
-import mp_bridge.comm.bridge.route as route_module
+import mp_bridge.comm.bridge.execution.route as route_module
 from mp_bridge.comm import PartitionAdapter
-from mp_bridge.comm.bridge.plan import plan_bridge
-from mp_bridge.comm.bridge.route import route_image_rows
-from mp_bridge.comm.bridge.route_plan import RouteCache
+from mp_bridge.comm.bridge.execution.route import route_image_rows
+from mp_bridge.comm.bridge.plans.bridge_plan import plan_bridge
+from mp_bridge.comm.bridge.plans.route_plan import RouteCache
 from mp_bridge.grid import GridLayout
 
 ORDER = ("tp", "cp", "pp", "dp")

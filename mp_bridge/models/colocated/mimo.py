@@ -66,7 +66,7 @@ class ColocatedMimoModel(nn.Module):
         flow: ``"gather"`` (default), ``"routed"`` or a :class:`MimoFlow` object (see
             :mod:`.gather`, :mod:`.routed`), parsed once here.
         balance: spread ragged images over the encoder DP replicas by estimated cost
-            before encoding (:class:`~mp_bridge.comm.bridge.balance.ImageBalancer`, cost
+            before encoding (:class:`~mp_bridge.comm.bridge.execution.balancer.ImageBalancer`, cost
             ``t² + c·t``, ``c = cfg.encoder_cost_c``); the routed flow then sends
             each feature row straight to its shard, the gather flow returns it to its
             source replica first. Uniform images and one encoder replica: nothing moves.

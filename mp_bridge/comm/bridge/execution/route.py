@@ -1,11 +1,11 @@
 """``route``: each image token from the encoder rank holding it to the LLM shard using it.
 
-One rank's step (the plan is :mod:`mp_bridge.comm.bridge.route_plan`):
+One rank's step (the plan is :mod:`mp_bridge.comm.bridge.plans.route_plan`):
 
 1. Local validation (``ValueError`` before any collective).
 2. Metadata, forward. FAN_IN and EQUAL: **one** all-gather over the bridge's world group
    (every rank of the grids) of a fixed-size int64 row per rank,
-   ``8·ROW_SIZE = 56`` bytes (:mod:`mp_bridge.comm.bridge.counts`): sample numbers,
+   ``8·ROW_SIZE = 56`` bytes (:mod:`mp_bridge.comm.bridge.plans.count_rows`): sample numbers,
    token totals and order-sensitive fingerprints of the per-sample counts. Every rank
    checks every sample's image count against its token count, and every replica's
    TP/CP ranks against each other; on a mismatch every rank of the bridge raises the
@@ -41,16 +41,17 @@ import torch
 import torch.distributed as dist
 
 from mp_bridge.checks import forbid_double_backward
-from mp_bridge.comm.bridge.counts import check_sample_counts
-from mp_bridge.comm.bridge.plan import BridgeDirection, BridgePlan
-from mp_bridge.comm.bridge.ragged import check_tokens_per_sample
-from mp_bridge.comm.bridge.route_plan import (
+from mp_bridge.comm.bridge.execution.sample_counts import check_sample_counts
+from mp_bridge.comm.bridge.plans.bridge_plan import BridgePlan
+from mp_bridge.comm.bridge.plans.layouts import BridgeDirection
+from mp_bridge.comm.bridge.plans.route_plan import (
     RankRoute,
     RouteCache,
     image_token_shards,
     plan_route,
     route_needs,
 )
+from mp_bridge.comm.bridge.plans.token_counts import check_tokens_per_sample
 from mp_bridge.comm.collectives.primitives import all_gather_tensor, group_size
 from mp_bridge.comm.sequence.padding import PaddedLayout
 from mp_bridge.comm.sequence.partition import PartitionAdapter

@@ -1,6 +1,6 @@
 """Ragged bridge execution: exact-bytes token exchange and its autograd Functions.
 
-``bridge_ragged`` runs one rank's :class:`~mp_bridge.comm.bridge.ragged_plan.RaggedRoute`:
+``bridge_ragged`` runs one rank's :class:`~mp_bridge.comm.bridge.plans.ragged_plan.RaggedRoute`:
 
 =========  ==============================================  ===================================
 direction  forward                                         backward (adjoint)
@@ -38,9 +38,11 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from mp_bridge.checks import FrozenSpec, agree, agreed, is_int
-from mp_bridge.comm.bridge.plan import BridgeDirection, BridgePlan
-from mp_bridge.comm.bridge.ragged_plan import check_member_headers, route_ragged
+from mp_bridge.checks import FrozenSpec, agree, agreed
+from mp_bridge.comm.bridge.plans.bridge_plan import BridgePlan
+from mp_bridge.comm.bridge.plans.layouts import BridgeDirection
+from mp_bridge.comm.bridge.plans.ragged_plan import check_member_headers, route_ragged
+from mp_bridge.comm.bridge.plans.token_counts import check_tokens_per_sample
 from mp_bridge.comm.collectives.primitives import (
     all_gather_tensor,
     copy_to_group,
@@ -48,59 +50,9 @@ from mp_bridge.comm.collectives.primitives import (
     group_size,
 )
 
-__all__ = ["bridge_ragged", "check_tokens_per_sample", "exchange_rows"]
+__all__ = ["bridge_ragged", "exchange_rows"]
 
 HEADER_FIELDS = ("samples", "tokens", "row numel", "element size")
-
-
-def check_tokens_per_sample(tokens_per_sample: object, num_tokens: int) -> tuple[int, ...]:
-    """Validate ``tokens_per_sample`` (local, no collective) and return it as ints.
-
-    Accepts a 1-D integer tensor or a sequence of ints, each >= 0, summing to ``num_tokens``
-    (the first dim of ``x``). Raises ``ValueError`` naming the value and the fix.
-    """
-    if isinstance(tokens_per_sample, torch.Tensor):
-        t = tokens_per_sample
-        if t.dim() != 1:
-            raise ValueError(
-                f"tokens_per_sample has shape {tuple(t.shape)} ({t.dim()} dims); pass a 1-D "
-                f"tensor with one token count per sample of this rank's batch"
-            )
-        if t.dtype == torch.bool or t.is_floating_point() or t.is_complex():
-            raise ValueError(
-                f"tokens_per_sample has dtype {t.dtype}; pass an integer tensor (e.g. "
-                f"torch.int64) of per-sample token counts"
-            )
-        values = t.tolist()
-    elif isinstance(tokens_per_sample, Sequence) and not isinstance(tokens_per_sample, str):
-        values = list(tokens_per_sample)
-        bad = [v for v in values if not is_int(v)]
-        if bad:
-            raise ValueError(
-                f"tokens_per_sample={values} has non-int entries {bad[:4]}; pass a flat "
-                f"sequence (or 1-D integer tensor) of per-sample token counts"
-            )
-    else:
-        raise TypeError(
-            f"tokens_per_sample must be a 1-D integer tensor or a sequence of ints, got "
-            f"{type(tokens_per_sample).__name__}"
-        )
-    negative = [v for v in values if v < 0]
-    if negative:
-        raise ValueError(
-            f"tokens_per_sample={_short(values)} has negative counts {negative[:4]}; each "
-            f"sample's token count must be >= 0 (0 for a text-only sample)"
-        )
-    if sum(values) != num_tokens:
-        raise ValueError(
-            f"tokens_per_sample={_short(values)} sums to {sum(values)} but x has {num_tokens} "
-            f"tokens (its first dim); pass one count per sample summing to x.shape[0]"
-        )
-    return tuple(int(v) for v in values)
-
-
-def _short(values: list[int]) -> str:
-    return str(values) if len(values) <= 16 else f"[{len(values)} counts: {values[:8]}...]"
 
 
 # ------------------------------------------------------- plain (non-autograd) exchange

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from mp_bridge.checks import FrozenSpec
-from mp_bridge.comm.bridge.balance_plan import BalancePlan
+from mp_bridge.comm.bridge.plans.balance_plan import BalancePlan
 from mp_bridge.grid import GridLayout
 
 __all__ = ["BuildSpec", "RouteSpec", "RowsSpec", "layout_key", "plan_code"]

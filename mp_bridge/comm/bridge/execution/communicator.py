@@ -1,7 +1,7 @@
 """``ColocatedBridgeCommunicator``: execute a :class:`BridgePlan` with process groups.
 
-The plan (``plan.py``) decides who talks to whom; the groups are made by
-:func:`~mp_bridge.comm.bridge.groups.make_bridge_groups`; each call runs one of three
+The pure plans (:mod:`mp_bridge.comm.bridge.plans`) decide who talks to whom; the groups
+are made by :func:`~.bridge_groups.make_bridge_groups`; each call runs one of three
 executions: ``communicate`` (dense, ``dense.py``), ``communicate_ragged`` (``ragged.py``)
 and ``route`` (``route.py``). Every public call passes one entry guard first: not
 destroyed, this rank inside the grids, then (after the call's local validation) the
@@ -17,18 +17,26 @@ import torch
 import torch.distributed as dist
 
 from mp_bridge.checks import agree, agreed, check_tensor
-from mp_bridge.comm.bridge.balance_plan import BalancePlan
-from mp_bridge.comm.bridge.balance_route import check_balance, run_balanced_route
-from mp_bridge.comm.bridge.call_specs import BuildSpec, RouteSpec, RowsSpec, layout_key, plan_code
-from mp_bridge.comm.bridge.dense import bridge_dense, check_dim_mapping
-from mp_bridge.comm.bridge.groups import BridgeGroups, make_bridge_groups
-from mp_bridge.comm.bridge.names import bridge_names
-from mp_bridge.comm.bridge.plan import BridgeDirection, BridgePlan, plan_bridge
-from mp_bridge.comm.bridge.ragged import bridge_ragged, check_tokens_per_sample
-from mp_bridge.comm.bridge.route import parse_route, run_route
-from mp_bridge.comm.bridge.route_plan import RouteCache
-from mp_bridge.comm.bridge.stage import deliver_rows, ragged_dest_counts, stage_rows
-from mp_bridge.comm.bridge.stage_plan import StageDelivery, plan_stage_delivery
+from mp_bridge.comm.bridge.execution.balanced_route import check_balance, run_balanced_route
+from mp_bridge.comm.bridge.execution.bridge_groups import BridgeGroups, make_bridge_groups
+from mp_bridge.comm.bridge.execution.call_specs import (
+    BuildSpec,
+    RouteSpec,
+    RowsSpec,
+    layout_key,
+    plan_code,
+)
+from mp_bridge.comm.bridge.execution.dense import bridge_dense, check_dim_mapping
+from mp_bridge.comm.bridge.execution.names import bridge_names
+from mp_bridge.comm.bridge.execution.ragged import bridge_ragged
+from mp_bridge.comm.bridge.execution.route import parse_route, run_route
+from mp_bridge.comm.bridge.execution.stage import deliver_rows, ragged_dest_counts, stage_rows
+from mp_bridge.comm.bridge.plans.balance_plan import BalancePlan
+from mp_bridge.comm.bridge.plans.bridge_plan import BridgePlan, plan_bridge
+from mp_bridge.comm.bridge.plans.layouts import BridgeDirection
+from mp_bridge.comm.bridge.plans.route_plan import RouteCache
+from mp_bridge.comm.bridge.plans.stage_plan import StageDelivery, plan_stage_delivery
+from mp_bridge.comm.bridge.plans.token_counts import check_tokens_per_sample
 from mp_bridge.comm.sequence.padding import PaddedLayout
 from mp_bridge.comm.sequence.partition import PartitionAdapter
 from mp_bridge.grid import GridLayout
@@ -44,15 +52,15 @@ class ColocatedBridgeCommunicator:
     ``b_dest = k·b_src``, FAN_OUT ``b_dest = b_src / k``), replicated over dest TP and CP
     (the LLM takes its CP chunks itself). Collectives per call: FAN_IN forward one
     all-gather; FAN_OUT backward one all-gather; plus one all-reduce in backward when dest
-    CP > 1; nothing else. Adjoints: :mod:`mp_bridge.comm.bridge.dense`.
+    CP > 1; nothing else. Adjoints: :mod:`mp_bridge.comm.bridge.execution.dense`.
 
     Construction is collective over the whole world: every rank (even one outside the
     grids) builds the communicator with the same arguments, in the same order as its
     other group creations. It validates the layouts (``plan_bridge``) and ``dim_mapping``
     and agrees on them over the world (:class:`BuildSpec`) before creating any group,
-    then makes the gather groups, the dest CP group and the
-    world group (:mod:`mp_bridge.comm.bridge.groups`, which says who owns which), and ends
-    with one world barrier. The route groups are made on the first ``route`` (every rank of
+    then makes the gather groups, the dest CP group and the world group
+    (:mod:`~mp_bridge.comm.bridge.execution.bridge_groups`, which says who owns which), and
+    ends with one world barrier. The route groups are made on the first ``route`` (every rank of
     the grids calls it) or by ``prepare_route()``, which a rank outside the grids must call
     at the same point: a user who never routes pays no group for it.
 
@@ -70,7 +78,7 @@ class ColocatedBridgeCommunicator:
             ``dest_module_name`` (``DeprecationWarning``).
 
     LLM PP > 1 (a ``pp`` axis in ``dest_grid``): only the LLM's first stage consumes
-    encoder rows (:mod:`mp_bridge.comm.bridge.stage`): ``communicate`` and
+    encoder rows (:mod:`mp_bridge.comm.bridge.execution.stage`): ``communicate`` and
     ``communicate_ragged`` return the first-stage rank's dest batch and ``[0, ...]`` on a
     later stage, with one exact-bytes ``all_to_all_single`` over the world group each way
     (no gather group is made); ``route`` sends straight to the first stage's CP/SP shard.
@@ -145,7 +153,7 @@ class ColocatedBridgeCommunicator:
 
     @property
     def groups(self) -> BridgeGroups:
-        """This rank's :class:`~mp_bridge.comm.bridge.groups.BridgeGroups`."""
+        """This rank's :class:`~mp_bridge.comm.bridge.execution.bridge_groups.BridgeGroups`."""
         return self._groups
 
     @property
@@ -251,7 +259,7 @@ class ColocatedBridgeCommunicator:
         header is its agreement check; FAN_OUT and EQUAL compare the row shape and dtype
         in the entry guard). Every backward applies its adjoint Function, so
         ``backward(create_graph=True)`` works in every direction. See
-        :mod:`mp_bridge.comm.bridge.ragged`.
+        :mod:`mp_bridge.comm.bridge.execution.ragged`.
         """
         self._enter("communicate_ragged")
         check_tensor("x", x)
@@ -274,7 +282,7 @@ class ColocatedBridgeCommunicator:
     def _ragged_to_stage(
         self, x: torch.Tensor, tokens_per_sample
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``communicate_ragged`` with LLM PP > 1 (:mod:`mp_bridge.comm.bridge.stage`)."""
+        """``communicate_ragged`` with LLM PP > 1 (:mod:`mp_bridge.comm.bridge.execution.stage`)."""
         if x.dim() < 1:
             raise ValueError(
                 f"x has shape {tuple(x.shape)}; pass the flat tokens [T, *rest] (e.g. [T, h])"
@@ -319,14 +327,14 @@ class ColocatedBridgeCommunicator:
         whose ``image_mask`` count differs from its ``tokens_per_sample`` entry, or a rank
         passing a different number of samples, raises the same ``ValueError`` on every
         rank (naming the first bad sample). Plans are cached (8 layouts). Bytes, backward
-        and errors: see :mod:`mp_bridge.comm.bridge.route`.
+        and errors: see :mod:`mp_bridge.comm.bridge.execution.route`.
 
         ``balance``: the :class:`BalancePlan` of ``ImageBalancer.balance`` (the same on
         every rank). ``x`` then holds the encoded rows of the images this rank's replica
         encoded (``balance.tokens_after(replica)``) and ``tokens_per_sample`` stays its
         encoder DP batch's pre-balance counts (the count check runs on them). Each row goes
         straight from its encoder to its consumers over every rank of the grids, no return
-        trip to its source replica: :mod:`mp_bridge.comm.bridge.balance_route`. A plan
+        trip to its source replica: :mod:`mp_bridge.comm.bridge.execution.balanced_route`. A plan
         that moves no image is the plain route.
         """
         self._enter("route")

@@ -32,7 +32,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from mp_bridge.checks import is_int
-from mp_bridge.comm.bridge.plan import BridgeDirection, BridgePlan
+from mp_bridge.comm.bridge.plans.bridge_plan import BridgePlan
+from mp_bridge.comm.bridge.plans.layouts import BridgeDirection
 
 __all__ = ["RaggedRoute", "check_member_headers", "route_ragged"]
 
