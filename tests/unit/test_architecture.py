@@ -236,3 +236,20 @@ def test_the_bridge_plans_never_import_torch_distributed():
         if d.startswith("mp_bridge.comm.bridge.execution")
     ]
     assert up == []
+
+
+def test_no_module_imports_a_private_name_of_another():
+    # A name with a leading underscore is its module's own; another module that needs it
+    # gets a public name (e.g. routed.encoder_image_rows, once routed._image_rows).
+    bad = []
+    for f in sorted(ROOT.rglob("*.py")):
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.ImportFrom) and (
+                node.level or (node.module or "").startswith("mp_bridge")
+            ):
+                bad += [
+                    f"{f.relative_to(ROOT.parent)}: {node.module}.{a.name}"
+                    for a in node.names
+                    if a.name.startswith("_")
+                ]
+    assert bad == []

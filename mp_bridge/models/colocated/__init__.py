@@ -8,10 +8,12 @@ from .gather import GatherFlow
 from .groups import MimoGroups, check_members, grid_group, groups_of_bridge, make_mimo_groups
 from .local import LocalBridge
 from .mimo import ColocatedMimoModel
+from .options import MimoOptions
 from .parts import MimoFlow, StepParts, shard_loss
 from .routed import RoutedFlow, place_local_rows
 
 __all__ = [
+    "MimoOptions",
     "ReplicaDocsSpec",
     "StepSpec",
     "agree_image_counts",

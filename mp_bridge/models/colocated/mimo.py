@@ -40,6 +40,7 @@ from mp_bridge.models.colocated.agreement import agree_step_inputs
 from mp_bridge.models.colocated.flows import parse_flow
 from mp_bridge.models.colocated.groups import MimoGroups, check_members, make_mimo_groups
 from mp_bridge.models.colocated.legacy import DP_NAMES, legacy_groups
+from mp_bridge.models.colocated.options import MimoOptions
 from mp_bridge.models.colocated.parts import MimoFlow, StepParts
 from mp_bridge.models.colocated.pipelined import pipelined_step
 from mp_bridge.models.data.inputs import BatchSpec, StepInputs, parse_step_inputs
@@ -251,37 +252,28 @@ class ColocatedMimoModel(nn.Module):
         return cls.from_groups(reference, make_mimo_groups(encoder_grid, llm_grid), **kwargs)
 
     @classmethod
-    def from_groups(
-        cls,
-        reference,
-        groups: MimoGroups,
-        *,
-        sequence_parallel: bool = False,
-        fused_loss: bool = False,
-        device: torch.device | None = None,
-        flow: str | MimoFlow = "gather",
-        microbatches: int = 1,
-        schedule: str = "auto",
-        balance: bool = False,
-    ) -> ColocatedMimoModel:
+    def from_groups(cls, reference, groups: MimoGroups, **options) -> ColocatedMimoModel:
         """This rank's shards of ``reference`` on ``groups`` (no collective; the model
-        keeps ``groups``, which :func:`destroy_colocated_mimo` frees). ``flow``,
-        ``microbatches``, ``schedule``, ``balance``: see the class; with ``groups.llm_pp`` (LLM
-        pp > 1) the LLM is this rank's :class:`TPLLMStage`."""
-        cfg = reference.cfg
+        keeps ``groups``, which :func:`destroy_colocated_mimo` frees). ``options``: the
+        build options of :class:`~.options.MimoOptions` (``flow``, ``microbatches``,
+        ``schedule``, ``balance``: see the class); with ``groups.llm_pp`` (LLM pp > 1) the
+        LLM is this rank's :class:`TPLLMStage`. The one builder: ``from_full`` and
+        ``build_colocated_mimo`` end here."""
+        opts, cfg = MimoOptions(**options), reference.cfg
         enc_tp, llm_tp, llm_cp = groups.encoder_tp, groups.llm_tp, groups.llm_cp
+        device, sp = opts.device, opts.sequence_parallel
         if group_size(groups.llm_pp) > 1:
-            if fused_loss:
+            if opts.fused_loss:
                 raise ValueError("fused_loss=True is not supported with a pipelined LLM (pp > 1)")
             llm = TPLLMStage.from_full(
                 reference.llm, cfg, stage=dist.get_rank(groups.llm_pp),
                 n_stages=group_size(groups.llm_pp), tp_group=llm_tp, cp_group=llm_cp,
-                sequence_parallel=sequence_parallel, device=device,
+                sequence_parallel=sp, device=device,
             )  # fmt: skip
         else:
             llm = TPLLM.from_full(
                 reference.llm, cfg, tp_group=llm_tp, cp_group=llm_cp,
-                sequence_parallel=sequence_parallel, fused_loss=fused_loss, device=device,
+                sequence_parallel=sp, fused_loss=opts.fused_loss, device=device,
             )  # fmt: skip
         return cls(
             TPEncoder.from_full(reference.encoder, cfg, tp_group=enc_tp, device=device),
@@ -289,10 +281,7 @@ class ColocatedMimoModel(nn.Module):
             llm,
             groups,
             image_token_id=cfg.image_token_id,
-            flow=flow,
-            microbatches=microbatches,
-            schedule=schedule,
-            balance=balance,
+            **opts.model_keywords(),
         )
 
     def to_full(self) -> dict[str, torch.Tensor]:

@@ -29,7 +29,7 @@ from mp_bridge.comm.bridge.execution.call_specs import (
 from mp_bridge.comm.bridge.execution.dense import bridge_dense, check_dim_mapping
 from mp_bridge.comm.bridge.execution.names import bridge_names
 from mp_bridge.comm.bridge.execution.ragged import bridge_ragged
-from mp_bridge.comm.bridge.execution.route import parse_route, run_route
+from mp_bridge.comm.bridge.execution.route import read_route_args, run_route
 from mp_bridge.comm.bridge.execution.stage import deliver_rows, ragged_dest_counts, stage_rows
 from mp_bridge.comm.bridge.plans.balance_plan import BalancePlan
 from mp_bridge.comm.bridge.plans.bridge_plan import BridgePlan, plan_bridge
@@ -174,20 +174,26 @@ class ColocatedBridgeCommunicator:
         return self._groups.world
 
     # ------------------------------------------------------------------ entry guard
-    def _enter(self, call: str, spec: RowsSpec | None = None, group: Any = None) -> None:
-        """The guard of every public call: ``spec`` (parsed by the call's local
-        validation) is compared across ``group`` before the call's first collective."""
+    def _enter(self, call: str) -> None:
+        """The one entry guard of every public call, run once at its top: not destroyed,
+        and this rank inside the grids (the call's only membership check)."""
         if self._destroyed:
             raise RuntimeError(f"{call}() after destroy(); build a new communicator")
         self._plan.check_member(self._rank, f"{call}()")
-        if spec is not None:
-            agree(f"ColocatedBridgeCommunicator.{call}", group, spec, device=spec.device)
+
+    def _agree(self, call: str, spec: RowsSpec, group: Any) -> None:
+        """The call's one agreement: ``spec`` (parsed by its local validation) compared
+        across ``group`` before its first collective."""
+        agree(f"ColocatedBridgeCommunicator.{call}", group, spec, device=spec.device)
 
     def prepare_route(self) -> None:
         """Make the route groups now (collective over the world; idempotent). ``route``
         calls it; a rank outside the grids calls it where the others first route."""
         if self._destroyed:
             raise RuntimeError("prepare_route() after destroy(); build a new communicator")
+        self._make_route_groups()
+
+    def _make_route_groups(self) -> None:
         make_bridge_groups(self._plan, self._rank, self._world, parts=("route",), into=self._groups)
 
     # ------------------------------------------------------------------ execution
@@ -212,7 +218,7 @@ class ColocatedBridgeCommunicator:
         groups = self._groups
         spec = RowsSpec(tuple(x.shape), x.dtype, x.device.type)
         if self._stage is not None:  # every rank's batch: one exchange over the world
-            self._enter("communicate", spec, groups.world)
+            self._agree("communicate", spec, groups.world)
             rows = stage_rows(self._stage, self._rank, [1] * x.shape[dim], [1] * (
                 x.shape[dim] // len(self._stage.src_pieces(self._rank))
                 * len(self._stage.dest_pieces(self._rank))))  # fmt: skip
@@ -221,7 +227,7 @@ class ColocatedBridgeCommunicator:
                 cp_group=groups.cp,
             )  # fmt: skip
             return y.movedim(0, dim)
-        self._enter("communicate", spec, groups.gather if k > 1 else groups.cp)
+        self._agree("communicate", spec, groups.gather if k > 1 else groups.cp)
         return bridge_dense(
             x,
             direction=direction,
@@ -263,31 +269,32 @@ class ColocatedBridgeCommunicator:
         """
         self._enter("communicate_ragged")
         check_tensor("x", x)
-        if self._stage is not None:
-            return self._ragged_to_stage(x, tokens_per_sample)
-        if self._plan.direction is not BridgeDirection.FAN_IN:
-            groups = self._groups
-            spec = RowsSpec(tuple(x.shape[1:]), x.dtype, x.device.type)
-            group = groups.gather if self._plan.scale > 1 else groups.cp
-            self._enter("communicate_ragged", spec, group)
-        return bridge_ragged(
-            x,
-            tokens_per_sample,
-            plan=self._plan,
-            rank=self._rank,
-            gather_group=self._groups.gather,
-            cp_group=self._groups.cp,
-        )
-
-    def _ragged_to_stage(
-        self, x: torch.Tensor, tokens_per_sample
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``communicate_ragged`` with LLM PP > 1 (:mod:`mp_bridge.comm.bridge.execution.stage`)."""
         if x.dim() < 1:
             raise ValueError(
                 f"x has shape {tuple(x.shape)}; pass the flat tokens [T, *rest] (e.g. [T, h])"
             )
         counts = check_tokens_per_sample(tokens_per_sample, x.shape[0])
+        groups = self._groups
+        if self._stage is not None:
+            return self._ragged_to_stage(x, counts)
+        if self._plan.direction is not BridgeDirection.FAN_IN:  # FAN_IN: the header agrees
+            spec = RowsSpec(tuple(x.shape[1:]), x.dtype, x.device.type)
+            group = groups.gather if self._plan.scale > 1 else groups.cp
+            self._agree("communicate_ragged", spec, group)
+        return bridge_ragged(
+            x,
+            counts,
+            plan=self._plan,
+            rank=self._rank,
+            gather_group=groups.gather,
+            cp_group=groups.cp,
+        )
+
+    def _ragged_to_stage(
+        self, x: torch.Tensor, counts: tuple[int, ...]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``communicate_ragged`` with LLM PP > 1 (:mod:`~.stage`); its header over the
+        world group is the call's agreement."""
         world, ranks = self._groups.world, self._plan.src.ranks
         dest = ragged_dest_counts(x, counts, self._stage, rank=self._rank, group=world,
                                   ranks=ranks)  # fmt: skip
@@ -338,18 +345,17 @@ class ColocatedBridgeCommunicator:
         that moves no image is the plain route.
         """
         self._enter("route")
-        self.prepare_route()  # collective: before any local validation can raise
+        self._make_route_groups()  # collective: before any local validation can raise
         source_rows = None
         if balance is not None:
-            self._plan.check_member(self._rank, "route()")
             source_rows = check_balance(balance, x, self._plan, self._rank)
-        call = parse_route(
+        call = read_route_args(
             x, tokens_per_sample, image_mask, partition, cu_seqlens=cu_seqlens, layout=layout,
             plan=self._plan, rank=self._rank, source_rows=source_rows,
         )  # fmt: skip
         groups = self._groups
         spec = RouteSpec(tuple(x.shape[1:]), x.dtype, x.device.type, plan_code(balance))
-        self._enter("route", spec, groups.world)
+        self._agree("route", spec, groups.world)
         if balance is not None and balance.moved_images:
             return run_balanced_route(
                 call, balance, plan=self._plan, rank=self._rank, world_group=groups.world,

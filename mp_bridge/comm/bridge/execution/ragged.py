@@ -16,15 +16,17 @@ received are exactly the other slots' tokens, no padding to the largest member; 
 NCCL both support uneven splits, whereas gloo's ``all_gather`` needs equal sizes.
 
 Counts: FAN_IN first all-gathers a fixed-size int64 header per member (samples, tokens,
-row numel, element size), so a member passing a different number of samples (or another
-row shape) raises the same ``ValueError`` on every rank of the group instead of hanging.
+row numel, a code of the row shape and dtype): the call's one agreement, so a member
+passing a different number of samples (or another row shape or dtype) raises the same
+``ValueError`` on every rank of the group instead of hanging; nothing after it is checked
+again (the token exchange trusts it).
 The per-sample counts then ride in the token exchange as an ``8·n``-byte prefix of each
 message (the exchange moves bytes), so FAN_IN forward is two collectives: one small header
 all-gather (``4·8`` bytes per member) and one token exchange. FAN_OUT computes every slot's
 size from its local counts: no forward collective, one exchange backward.
 
 The CP all-reduce (dest CP > 1) is ``copy_to_group`` applied after the direction step, so
-backward sums the incoming gradient over the dest CP group first (see ``bridge.py``).
+backward sums the incoming gradient over the dest CP group first (see ``dense.py``).
 Each Function's backward applies its adjoint Function (gather-keep <-> narrow), so
 ``backward(create_graph=True)`` records the backward collective too.
 """
@@ -32,6 +34,7 @@ Each Function's backward applies its adjoint Function (gather-keep <-> narrow), 
 from __future__ import annotations
 
 import math
+import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -41,8 +44,7 @@ import torch.distributed as dist
 from mp_bridge.checks import FrozenSpec, agree, agreed
 from mp_bridge.comm.bridge.plans.bridge_plan import BridgePlan
 from mp_bridge.comm.bridge.plans.layouts import BridgeDirection
-from mp_bridge.comm.bridge.plans.ragged_plan import check_member_headers, route_ragged
-from mp_bridge.comm.bridge.plans.token_counts import check_tokens_per_sample
+from mp_bridge.comm.bridge.plans.ragged_plan import check_member_headers, ragged_route_of
 from mp_bridge.comm.collectives.primitives import (
     all_gather_tensor,
     copy_to_group,
@@ -52,7 +54,7 @@ from mp_bridge.comm.collectives.primitives import (
 
 __all__ = ["bridge_ragged", "exchange_rows"]
 
-HEADER_FIELDS = ("samples", "tokens", "row numel", "element size")
+HEADER_FIELDS = ("samples", "tokens", "row numel", "row code")
 
 
 # ------------------------------------------------------- plain (non-autograd) exchange
@@ -92,6 +94,17 @@ def exchange_rows(
     n = None if counts is None else counts.numel()
     spec = _ExchangeSpec(tuple(slot_rows), tuple(x.shape[1:]), x.dtype, n)
     agree("exchange_rows", group, spec, device=x.device)
+    return _exchange(x, group, slot_rows, counts)
+
+
+def _exchange(
+    x: torch.Tensor,
+    group: dist.ProcessGroup | None,
+    slot_rows: Sequence[int],
+    counts: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`exchange_rows` after its checks (``bridge_ragged``'s header agreed on them)."""
+    k = len(slot_rows)
     if k == 1:  # a single process (group None or of size 1): nothing to exchange
         return x.clone(), None if counts is None else counts.reshape(1, -1).clone()
     rest = tuple(x.shape[1:])
@@ -130,26 +143,34 @@ def _as_bytes(t: torch.Tensor) -> torch.Tensor:
 def _exchange_headers(
     x: torch.Tensor, n_samples: int, group: dist.ProcessGroup | None, k: int
 ) -> list[list[int]]:
-    """All-gather one fixed-size int64 header per member (``HEADER_FIELDS``)."""
+    """All-gather one fixed-size int64 header per member (``HEADER_FIELDS``; the row code
+    is a CRC of the row shape and dtype, so the header is the call's whole agreement)."""
     header = torch.tensor(
-        [n_samples, x.shape[0], math.prod(x.shape[1:]), x.element_size()],
+        [n_samples, x.shape[0], math.prod(x.shape[1:]), _row_code(x)],
         dtype=torch.int64,
         device=x.device,
     )
     return all_gather_tensor(header, group, 0).reshape(k, len(HEADER_FIELDS)).tolist()
 
 
+def _row_code(x: torch.Tensor) -> int:
+    return zlib.crc32(repr((tuple(x.shape[1:]), str(x.dtype))).encode())
+
+
 def _check_rows(members: Sequence[int], headers: list[list[int]]) -> None:
-    rows = {(h[2], h[3]) for h in headers}
-    if len(rows) > 1:
-        per_rank = ", ".join(
-            f"rank {r}: {h[2]} elements x {h[3]} bytes" for r, h in zip(members, headers)
-        )
-        raise ValueError(
-            f"the ranks of gather group {list(members)} passed tokens of different row "
-            f"sizes in x ({per_rank}); every member's x must be [T, *rest] with the same "
-            f"rest and dtype"
-        )
+    if len({h[2] for h in headers}) > 1:
+        what = "sizes"
+        per_rank = ", ".join(f"rank {r}: {h[2]} elements" for r, h in zip(members, headers))
+    elif len({h[3] for h in headers}) > 1:
+        what = "shapes or dtypes"
+        per_rank = ", ".join(f"rank {r}: code {h[3]:#x}" for r, h in zip(members, headers))
+    else:
+        return
+    raise ValueError(
+        f"the ranks of gather group {list(members)} passed tokens of different row "
+        f"{what} in x ({per_rank}); every member's x must be [T, *rest] with the same "
+        f"rest and dtype"
+    )
 
 
 # ----------------------------------------------------------------- autograd ops
@@ -160,7 +181,7 @@ class _GatherRows(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group, slot, slot_rows, counts):
         ctx.group, ctx.slot, ctx.slot_rows = group, slot, slot_rows
-        y, received = exchange_rows(x, group, slot_rows, counts)
+        y, received = _exchange(x, group, slot_rows, counts)
         if received is None:
             received = torch.empty(0, dtype=torch.int64, device=x.device)
         ctx.mark_non_differentiable(received)
@@ -191,7 +212,7 @@ class _NarrowRows(torch.autograd.Function):
 
 def bridge_ragged(
     x: torch.Tensor,
-    tokens_per_sample: object,
+    counts: tuple[int, ...],
     *,
     plan: BridgePlan,
     rank: int,
@@ -200,32 +221,28 @@ def bridge_ragged(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One rank's ragged bridge step; see ``ColocatedBridgeCommunicator.communicate_ragged``.
 
-    Returns ``(y, dest_tokens_per_sample)``: ``y`` ``[T_dest, *rest]`` (never aliasing
-    ``x``), ``dest_tokens_per_sample`` a CPU int64 tensor ``[B_dest_local]``.
+    ``x`` ``[T, *rest]`` and ``counts`` (``tokens_per_sample`` parsed by
+    :func:`~mp_bridge.comm.bridge.plans.token_counts.check_tokens_per_sample`) are trusted:
+    the communicator checked them. Returns ``(y, dest_tokens_per_sample)``: ``y``
+    ``[T_dest, *rest]`` (never aliasing ``x``), ``dest_tokens_per_sample`` a CPU int64
+    tensor ``[B_dest_local]``.
     """
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
-    plan.check_member(rank, "communicate_ragged()")
-    if x.dim() < 1:
-        raise ValueError(
-            f"x has shape {tuple(x.shape)}; pass the flat tokens [T, *rest] (e.g. [T, h])"
-        )
-    counts = check_tokens_per_sample(tokens_per_sample, x.shape[0])
     k, slot, direction = plan.scale, plan.slot_of(rank), plan.direction
     if direction is BridgeDirection.FAN_IN:
         members = plan.gather_group_of(rank)
         headers = _exchange_headers(x, len(counts), gather_group, k)
-        # Every member sees the same headers, so every member raises the same error.
+        # The header is the call's one agreement: every member sees the same headers, so
+        # every member raises the same error; after it nothing is checked again.
         check_member_headers(members, [h[0] for h in headers])
         _check_rows(members, headers)
         slot_tokens = tuple(h[1] for h in headers)
         own = torch.tensor(counts, dtype=torch.int64)
         y, received = _GatherRows.apply(x, gather_group, slot, slot_tokens, own)
-        route = route_ragged(plan, rank, [tuple(c) for c in received.tolist()])
+        route = ragged_route_of(plan, rank, [tuple(c) for c in received.tolist()])
         assert route.slot_tokens == slot_tokens, (route, slot_tokens)
     else:
         # FAN_OUT members are one src DP replica: they all hold these counts.
-        route = route_ragged(plan, rank, [counts] * k)
+        route = ragged_route_of(plan, rank, [counts] * k)
         if direction is BridgeDirection.FAN_OUT:
             y = _NarrowRows.apply(x, gather_group, slot, route.slot_tokens)
         else:

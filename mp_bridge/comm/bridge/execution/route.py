@@ -57,7 +57,7 @@ from mp_bridge.comm.sequence.padding import PaddedLayout
 from mp_bridge.comm.sequence.partition import PartitionAdapter
 from mp_bridge.comm.sequence.samples import sample_sums
 
-__all__ = ["RouteCall", "apply_route", "parse_route", "route_image_rows", "run_route"]
+__all__ = ["RouteCall", "apply_route", "parse_route", "read_route_args", "run_route"]
 
 
 def _exchange(rows: torch.Tensor, send: Sequence[torch.Tensor], recv: Sequence[int], group):
@@ -144,13 +144,35 @@ def parse_route(
     rank: int,
     source_rows: int | None = None,
 ) -> RouteCall:
+    """:func:`read_route_args` behind the membership check, for a caller that plans and
+    runs ``route`` itself (``parse_route`` then :func:`run_route`): ``ValueError`` unless
+    ``rank`` is one of the bridged ranks. The communicator's entry guard checks that once
+    and calls :func:`read_route_args` directly."""
+    plan.check_member(rank, "route()")
+    return read_route_args(
+        x, tokens_per_sample, image_mask, partition, cu_seqlens=cu_seqlens, layout=layout,
+        plan=plan, rank=rank, source_rows=source_rows,
+    )  # fmt: skip
+
+
+def read_route_args(
+    x: object,
+    tokens_per_sample: object,
+    image_mask: object,
+    partition: object,
+    *,
+    cu_seqlens: object = None,
+    layout: PaddedLayout | None = None,
+    plan: BridgePlan,
+    rank: int,
+    source_rows: int | None = None,
+) -> RouteCall:
     """Validate one rank's ``route`` arguments (``ValueError``/``TypeError``, no collective).
 
     ``layout`` (``ShardedBatch.layout``) is used as is; without it the layout is parsed
     here from ``image_mask``'s length and ``cu_seqlens``. ``source_rows``: with a balance
     plan, the encoder DP batch's image tokens before balancing (``tokens_per_sample`` sums
-    to it, not to ``x``'s rows)."""
-    plan.check_member(rank, "route()")
+    to it, not to ``x``'s rows). ``rank`` is trusted to be one of the bridged ranks."""
     if not isinstance(x, torch.Tensor) or x.dim() < 1:
         raise ValueError(f"x must be the flat image tokens [T, *rest] (e.g. [T, h]), got {x!r}")
     if not isinstance(image_mask, torch.Tensor) or image_mask.dtype != torch.bool:
@@ -271,31 +293,3 @@ def apply_route(x: torch.Tensor, route: RankRoute, group, *, exchange: bool) -> 
     row it needs is held (only the backward exchanges then)."""
     assert route.x_rows == x.shape[0], (route, x.shape)
     return _RouteRows.apply(x, route, group, exchange)
-
-
-def route_image_rows(
-    x: torch.Tensor,
-    tokens_per_sample: object,
-    image_mask: torch.Tensor,
-    partition: PartitionAdapter,
-    *,
-    cu_seqlens=None,
-    layout: PaddedLayout | None = None,
-    plan: BridgePlan,
-    rank: int,
-    group: dist.ProcessGroup | None,
-    members: tuple[int, ...],
-    world_group: dist.ProcessGroup | None,
-    cache: RouteCache | None = None,
-) -> torch.Tensor:
-    """One rank's ``route`` (:func:`parse_route` then :func:`run_route`); see
-    ``ColocatedBridgeCommunicator.route``. ``group``/``members``: this rank's route group;
-    ``world_group``: every rank of the grids; ``cache``: plans (``None``: plan anew)."""
-    call = parse_route(
-        x, tokens_per_sample, image_mask, partition, cu_seqlens=cu_seqlens, layout=layout,
-        plan=plan, rank=rank,
-    )  # fmt: skip
-    return run_route(
-        call, plan=plan, rank=rank, group=group, members=members, world_group=world_group,
-        cache=cache,
-    )  # fmt: skip
