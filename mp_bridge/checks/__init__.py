@@ -3,8 +3,8 @@
 Imports torch and ``mp_bridge.deprecations`` (floor 0 too) only, never another
 ``mp_bridge`` package. ``check_group_arg`` is a deprecated alias of ``check_group``."""
 
-from .agree import AgreementSpec, FrozenSpec, agree
-from .agreement import (
+from .agree_spec import AgreementSpec, FrozenSpec, agree
+from .agreement_check import (
     MAX_FIELDS,
     AgreementError,
     check_agreement,

@@ -253,3 +253,20 @@ def test_no_module_imports_a_private_name_of_another():
                     if a.name.startswith("_")
                 ]
     assert bad == []
+
+
+def test_one_name_per_thing():
+    # No two modules share a file name (``__init__.py`` aside) and no two classes a name
+    # (e.g. the bridge's CommunicatorSpec, the model's MimoBuildSpec, the layers' ShardSpec
+    # and the partition's PartitionShardSpec were two BuildSpec and two ShardSpec).
+    files: dict[str, list[str]] = {}
+    classes: dict[str, list[str]] = {}
+    for f in sorted(ROOT.rglob("*.py")):
+        rel = str(f.relative_to(ROOT.parent))
+        if f.name != "__init__.py":
+            files.setdefault(f.name, []).append(rel)
+        for node in ast.parse(f.read_text()).body:
+            if isinstance(node, ast.ClassDef):
+                classes.setdefault(node.name, []).append(rel)
+    assert {n: p for n, p in files.items() if len(p) > 1} == {}
+    assert {n: p for n, p in classes.items() if len(p) > 1} == {}

@@ -21,8 +21,8 @@ from megatron.core.hyper_comm_grid import HyperCommGrid
 
 from mp_bridge.checks import FrozenSpec, agree, agreed
 from mp_bridge.grid import GridLayout, destroy_grid
-from mp_bridge.models.colocated.groups import GridsSpec
 from mp_bridge.models.colocated.mimo import ColocatedMimoModel
+from mp_bridge.models.colocated.mimo_groups import GridsSpec
 from mp_bridge.models.colocated.options import MimoOptions
 from mp_bridge.models.reference.model import ReferenceMimo
 

@@ -4,7 +4,7 @@ Per step, on every rank of the shared grid:
 
 1. parse this rank's inputs once (:func:`~mp_bridge.models.data.inputs.parse_step_inputs`:
    shapes, ids, ``cu_seqlens``, placeholder counts) and agree on the outcome over the
-   whole grid (:func:`~.agreement.agree_step_inputs`): a bad batch on any rank is the
+   whole grid (:func:`~.step_agreement.agree_step_inputs`): a bad batch on any rank is the
    same error on every rank, never a stranded peer;
 2. the flow (:class:`~.parts.MimoFlow`, chosen once at construction) runs the step on
    the parsed inputs: :class:`~.gather.GatherFlow` (bridge each LLM DP batch, place the
@@ -36,13 +36,13 @@ from torch import nn
 from mp_bridge.checks import FrozenSpec, agree, agreed, check_bool, check_int
 from mp_bridge.comm import ColocatedBridgeCommunicator, ImageBalancer, PartitionAdapter, group_size
 from mp_bridge.grid import GridLayout
-from mp_bridge.models.colocated.agreement import agree_step_inputs
 from mp_bridge.models.colocated.flows import parse_flow
-from mp_bridge.models.colocated.groups import MimoGroups, check_members, make_mimo_groups
 from mp_bridge.models.colocated.legacy import DP_NAMES, legacy_groups
+from mp_bridge.models.colocated.mimo_groups import MimoGroups, check_members, make_mimo_groups
 from mp_bridge.models.colocated.options import MimoOptions
 from mp_bridge.models.colocated.parts import MimoFlow, StepParts
 from mp_bridge.models.colocated.pipelined import pipelined_step
+from mp_bridge.models.colocated.step_agreement import agree_step_inputs
 from mp_bridge.models.data.inputs import BatchSpec, StepInputs, parse_step_inputs
 from mp_bridge.models.parallel.encoder import TPEncoder, TPProjection
 from mp_bridge.models.parallel.llm import TPLLM
@@ -229,7 +229,7 @@ class ColocatedMimoModel(nn.Module):
     def parse_and_agree(
         self, input_ids, labels, loss_mask, images=None, *, cu_seqlens=None
     ) -> StepInputs:
-        """This rank's inputs parsed once, agreed over the grid (:mod:`.agreement`).
+        """This rank's inputs parsed once, agreed over the grid (:mod:`.step_agreement`).
         Collectives: one small all-gather per grid group (packed: three)."""
         if self._destroyed:
             raise RuntimeError("forward() after destroy(); build a new ColocatedMimoModel")

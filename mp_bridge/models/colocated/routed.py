@@ -1,7 +1,7 @@
 """The routed flow: shard the integer tensors first, route image rows to the shards.
 
 ``ColocatedMimoModel(..., flow="routed")`` runs :class:`RoutedFlow` on the inputs the
-model parsed and agreed (:mod:`.agreement`). Per rank (``S`` the LLM DP batch's sequence
+model parsed and agreed (:mod:`.step_agreement`). Per rank (``S`` the LLM DP batch's sequence
 length, ``c`` CP size, ``t`` TP size):
 
 1. ``partition.shard(None, input_ids=, labels=, loss_mask=)``: CP-local integer tensors

@@ -1,8 +1,8 @@
 """What the ranks of one ``ColocatedBridgeCommunicator`` call compare before its collectives.
 
-Frozen specs for the entry guard (:func:`mp_bridge.checks.agree`): the rows of a call
+Frozen specs for the entry guard (:func:`mp_bridge.checks.agree_spec`): the rows of a call
 (:class:`RowsSpec`), ``route``'s rows plus its balance plan (:class:`RouteSpec`), and the
-construction (:class:`BuildSpec`).
+construction (:class:`CommunicatorSpec`).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from mp_bridge.checks import FrozenSpec
 from mp_bridge.comm.bridge.plans.balance_plan import BalancePlan
 from mp_bridge.grid import GridLayout
 
-__all__ = ["BuildSpec", "RouteSpec", "RowsSpec", "layout_key", "plan_code"]
+__all__ = ["CommunicatorSpec", "RouteSpec", "RowsSpec", "layout_key", "plan_code"]
 
 
 @dataclass(frozen=True)
@@ -33,7 +33,7 @@ class RowsSpec:
 
 
 @dataclass(frozen=True)
-class BuildSpec(FrozenSpec):
+class CommunicatorSpec(FrozenSpec):
     """What every rank of the world builds the communicator with: both layouts (shape,
     axis names, offset) and the dim mapping (names only label messages: not compared)."""
 

@@ -20,7 +20,7 @@ from mp_bridge.checks import agree, agreed, check_tensor
 from mp_bridge.comm.bridge.execution.balanced_route import check_balance, run_balanced_route
 from mp_bridge.comm.bridge.execution.bridge_groups import BridgeGroups, make_bridge_groups
 from mp_bridge.comm.bridge.execution.call_specs import (
-    BuildSpec,
+    CommunicatorSpec,
     RouteSpec,
     RowsSpec,
     layout_key,
@@ -57,7 +57,7 @@ class ColocatedBridgeCommunicator:
     Construction is collective over the whole world: every rank (even one outside the
     grids) builds the communicator with the same arguments, in the same order as its
     other group creations. It validates the layouts (``plan_bridge``) and ``dim_mapping``
-    and agrees on them over the world (:class:`BuildSpec`) before creating any group,
+    and agrees on them over the world (:class:`CommunicatorSpec`) before creating any group,
     then makes the gather groups, the dest CP group and the world group
     (:mod:`~mp_bridge.comm.bridge.execution.bridge_groups`, which says who owns which), and
     ends with one world barrier. The route groups are made on the first ``route`` (every rank of
@@ -121,7 +121,7 @@ class ColocatedBridgeCommunicator:
         self.src_grid, self.dest_grid = src_grid, dest_grid
         self._route_cache = RouteCache(maxsize=8)
         self._destroyed = False
-        spec = BuildSpec(
+        spec = CommunicatorSpec(
             layout_key(src), layout_key(dest), tuple(sorted(self._dim_mapping.items()))
         )
         agree("ColocatedBridgeCommunicator.__init__", dist.group.WORLD, spec)

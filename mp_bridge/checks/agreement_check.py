@@ -1,7 +1,7 @@
 """Agreement checks: ranks of a group that disagree get the same clear error on every rank.
 
 This module is the mechanism; entry points call it through ``agree(where, group, spec)``
-(:mod:`mp_bridge.checks.agree`), listed in :mod:`mp_bridge.checks.entry_points`.
+(:mod:`mp_bridge.checks.agree_spec`), listed in :mod:`mp_bridge.checks.entry_points`.
 
 A collective whose ranks disagree (one rank sends ``[2, 8, 4]``, the others
 ``[2, 4, 8]``; fp64 on one rank; 5 tokens versus 4; a target that differs across TP)
