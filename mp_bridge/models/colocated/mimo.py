@@ -233,10 +233,12 @@ class ColocatedMimoModel(nn.Module):
         Collectives: one small all-gather per grid group (packed: three)."""
         if self._destroyed:
             raise RuntimeError("forward() after destroy(); build a new ColocatedMimoModel")
+        plan = getattr(self.groups.bridge, "plan", None)  # None: one process (LocalBridge)
+        dp = (1, 1) if plan is None else (plan.src.axis_size("dp"), plan.dest.axis_size("dp"))
         return agree_step_inputs(
             lambda: parse_step_inputs(
                 input_ids, labels, loss_mask, images, cu_seqlens, self.spec,
-                images_of_text=False,
+                images_of_text=False, dp_sizes=dp,
             ),
             grid_groups=(self.groups.encoder_tp, self.groups.encoder_dp),  # the whole grid
             replica_groups=(self.groups.llm_tp, self.groups.llm_cp),  # one LLM DP replica
