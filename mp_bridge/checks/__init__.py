@@ -28,6 +28,7 @@ from .validate import (
     check_int,
     check_ints,
     check_positive_float,
+    check_str,
     check_tensor,
     is_int,
 )
@@ -59,6 +60,7 @@ __all__ = [
     "check_int",
     "check_ints",
     "check_positive_float",
+    "check_str",
     "check_tensor",
     "is_int",
 ]

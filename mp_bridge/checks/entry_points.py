@@ -2,7 +2,7 @@
 
 A *collective entry point* is a public callable whose ranks must make the same collective
 calls with the same arguments (shapes, dtypes, options) or hang, abort or return garbage.
-Each one parses its arguments into a frozen spec and calls :func:`~mp_bridge.checks.agree_spec`
+Each one parses its arguments into a frozen spec and calls :func:`~mp_bridge.checks.agree`
 before its first collective, and carries the mark::
 
     @agreed("mp_bridge.layers.masked_mean")

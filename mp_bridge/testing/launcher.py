@@ -17,7 +17,7 @@ outside any collective), then its Python stacks (``faulthandler`` on ``SIGUSR1``
 :mod:`mp_bridge.testing.stacks`); when exactly one rank is not waiting for the others,
 the error's ``rank`` is that one. ``pytest.skip`` on every failing rank skips the
 caller's test. The ranks run with ``MP_BRIDGE_CHECK=1`` (agreement checks,
-``mp_bridge.checks.agree_spec``) unless the caller's environment sets it.
+``mp_bridge.checks.agree``) unless the caller's environment sets it.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """What the ranks of a ``PartitionAdapter`` call compare before its first collective.
 
 Each is parsed once from the call's validated arguments and passed to
-:func:`mp_bridge.checks.agree_spec` (``fields()`` are the compared values).
+:func:`mp_bridge.checks.agree` (``fields()`` are the compared values).
 """
 
 from __future__ import annotations

@@ -279,7 +279,7 @@ def check_tp_agreement(
     """The TP ranks agree on the inputs' shapes and dtypes, the ``settings`` (chunking,
     vocab, loss spec), and hold bit-identical ``identical`` tensors (targets, fused hidden
     states); else the same ``AgreementError`` on every rank. One tiny all-gather over
-    ``tp_group`` under ``MP_BRIDGE_CHECK=1`` (:func:`mp_bridge.checks.agree_spec` with a
+    ``tp_group`` under ``MP_BRIDGE_CHECK=1`` (:func:`mp_bridge.checks.agree` with a
     :class:`TPLossSpec`)."""
     device = next(iter(inputs.values())).device
     same = {k: t for k, t in identical.items() if t is not None}

@@ -4,7 +4,7 @@ A bad batch on one rank (a label out of range on one DP replica, too many image 
 a wrong shape) must not leave the healthy ranks waiting in a collective the bad rank
 never reaches. So each rank parses its inputs first, locally
 (:func:`~mp_bridge.models.data.inputs.parse_step_inputs`), and the outcome goes through
-:func:`mp_bridge.checks.agree_spec` over the whole grid (the encoder TP group, then the encoder
+:func:`mp_bridge.checks.agree` over the whole grid (the encoder TP group, then the encoder
 DP group: together every rank) with a frozen :class:`StepSpec`: a rank's error becomes the
 same ``AgreementError`` on every rank, naming that rank and its message.
 

@@ -12,7 +12,7 @@ One rank's :meth:`ImageBalancer.balance` (the plan is :mod:`.balance_plan`):
    the first, so all run it). Every rank compares the same rows: TP peers of a replica
    that pass different counts, or ranks with different specs (``c``, cost, row shape,
    dtype), make every rank raise the same ``ValueError`` (the spec case through
-   :func:`mp_bridge.checks.agree_spec`, which names the field, ranks and values).
+   :func:`mp_bridge.checks.agree`, which names the field, ranks and values).
 3. :func:`plan_balance` on the gathered counts: identical on every rank, cached
    (:class:`RouteCache`, keyed by the counts and costs).
 4. **One** ``all_to_all_single`` over ``dp_group`` (the encoder DP group of this TP rank,

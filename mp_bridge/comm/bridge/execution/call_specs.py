@@ -1,6 +1,6 @@
 """What the ranks of one ``ColocatedBridgeCommunicator`` call compare before its collectives.
 
-Frozen specs for the entry guard (:func:`mp_bridge.checks.agree_spec`): the rows of a call
+Frozen specs for the entry guard (:func:`mp_bridge.checks.agree`): the rows of a call
 (:class:`RowsSpec`), ``route``'s rows plus its balance plan (:class:`RouteSpec`), and the
 construction (:class:`CommunicatorSpec`).
 """

@@ -8,6 +8,7 @@ keywords in the same positions, so it can replace megatron's unchanged. ``src_na
 
 from __future__ import annotations
 
+from mp_bridge.checks import check_str
 from mp_bridge.deprecations import resolve_alias
 
 __all__ = ["bridge_names"]
@@ -22,11 +23,7 @@ def _one(canonical: str, value: object, old: str, old_value: object, default: st
         # user -> __init__ -> bridge_names -> _one -> resolve_alias -> warnings.warn
         stacklevel=6,
     )  # fmt: skip
-    if value is None:
-        return default
-    if not isinstance(value, str):
-        raise TypeError(f"{canonical} must be a str, got {type(value).__name__}")
-    return value
+    return default if value is None else check_str(canonical, value)
 
 
 def bridge_names(

@@ -138,21 +138,19 @@ def parse_route(
     image_mask: object,
     partition: object,
     *,
-    cu_seqlens: object = None,
-    layout: PaddedLayout | None = None,
     plan: BridgePlan,
     rank: int,
-    source_rows: int | None = None,
+    **options: object,
 ) -> RouteCall:
-    """:func:`read_route_args` behind the membership check, for a caller that plans and
-    runs ``route`` itself (``parse_route`` then :func:`run_route`): ``ValueError`` unless
+    """:func:`read_route_args` (``options``: its ``cu_seqlens``, ``layout``,
+    ``source_rows``) behind the membership check, for a caller that plans and runs
+    ``route`` itself (``parse_route`` then :func:`run_route`): ``ValueError`` unless
     ``rank`` is one of the bridged ranks. The communicator's entry guard checks that once
     and calls :func:`read_route_args` directly."""
     plan.check_member(rank, "route()")
     return read_route_args(
-        x, tokens_per_sample, image_mask, partition, cu_seqlens=cu_seqlens, layout=layout,
-        plan=plan, rank=rank, source_rows=source_rows,
-    )  # fmt: skip
+        x, tokens_per_sample, image_mask, partition, plan=plan, rank=rank, **options
+    )
 
 
 def read_route_args(
