@@ -3,9 +3,15 @@
 The pure plans (:mod:`mp_bridge.comm.bridge.plans`) decide who talks to whom; the groups
 are made by :func:`~.bridge_groups.make_bridge_groups`; each call runs one of three
 executions: ``communicate`` (dense, ``dense.py``), ``communicate_ragged`` (``ragged.py``)
-and ``route`` (``route.py``). Every public call passes one entry guard first: not
-destroyed, this rank inside the grids, then (after the call's local validation) the
-agreement of its parsed spec across the ranks of its collective.
+and ``route`` (``route.py``).
+
+Every public call passes **one** entry guard at its top (:meth:`_enter`: not destroyed,
+this rank inside the grids; nothing later checks either again), its local validation
+(before any collective), then **one** agreement: ``communicate``, ragged FAN_OUT/EQUAL
+and ``route`` ``agree`` on a :class:`RowsSpec`/:class:`RouteSpec`; ragged FAN_IN on its
+fixed-size header all-gather (samples, tokens, row size, a code of row shape and dtype),
+a pipelined LLM on its own header: the token exchange trusts them. ``route``'s count rows
+then carry data its plan needs (every replica's token totals), not a second verdict.
 """
 
 from __future__ import annotations
