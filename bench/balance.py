@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from mp_bridge.comm.bridge.balance_plan import plan_balance
+from mp_bridge.comm.bridge.plans.balance_plan import plan_balance
 from mp_bridge.models.data import long_tail_images
 from mp_bridge.table import format_table
 

@@ -54,7 +54,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from mp_bridge.comm.bridge.balance_plan import plan_balance  # noqa: E402
+from mp_bridge.comm.bridge.plans.balance_plan import plan_balance  # noqa: E402
 from mp_bridge.grid import GridLayout, make_grid  # noqa: E402
 from mp_bridge.models import (  # noqa: E402
     MimoConfig,

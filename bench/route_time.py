@@ -22,8 +22,8 @@ import torch
 import torch.distributed as dist
 
 from mp_bridge.comm import ColocatedBridgeCommunicator, PartitionAdapter, pad_layout
-from mp_bridge.comm.bridge.plan import plan_bridge
-from mp_bridge.comm.bridge.route_plan import (
+from mp_bridge.comm.bridge.plans.bridge_plan import plan_bridge
+from mp_bridge.comm.bridge.plans.route_plan import (
     RouteCache,
     image_token_shards,
     plan_route,

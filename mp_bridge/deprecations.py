@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["DEPRECATIONS", "Deprecation", "alias_getattr", "warn_deprecated"]
+__all__ = ["DEPRECATIONS", "Deprecation", "alias_getattr", "resolve_alias", "warn_deprecated"]
 
 
 @dataclass(frozen=True)
@@ -82,6 +82,35 @@ def warn_deprecated(old: str, *, stacklevel: int = 3) -> None:
         DeprecationWarning,
         stacklevel=stacklevel,
     )
+
+
+def resolve_alias(
+    row: str,
+    new: str,
+    value: Any,
+    old: str,
+    old_value: Any,
+    *,
+    both: str | None = None,
+    equal_ok: bool = False,
+    stacklevel: int = 4,
+) -> Any:
+    """The value of keyword ``new``, or of ``old``, its deprecated spelling: the one place
+    a deprecated keyword alias is resolved.
+
+    ``old_value is None``: ``value`` as given. Else warns with row ``row`` of
+    :data:`DEPRECATIONS` (``stacklevel=4``: the caller of the function that calls this
+    one) and returns ``old_value``; when ``value`` is given too, ``ValueError`` (``both``,
+    or "pass new= or its deprecated alias old=, not both"), unless ``equal_ok`` and the two
+    are equal. E.g. ``resolve_alias(row, "axis_names", None, "dim_names", ("tp",))`` warns
+    and returns ``("tp",)``.
+    """
+    if old_value is None:
+        return value
+    warn_deprecated(row, stacklevel=stacklevel)
+    if value is not None and not (equal_ok and value == old_value):
+        raise ValueError(both or f"pass either {new}= or its deprecated alias {old}=, not both")
+    return old_value
 
 
 def alias_getattr(

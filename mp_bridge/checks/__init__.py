@@ -3,8 +3,8 @@
 Imports torch and ``mp_bridge.deprecations`` (floor 0 too) only, never another
 ``mp_bridge`` package. ``check_group_arg`` is a deprecated alias of ``check_group``."""
 
-from .agree import AgreementSpec, FrozenSpec, agree
-from .agreement import (
+from .agree_spec import AgreementSpec, FrozenSpec, agree
+from .agreement_check import (
     MAX_FIELDS,
     AgreementError,
     check_agreement,
@@ -28,6 +28,7 @@ from .validate import (
     check_int,
     check_ints,
     check_positive_float,
+    check_str,
     check_tensor,
     is_int,
 )
@@ -59,6 +60,7 @@ __all__ = [
     "check_int",
     "check_ints",
     "check_positive_float",
+    "check_str",
     "check_tensor",
     "is_int",
 ]

@@ -31,6 +31,7 @@ __all__ = [
     "check_int",
     "check_ints",
     "check_positive_float",
+    "check_str",
     "check_tensor",
     "is_int",
 ]
@@ -88,8 +89,17 @@ def check_ints(
 
 def check_bool(name: str, value: object, *, fix: str = "") -> bool:
     """A real ``bool`` (``"no"`` or ``0`` would be silently truthy/falsy)."""
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be True or False, got {value!r}{_hint(fix)}")
+    return _instance(name, value, bool, "True or False", repr(value), fix)
+
+
+def check_str(name: str, value: object, *, fix: str = "") -> str:
+    """A ``str`` (``TypeError`` naming the type given)."""
+    return _instance(name, value, str, "a str", type(value).__name__, fix)
+
+
+def _instance(name: str, value: object, cls: type, what: str, got: str, fix: str):
+    if not isinstance(value, cls):
+        raise TypeError(f"{name} must be {what}, got {got}{_hint(fix)}")
     return value
 
 

@@ -7,7 +7,7 @@ communicator, ragged and routed variants, the per-sample count check) and ``sequ
 packages use is exported here: import from ``mp_bridge.comm``, not from its modules.
 """
 
-from mp_bridge.checks.agreement import (
+from mp_bridge.checks.agreement_check import (
     AgreementError,
     check_agreement,
     check_group_arg,
@@ -15,15 +15,18 @@ from mp_bridge.checks.agreement import (
     fingerprint,
     run_checked,
 )
-from mp_bridge.comm.bridge.balance import ImageBalancer
-from mp_bridge.comm.bridge.balance_plan import BalancePlan, plan_balance
-from mp_bridge.comm.bridge.communicator import ColocatedBridgeCommunicator
-from mp_bridge.comm.bridge.counts import CountRow, check_sample_counts
-from mp_bridge.comm.bridge.groups import BridgeGroups, make_bridge_groups
-from mp_bridge.comm.bridge.plan import BridgeDirection, BridgePlan, format_rank_table, plan_bridge
-from mp_bridge.comm.bridge.ragged import exchange_rows
-from mp_bridge.comm.bridge.ragged_plan import RaggedRoute, route_ragged
-from mp_bridge.comm.bridge.route_plan import (
+from mp_bridge.comm.bridge.execution.balancer import ImageBalancer
+from mp_bridge.comm.bridge.execution.bridge_groups import BridgeGroups, make_bridge_groups
+from mp_bridge.comm.bridge.execution.communicator import ColocatedBridgeCommunicator
+from mp_bridge.comm.bridge.execution.ragged import exchange_rows
+from mp_bridge.comm.bridge.execution.sample_counts import check_sample_counts
+from mp_bridge.comm.bridge.plans.balance_plan import BalancePlan, plan_balance
+from mp_bridge.comm.bridge.plans.bridge_plan import BridgePlan, plan_bridge
+from mp_bridge.comm.bridge.plans.count_rows import CountRow
+from mp_bridge.comm.bridge.plans.dense_plan import format_rank_table
+from mp_bridge.comm.bridge.plans.layouts import BridgeDirection
+from mp_bridge.comm.bridge.plans.ragged_plan import RaggedRoute, route_ragged
+from mp_bridge.comm.bridge.plans.route_plan import (
     RankRoute,
     RouteCache,
     image_token_shards,
@@ -114,7 +117,7 @@ __all__ = [
     "pad_layout",
     "sample_sums",
     "deterministic_all_reduce",
-    # agreement checks (agreement.py)
+    # agreement checks (checks/agreement_check.py)
     "AgreementError",
     "check_agreement",
     "check_group_arg",

@@ -353,8 +353,8 @@ def run(args: argparse.Namespace) -> int:
         from mp_bridge.testing import current_device, run_distributed
 
         print(
-            f"launching {args.world} ranks (gloo, {current_device()}): encoder {args.encoder} -> llm "
-            f"{args.llm}, {_batches(args)} batches, {args.flow} flow"
+            f"launching {args.world} ranks (gloo, {current_device()}): encoder "
+            f"{args.encoder} -> llm {args.llm}, {_batches(args)} batches, {args.flow} flow"
             + (", balanced encoders" if args.balance else ""),
             flush=True,
         )

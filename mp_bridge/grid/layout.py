@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mp_bridge.checks import as_int
-from mp_bridge.deprecations import warn_deprecated
+from mp_bridge.deprecations import resolve_alias, warn_deprecated
 
 __all__ = ["GridLayout"]
 
@@ -56,11 +56,10 @@ class GridLayout:
         *,
         dim_names: Sequence[str] | None = None,
     ) -> None:
-        if dim_names is not None:
-            if axis_names is not None:
-                raise ValueError("pass axis_names= (or its deprecated alias dim_names=), not both")
-            warn_deprecated("mp_bridge.grid.GridLayout(dim_names=...)")
-            axis_names = dim_names
+        axis_names = resolve_alias(
+            "mp_bridge.grid.GridLayout(dim_names=...)", "axis_names", axis_names, "dim_names",
+            dim_names, both="pass axis_names= (or its deprecated alias dim_names=), not both",
+        )  # fmt: skip
         if axis_names is None:
             raise TypeError("GridLayout needs axis_names, e.g. GridLayout((2, 4), ('tp', 'dp'))")
         shape = tuple(shape)

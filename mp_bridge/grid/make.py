@@ -9,7 +9,7 @@ import torch.distributed as dist
 from megatron.core.hyper_comm_grid import HyperCommGrid
 
 from mp_bridge.checks import FrozenSpec, agree, agreed, check_int
-from mp_bridge.deprecations import warn_deprecated
+from mp_bridge.deprecations import resolve_alias
 from mp_bridge.grid.layout import GridLayout
 from mp_bridge.grid.spec import AXIS_NAMES
 
@@ -64,11 +64,9 @@ def make_grid(
         raise ValueError("pass either create= or its alias groups=, not both")
     if create is None:
         create = groups
-    if dim_names is not None:
-        if axis_names is not None:
-            raise ValueError("pass either axis_names= or its deprecated alias dim_names=, not both")
-        warn_deprecated("mp_bridge.grid.make_grid(dim_names=...)")
-        axis_names = dim_names
+    axis_names = resolve_alias(
+        "mp_bridge.grid.make_grid(dim_names=...)", "axis_names", axis_names, "dim_names", dim_names
+    )
     if axis_names is None:
         axis_names = AXIS_NAMES
     if not dist.is_available() or not dist.is_initialized():

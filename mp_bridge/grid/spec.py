@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from mp_bridge.checks import check_int
 from mp_bridge.grid.layout import GridLayout
 
 __all__ = ["AXIS_NAMES", "parse_layout_spec"]
@@ -22,8 +23,15 @@ def parse_layout_spec(
     """``"tp=2,dp=4"`` -> ``GridLayout((2, 4), ("tp", "dp"))``.
 
     Axes appear in the order written (first = fastest over ranks); allowed axes not written
-    are appended with size 1 in canonical order. With ``world_size`` the product must match.
+    are appended with size 1 in canonical order. With ``world_size`` (an int >= 1, checked
+    first) the product must match.
     """
+    if world_size is not None:
+        check_int(
+            "world_size", world_size, low=1,
+            fix="pass the number of ranks the layout must cover (e.g. "
+            "torch.distributed.get_world_size()), or world_size=None to skip the size check",
+        )  # fmt: skip
     if not isinstance(spec, str) or not spec.strip():
         raise ValueError(f"layout spec {spec!r} is empty; write e.g. 'tp=2,dp=4'")
     names: list[str] = []

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from mp_bridge.comm.bridge.communicator import ColocatedBridgeCommunicator
+from mp_bridge.comm.bridge.execution.communicator import ColocatedBridgeCommunicator
 from mp_bridge.grid.megatron_compat import MIMO_COMMUNICATOR_MODULE, mimo_model_module
 
 __all__ = ["MimoModelPatch", "patch_mimo_model"]

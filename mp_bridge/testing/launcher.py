@@ -189,7 +189,7 @@ def _exit_text(code: int | None) -> str:
     return f"exit code {code}"
 
 
-def _severity(kind: str, detail: Any) -> int:
+def failure_severity(kind: str, detail: Any) -> int:
     """Lower = more likely the first cause (see the module docstring)."""
     if kind == "skip":
         return 4
@@ -349,7 +349,7 @@ def _collect(
 
 
 def _raise_first_cause(failures: dict[int, tuple[str, Any, float]]) -> None:
-    order = sorted(failures, key=lambda r: (_severity(*failures[r][:2]), failures[r][2], r))
+    order = sorted(failures, key=lambda r: (failure_severity(*failures[r][:2]), failures[r][2], r))
     first = order[0]
     kind, detail, _ = failures[first]
     if kind == "skip":  # every failing rank skipped: skip the caller's test

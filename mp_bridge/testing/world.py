@@ -62,8 +62,8 @@ from mp_bridge.testing.case_progress import CaseProgress, Outcome
 from mp_bridge.testing.launcher import (
     DEFAULT_TIMEOUT_S,
     DistributedError,
-    _severity,
     device_under_test,
+    failure_severity,
     run_distributed,
     under_torchrun,
 )
@@ -207,7 +207,7 @@ class DistributedWorld:
         outcomes = self._run(self._size_of[name])[name]
         errors = [r for r, (status, _) in enumerate(outcomes) if status in ("error", "died")]
         if errors:  # name the first cause, not a rank that lost its connection to it
-            rank = min(errors, key=lambda r: (_severity(*outcomes[r]), r))
+            rank = min(errors, key=lambda r: (failure_severity(*outcomes[r]), r))
             raise DistributedError(
                 f"case {name!r} failed on rank {rank}:\n{outcomes[rank][1]}", rank
             )

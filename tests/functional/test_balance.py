@@ -25,8 +25,8 @@ import torch
 import torch.distributed as dist
 
 from mp_bridge.checks import AgreementError
-from mp_bridge.comm.bridge.balance import HEADER, ImageBalancer
-from mp_bridge.comm.bridge.balance_plan import plan_balance
+from mp_bridge.comm.bridge.execution.balancer import HEADER, ImageBalancer
+from mp_bridge.comm.bridge.plans.balance_plan import plan_balance
 from mp_bridge.grid import make_grid
 from mp_bridge.grid.destroy import destroy_grid
 from mp_bridge.testing import CollectiveCounter, DistributedWorld

@@ -24,7 +24,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import mp_bridge.comm.bridge.dense as bridge_module
+import mp_bridge.comm.bridge.execution.dense as bridge_module
 from mp_bridge.comm import BridgeDirection, ColocatedBridgeCommunicator
 from mp_bridge.grid import GridLayout, make_grid
 from mp_bridge.testing import DistributedWorld, current_device

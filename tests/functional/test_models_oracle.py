@@ -32,7 +32,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import mp_bridge.comm.bridge.dense as bridge_module
+import mp_bridge.comm.bridge.execution.dense as bridge_module
 import mp_bridge.models.colocated.parts as parts_module
 from mp_bridge.grid import make_grid
 from mp_bridge.models import (

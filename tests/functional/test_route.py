@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import mp_bridge.comm.bridge.route as route_module
+import mp_bridge.comm.bridge.execution.route as route_module
 from mp_bridge.comm import ColocatedBridgeCommunicator, PartitionAdapter
 from mp_bridge.grid import GridLayout
 from mp_bridge.testing import CollectiveCounter, DistributedWorld

@@ -29,6 +29,8 @@ FLOORS: dict[str, float] = {
     "mp_bridge.comm.collectives": 2.1,
     "mp_bridge.comm.sequence": 2.2,
     "mp_bridge.comm.bridge": 2.3,
+    "mp_bridge.comm.bridge.plans": 2.3,
+    "mp_bridge.comm.bridge.execution": 2.4,
     "mp_bridge.layers": 3,
     "mp_bridge.layers.loss": 3.1,
     "mp_bridge.models": 4,
@@ -212,3 +214,59 @@ def test_floor_lookup(module):
         assert floor_of(module) == 0  # top-level modules sit on the ground floor
     else:
         assert floor_of(module) == 4
+
+
+def test_the_bridge_plans_never_import_torch_distributed():
+    # The bridge's two halves: plans are pure (no process group), execution runs them.
+    plans = ROOT / "comm" / "bridge" / "plans"
+    bad = []
+    for f in sorted(plans.rglob("*.py")):
+        for node in ast.walk(ast.parse(f.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom):
+                names = [node.module or ""]
+            bad += [f"{f.name}: {n}" for n in names if n.startswith("torch.distributed")]
+    assert bad == []
+    graph = import_graph()
+    up = [
+        f"{m} imports {d}"
+        for m, deps in graph.items()
+        if m.startswith("mp_bridge.comm.bridge.plans")
+        for d in deps
+        if d.startswith("mp_bridge.comm.bridge.execution")
+    ]
+    assert up == []
+
+
+def test_no_module_imports_a_private_name_of_another():
+    # A name with a leading underscore is its module's own; another module that needs it
+    # gets a public name (e.g. routed.encoder_image_rows, once routed._image_rows).
+    bad = []
+    for f in sorted(ROOT.rglob("*.py")):
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.ImportFrom) and (
+                node.level or (node.module or "").startswith("mp_bridge")
+            ):
+                bad += [
+                    f"{f.relative_to(ROOT.parent)}: {node.module}.{a.name}"
+                    for a in node.names
+                    if a.name.startswith("_")
+                ]
+    assert bad == []
+
+
+def test_one_name_per_thing():
+    # No two modules share a file name (``__init__.py`` aside) and no two classes a name
+    # (e.g. the bridge's CommunicatorSpec, the model's MimoBuildSpec, the layers' ShardSpec
+    # and the partition's PartitionShardSpec were two BuildSpec and two ShardSpec).
+    files: dict[str, list[str]] = {}
+    classes: dict[str, list[str]] = {}
+    for f in sorted(ROOT.rglob("*.py")):
+        rel = str(f.relative_to(ROOT.parent))
+        if f.name != "__init__.py":
+            files.setdefault(f.name, []).append(rel)
+        for node in ast.parse(f.read_text()).body:
+            if isinstance(node, ast.ClassDef):
+                classes.setdefault(node.name, []).append(rel)
+    assert {n: p for n, p in files.items() if len(p) > 1} == {}
+    assert {n: p for n, p in classes.items() if len(p) > 1} == {}

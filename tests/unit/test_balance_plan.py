@@ -20,7 +20,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mp_bridge.comm.bridge.balance_plan import image_costs, plan_balance
+from mp_bridge.comm.bridge.plans.balance_plan import image_costs, plan_balance
 
 replica_tokens = st.lists(
     st.lists(st.integers(1, 40), max_size=12), min_size=1, max_size=9
@@ -215,7 +215,7 @@ def test_bad_arguments(tokens, kwargs, error, match):
 
 
 def test_one_process_balancer_keeps_its_plans(monkeypatch):
-    import mp_bridge.comm.bridge.balance as balance_module
+    import mp_bridge.comm.bridge.execution.balancer as balance_module
 
     calls = []
     real = balance_module.plan_balance

@@ -10,8 +10,9 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from megatron.core.hyper_comm_grid import HyperCommGrid
 
-import mp_bridge.comm.bridge.plan as bridge_plan_module
-from mp_bridge.comm.bridge.plan import BridgeDirection, plan_bridge
+import mp_bridge.comm.bridge.plans.bridge_plan as bridge_plan_module
+from mp_bridge.comm.bridge.plans.bridge_plan import plan_bridge
+from mp_bridge.comm.bridge.plans.layouts import BridgeDirection
 from mp_bridge.grid import GridLayout
 
 TCD = ("tp", "cp", "dp")

@@ -16,8 +16,8 @@ from mp_bridge.comm import (
     plan_bridge,
     sample_sums,
 )
-from mp_bridge.comm.bridge.names import bridge_names
-from mp_bridge.comm.bridge.route import parse_route
+from mp_bridge.comm.bridge.execution.names import bridge_names
+from mp_bridge.comm.bridge.execution.route import parse_route
 from mp_bridge.grid import GridLayout
 from mp_bridge.layers import context_parallel_attention
 

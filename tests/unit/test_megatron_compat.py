@@ -21,7 +21,7 @@ from mp_bridge.grid.megatron_compat import (
     megatron_core_version,
     mimo_model_module,
 )
-from mp_bridge.models.colocated.groups import grid_group
+from mp_bridge.models.colocated.mimo_groups import grid_group
 
 
 class _Grid016:

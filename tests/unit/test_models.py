@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from mp_bridge.comm import PartitionAdapter
+from mp_bridge.layers import mark_sharded
 from mp_bridge.models import (
     TPLLM,
     ColocatedMimoModel,
@@ -24,7 +25,7 @@ from mp_bridge.models import (
     place_image_embeddings,
     synthetic_batch,
 )
-from mp_bridge.models.parallel.sharding import gather_full_state, load_full_state, mark_sharded
+from mp_bridge.models.parallel.sharding import gather_full_state, load_full_state
 
 CFG = MimoConfig()
 

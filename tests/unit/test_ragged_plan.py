@@ -19,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mp_bridge.comm import BridgeDirection, RaggedRoute, exchange_rows, plan_bridge, route_ragged
-from mp_bridge.comm.bridge.ragged import check_tokens_per_sample
+from mp_bridge.comm.bridge.plans.token_counts import check_tokens_per_sample
 from mp_bridge.grid import GridLayout
 
 

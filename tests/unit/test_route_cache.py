@@ -1,18 +1,18 @@
 """``route`` keeps its plans: a repeated layout is not planned again (one process, no group).
 
-A one-rank bridge (EQUAL, no collective) runs ``route_image_rows`` with a ``RouteCache``;
-``plan_route`` is counted through monkeypatch. Also the LRU bound of ``RouteCache``.
+A one-rank bridge (EQUAL, no collective) runs ``parse_route`` then ``run_route`` with a
+``RouteCache``; ``plan_route`` is counted through monkeypatch. Also the LRU bound of ``RouteCache``.
 """
 
 from __future__ import annotations
 
 import torch
 
-import mp_bridge.comm.bridge.route as route_module
+import mp_bridge.comm.bridge.execution.route as route_module
 from mp_bridge.comm import PartitionAdapter
-from mp_bridge.comm.bridge.plan import plan_bridge
-from mp_bridge.comm.bridge.route import route_image_rows
-from mp_bridge.comm.bridge.route_plan import RouteCache
+from mp_bridge.comm.bridge.execution.route import parse_route, run_route
+from mp_bridge.comm.bridge.plans.bridge_plan import plan_bridge
+from mp_bridge.comm.bridge.plans.route_plan import RouteCache
 from mp_bridge.grid import GridLayout
 
 ORDER = ("tp", "cp", "pp", "dp")
@@ -26,18 +26,8 @@ def _route(cache, positions):
         mask[i, p] = True
     counts = [len(p) for p in positions]
     x = torch.randn(sum(counts), 4)
-    y = route_image_rows(
-        x,
-        counts,
-        mask,
-        PartitionAdapter(),
-        plan=PLAN,
-        rank=0,
-        group=None,
-        members=(0,),
-        world_group=None,
-        cache=cache,
-    )
+    call = parse_route(x, counts, mask, PartitionAdapter(), plan=PLAN, rank=0)
+    y = run_route(call, plan=PLAN, rank=0, group=None, members=(0,), world_group=None, cache=cache)
     return x, y
 
 

@@ -15,15 +15,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mp_bridge.comm.bridge.counts import (
+from mp_bridge.comm.bridge.execution.sample_counts import check_sample_counts
+from mp_bridge.comm.bridge.plans.bridge_plan import plan_bridge
+from mp_bridge.comm.bridge.plans.count_rows import (
     PRIME,
-    check_sample_counts,
     count_mismatch_message,
     count_row,
     counts_agree,
     counts_fingerprint,
 )
-from mp_bridge.comm.bridge.plan import plan_bridge
 from mp_bridge.grid import GridLayout
 
 ORDER = ("tp", "cp", "pp", "dp")

@@ -1,33 +1,56 @@
-"""The colocated bridge: pure plans (dense, ragged, routed, balanced), the communicator that
-executes them, the encoder image balancer, and the per-sample count check.
+"""The colocated bridge, in two halves: pure plans and their execution.
+
+- :mod:`~mp_bridge.comm.bridge.plans`: who sends which rows to whom (dense, ragged,
+  routed, pipeline stages, image balance, the per-sample count rows), computed from two
+  grid layouts with no process group.
+- :mod:`~mp_bridge.comm.bridge.execution`: the communicator that runs them with process
+  groups and autograd-aware collectives, the image balancer, and the count check.
+
+Every name is re-exported here (and the public ones again from :mod:`mp_bridge.comm`).
 """
 
-from .balance import ImageBalancer
-from .balance_plan import BalancePlan, plan_balance
-from .communicator import ColocatedBridgeCommunicator
-from .counts import (
-    ROW_SIZE,
-    CountRow,
+from .execution import (
+    BridgeGroups,
+    ColocatedBridgeCommunicator,
+    ImageBalancer,
+    RouteCall,
+    bridge_ragged,
     check_sample_counts,
+    exchange_rows,
+    make_bridge_groups,
+    make_route_group,
+    make_world_group,
+    parse_route,
+    run_route,
+)
+from .plans import (
+    ROW_SIZE,
+    BalancePlan,
+    BridgeDirection,
+    BridgePlan,
+    CountRow,
+    Piece,
+    RaggedRoute,
+    RankRoute,
+    RouteCache,
+    StageDelivery,
+    Transfer,
+    check_member_headers,
+    check_tokens_per_sample,
     count_mismatch_message,
     count_row,
     counts_agree,
     counts_fingerprint,
-)
-from .groups import BridgeGroups, make_bridge_groups, make_route_group, make_world_group
-from .plan import BridgeDirection, BridgePlan, format_rank_table, plan_bridge
-from .ragged import bridge_ragged, check_tokens_per_sample, exchange_rows
-from .ragged_plan import RaggedRoute, check_member_headers, route_ragged
-from .route import RouteCall, parse_route, route_image_rows, run_route
-from .route_plan import (
-    RankRoute,
-    RouteCache,
+    format_rank_table,
     image_token_shards,
+    plan_balance,
+    plan_bridge,
     plan_route,
+    plan_stage_delivery,
     route_groups,
     route_needs,
+    route_ragged,
 )
-from .stage_plan import Piece, StageDelivery, Transfer, plan_stage_delivery
 
 __all__ = [
     "BalancePlan",
@@ -58,7 +81,6 @@ __all__ = [
     "run_route",
     "make_route_group",
     "make_world_group",
-    "route_image_rows",
     "Piece",
     "StageDelivery",
     "Transfer",

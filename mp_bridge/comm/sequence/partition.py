@@ -46,7 +46,7 @@ from mp_bridge.comm.sequence.cut import (
     seq_len_divisor,
 )
 from mp_bridge.comm.sequence.padding import PaddedLayout, original_layout, pad_along, pad_layout
-from mp_bridge.comm.sequence.specs import ShardSpec, UnshardSpec
+from mp_bridge.comm.sequence.partition_specs import PartitionShardSpec, PartitionUnshardSpec
 
 __all__ = ["PAD_LABEL", "PartitionAdapter", "ShardedBatch"]
 
@@ -235,7 +235,7 @@ class PartitionAdapter:
         src = layout.source_index(device) if pad else None
 
         given = {name: t is not None for name, t in tokens}
-        spec = ShardSpec(
+        spec = PartitionShardSpec(
             None if embeddings is None else tuple(embeddings.shape),
             None if embeddings is None else embeddings.dtype,
             seq_len, layout.padded_bounds, tuple(sorted(given.items())),
@@ -355,7 +355,7 @@ class PartitionAdapter:
             bounds = layout.padded_bounds
             if layout.padding:
                 keep = layout.kept_positions(x.device)
-        spec = UnshardSpec(tuple(x.shape), x.dtype, dim, sp, grad, seq_len, bounds)
+        spec = PartitionUnshardSpec(tuple(x.shape), x.dtype, dim, sp, grad, seq_len, bounds)
         agree("PartitionAdapter.unshard", [self.tp_group if sp else None, self.cp_group], spec,
               device=x.device)  # fmt: skip
         order = cp_gather_order(full_len, self.cp_size, cu_seqlens=bounds, device=x.device)

@@ -1,17 +1,19 @@
 """The colocated MIMO step: groups, the parse-and-agree door, the flows (gather / routed)
 and the model wrapper."""
 
-from .agreement import ReplicaDocsSpec, StepSpec, agree_image_counts, agree_step_inputs
 from .build import build_colocated_mimo, destroy_colocated_mimo
 from .flows import FLOWS, parse_flow
 from .gather import GatherFlow
-from .groups import MimoGroups, check_members, grid_group, groups_of_bridge, make_mimo_groups
 from .local import LocalBridge
 from .mimo import ColocatedMimoModel
+from .mimo_groups import MimoGroups, check_members, grid_group, groups_of_bridge, make_mimo_groups
+from .options import MimoOptions
 from .parts import MimoFlow, StepParts, shard_loss
 from .routed import RoutedFlow, place_local_rows
+from .step_agreement import ReplicaDocsSpec, StepSpec, agree_image_counts, agree_step_inputs
 
 __all__ = [
+    "MimoOptions",
     "ReplicaDocsSpec",
     "StepSpec",
     "agree_image_counts",

@@ -17,31 +17,28 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
 from megatron.core.hyper_comm_grid import HyperCommGrid
 
-from mp_bridge.checks import FrozenSpec, agree, agreed, check_bool, check_int
+from mp_bridge.checks import FrozenSpec, agree, agreed
 from mp_bridge.grid import GridLayout, destroy_grid
-from mp_bridge.models.colocated.flows import parse_flow
-from mp_bridge.models.colocated.groups import GridsSpec
 from mp_bridge.models.colocated.mimo import ColocatedMimoModel
-from mp_bridge.models.colocated.parts import MimoFlow
+from mp_bridge.models.colocated.mimo_groups import GridsSpec
+from mp_bridge.models.colocated.options import MimoOptions
 from mp_bridge.models.reference.model import ReferenceMimo
 
-__all__ = ["build_colocated_mimo", "destroy_colocated_mimo"]
+__all__ = ["MimoBuildSpec", "build_colocated_mimo", "destroy_colocated_mimo"]
 
 
 @dataclass(frozen=True)
-class BuildSpec(FrozenSpec):
-    """What every rank of the grids builds the model with: the grids and the options."""
+class MimoBuildSpec(FrozenSpec):
+    """What every rank of the grids builds the model with: the grids and the agreed
+    options (:meth:`MimoOptions.agreed`); ``fields()`` names each option."""
 
     grids: GridsSpec
-    sequence_parallel: bool
-    fused_loss: bool
-    flow: str
-    microbatches: int
-    schedule: str
-    balance: bool
+    options: tuple[tuple[str, object], ...]
+
+    def fields(self) -> dict[str, object]:
+        return {"grids": self.grids, **dict(self.options)}
 
 
 @agreed("mp_bridge.models.build_colocated_mimo")
@@ -49,38 +46,25 @@ def build_colocated_mimo(
     reference: ReferenceMimo,
     encoder_grid: HyperCommGrid,
     llm_grid: HyperCommGrid,
-    *,
-    sequence_parallel: bool = False,
-    fused_loss: bool = False,
-    device: torch.device | None = None,
-    flow: str | MimoFlow = "gather",
-    microbatches: int = 1,
-    schedule: str = "auto",
-    balance: bool = False,
+    **options,
 ) -> ColocatedMimoModel:
     """Shard ``reference`` into encoder (``tp``/``dp``) and LLM (``tp``/``cp``/``dp``) grids.
 
+    ``options``: the build options of :class:`~.options.MimoOptions` (``sequence_parallel``,
+    ``fused_loss``, ``device``, ``flow``, ``microbatches``, ``schedule``, ``balance``).
     Every group comes from ``make_mimo_groups(encoder_grid, llm_grid)`` (groups the grids
     lack are created on them; one bridge). Release them with :func:`destroy_colocated_mimo`.
     ``flow``: ``"gather"`` or ``"routed"``; ``balance``: see :class:`ColocatedMimoModel`. The grids'
     layouts are agreed over the world by the bridge's constructor; then every rank of the
-    grids agrees on the grids and options (:class:`BuildSpec`, over the encoder TP and DP
-    groups: together the grid) before the model is returned. Ranks outside the grids
+    grids agrees on the grids and options (:class:`MimoBuildSpec`, over the encoder TP and
+    DP groups: together the grid) before the model is returned. Ranks outside the grids
     take part in the group creations only (they build the bridge, not the model).
     An LLM grid with ``pp > 1`` gives each rank its pipeline stage; ``microbatches`` and
     ``schedule`` drive :meth:`ColocatedMimoModel.train_step` then.
     """
     grids = GridsSpec.of(*(GridLayout.from_grid(g) for g in (encoder_grid, llm_grid)))
-    spec = BuildSpec(
-        grids, check_bool("sequence_parallel", sequence_parallel),
-        check_bool("fused_loss", fused_loss), parse_flow(flow).name,
-        check_int("microbatches", microbatches, low=1), schedule, check_bool("balance", balance),
-    )  # fmt: skip
-    model = ColocatedMimoModel.from_full(
-        reference, encoder_grid, llm_grid, sequence_parallel=sequence_parallel,
-        fused_loss=fused_loss, device=device, flow=flow, microbatches=microbatches,
-        schedule=schedule, balance=balance,
-    )  # fmt: skip
+    spec = MimoBuildSpec(grids, MimoOptions(**options).agreed())
+    model = ColocatedMimoModel.from_full(reference, encoder_grid, llm_grid, **options)
     groups = [model.groups.encoder_tp, model.groups.encoder_dp]
     agree("build_colocated_mimo", groups, spec, device=next(model.llm.parameters()).device)
     return model

@@ -4,7 +4,7 @@
 the encoder and projection of one seeded :class:`ReferenceMimo` on an encoder grid
 (``tp × dp`` over the whole world), then for each batch times this rank's encoder forward
 plus backward (``sum`` of the projected rows) twice: on its own encoder DP shard, and on
-the images :class:`~mp_bridge.comm.bridge.balance.ImageBalancer` gives its replica (cost
+the images :class:`~mp_bridge.comm.bridge.execution.balancer.ImageBalancer` gives its replica (cost
 ``t² + c·t``, ``c = cfg.encoder_cost_c``). The image moves are outside the timed region:
 the times are the encoder work that balancing evens out. Each time is the median of
 ``repeats`` runs after a barrier, summed over the batches; every rank returns every rank's

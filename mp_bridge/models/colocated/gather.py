@@ -2,7 +2,7 @@
 
 Per rank (``S`` the LLM DP batch's sequence length, ``c`` CP size):
 
-1. ragged images: :func:`~.agreement.agree_image_counts` (every rank, one small exchange);
+1. ragged images: :func:`~.step_agreement.agree_image_counts` (every rank, one small exchange);
 2. encoder + projection on this rank's encoder DP shard: ``images [b_e, p, patch_dim]``
    -> ``[b_e, p, h]`` (TP-replicated), or ragged ``[T_e, patch_dim]`` -> ``[T_e, h]``;
 3. ``bridge.communicate`` -> this rank's LLM DP shard ``[b_l, p, h]``; ragged:
@@ -27,8 +27,8 @@ from __future__ import annotations
 import torch
 
 from mp_bridge.comm import ColocatedBridgeCommunicator
-from mp_bridge.models.colocated.agreement import agree_image_counts
 from mp_bridge.models.colocated.parts import MimoFlow, StepParts, shard_loss
+from mp_bridge.models.colocated.step_agreement import agree_image_counts
 from mp_bridge.models.data.images import RaggedImages
 from mp_bridge.models.data.inputs import StepInputs
 from mp_bridge.models.data.placement import place_images

@@ -3,7 +3,7 @@
 Old form: ``ColocatedMimoModel(encoder, projection, llm, bridge, partition, *,
 image_token_id, encoder_dp_group=None, llm_dp_cp_group=None, groups=None, flow=...)``.
 It warns (``DeprecationWarning``) and becomes the new form: one :class:`MimoGroups` (the
-``groups`` given, or :func:`~.groups.groups_of_bridge` around the bridge, DP groups left
+``groups`` given, or :func:`~.mimo_groups.groups_of_bridge` around the bridge, DP groups left
 out looked up on its grids) and the ``partition`` given.
 """
 
@@ -13,7 +13,7 @@ from collections.abc import Mapping
 
 from mp_bridge.comm import PartitionAdapter
 from mp_bridge.deprecations import warn_deprecated
-from mp_bridge.models.colocated.groups import MimoGroups, groups_of_bridge
+from mp_bridge.models.colocated.mimo_groups import MimoGroups, groups_of_bridge
 
 __all__ = ["KEYWORDS", "legacy_groups"]
 

@@ -1,6 +1,6 @@
 """The bridge of a single process: the encoder's batch is the LLM's, nothing moves.
 
-:meth:`MimoGroups.local() <mp_bridge.models.colocated.groups.MimoGroups.local>` pairs it
+:meth:`MimoGroups.local() <mp_bridge.models.colocated.mimo_groups.MimoGroups.local>` pairs it
 with no process group, so a :class:`ColocatedMimoModel` runs in one process (both flows)
 with exactly the reference math. Same calls as
 :class:`~mp_bridge.comm.ColocatedBridgeCommunicator`; no collectives.

@@ -4,7 +4,7 @@ Per step, on every rank of the shared grid:
 
 1. parse this rank's inputs once (:func:`~mp_bridge.models.data.inputs.parse_step_inputs`:
    shapes, ids, ``cu_seqlens``, placeholder counts) and agree on the outcome over the
-   whole grid (:func:`~.agreement.agree_step_inputs`): a bad batch on any rank is the
+   whole grid (:func:`~.step_agreement.agree_step_inputs`): a bad batch on any rank is the
    same error on every rank, never a stranded peer;
 2. the flow (:class:`~.parts.MimoFlow`, chosen once at construction) runs the step on
    the parsed inputs: :class:`~.gather.GatherFlow` (bridge each LLM DP batch, place the
@@ -36,12 +36,13 @@ from torch import nn
 from mp_bridge.checks import FrozenSpec, agree, agreed, check_bool, check_int
 from mp_bridge.comm import ColocatedBridgeCommunicator, ImageBalancer, PartitionAdapter, group_size
 from mp_bridge.grid import GridLayout
-from mp_bridge.models.colocated.agreement import agree_step_inputs
 from mp_bridge.models.colocated.flows import parse_flow
-from mp_bridge.models.colocated.groups import MimoGroups, check_members, make_mimo_groups
 from mp_bridge.models.colocated.legacy import DP_NAMES, legacy_groups
+from mp_bridge.models.colocated.mimo_groups import MimoGroups, check_members, make_mimo_groups
+from mp_bridge.models.colocated.options import MimoOptions
 from mp_bridge.models.colocated.parts import MimoFlow, StepParts
 from mp_bridge.models.colocated.pipelined import pipelined_step
+from mp_bridge.models.colocated.step_agreement import agree_step_inputs
 from mp_bridge.models.data.inputs import BatchSpec, StepInputs, parse_step_inputs
 from mp_bridge.models.parallel.encoder import TPEncoder, TPProjection
 from mp_bridge.models.parallel.llm import TPLLM
@@ -66,7 +67,7 @@ class ColocatedMimoModel(nn.Module):
         flow: ``"gather"`` (default), ``"routed"`` or a :class:`MimoFlow` object (see
             :mod:`.gather`, :mod:`.routed`), parsed once here.
         balance: spread ragged images over the encoder DP replicas by estimated cost
-            before encoding (:class:`~mp_bridge.comm.bridge.balance.ImageBalancer`, cost
+            before encoding (:class:`~mp_bridge.comm.bridge.execution.balancer.ImageBalancer`, cost
             ``t² + c·t``, ``c = cfg.encoder_cost_c``); the routed flow then sends
             each feature row straight to its shard, the gather flow returns it to its
             source replica first. Uniform images and one encoder replica: nothing moves.
@@ -228,14 +229,16 @@ class ColocatedMimoModel(nn.Module):
     def parse_and_agree(
         self, input_ids, labels, loss_mask, images=None, *, cu_seqlens=None
     ) -> StepInputs:
-        """This rank's inputs parsed once, agreed over the grid (:mod:`.agreement`).
+        """This rank's inputs parsed once, agreed over the grid (:mod:`.step_agreement`).
         Collectives: one small all-gather per grid group (packed: three)."""
         if self._destroyed:
             raise RuntimeError("forward() after destroy(); build a new ColocatedMimoModel")
+        plan = getattr(self.groups.bridge, "plan", None)  # None: one process (LocalBridge)
+        dp = (1, 1) if plan is None else (plan.src.axis_size("dp"), plan.dest.axis_size("dp"))
         return agree_step_inputs(
             lambda: parse_step_inputs(
                 input_ids, labels, loss_mask, images, cu_seqlens, self.spec,
-                images_of_text=False,
+                images_of_text=False, dp_sizes=dp,
             ),
             grid_groups=(self.groups.encoder_tp, self.groups.encoder_dp),  # the whole grid
             replica_groups=(self.groups.llm_tp, self.groups.llm_cp),  # one LLM DP replica
@@ -251,37 +254,28 @@ class ColocatedMimoModel(nn.Module):
         return cls.from_groups(reference, make_mimo_groups(encoder_grid, llm_grid), **kwargs)
 
     @classmethod
-    def from_groups(
-        cls,
-        reference,
-        groups: MimoGroups,
-        *,
-        sequence_parallel: bool = False,
-        fused_loss: bool = False,
-        device: torch.device | None = None,
-        flow: str | MimoFlow = "gather",
-        microbatches: int = 1,
-        schedule: str = "auto",
-        balance: bool = False,
-    ) -> ColocatedMimoModel:
+    def from_groups(cls, reference, groups: MimoGroups, **options) -> ColocatedMimoModel:
         """This rank's shards of ``reference`` on ``groups`` (no collective; the model
-        keeps ``groups``, which :func:`destroy_colocated_mimo` frees). ``flow``,
-        ``microbatches``, ``schedule``, ``balance``: see the class; with ``groups.llm_pp`` (LLM
-        pp > 1) the LLM is this rank's :class:`TPLLMStage`."""
-        cfg = reference.cfg
+        keeps ``groups``, which :func:`destroy_colocated_mimo` frees). ``options``: the
+        build options of :class:`~.options.MimoOptions` (``flow``, ``microbatches``,
+        ``schedule``, ``balance``: see the class); with ``groups.llm_pp`` (LLM pp > 1) the
+        LLM is this rank's :class:`TPLLMStage`. The one builder: ``from_full`` and
+        ``build_colocated_mimo`` end here."""
+        opts, cfg = MimoOptions(**options), reference.cfg
         enc_tp, llm_tp, llm_cp = groups.encoder_tp, groups.llm_tp, groups.llm_cp
+        device, sp = opts.device, opts.sequence_parallel
         if group_size(groups.llm_pp) > 1:
-            if fused_loss:
+            if opts.fused_loss:
                 raise ValueError("fused_loss=True is not supported with a pipelined LLM (pp > 1)")
             llm = TPLLMStage.from_full(
                 reference.llm, cfg, stage=dist.get_rank(groups.llm_pp),
                 n_stages=group_size(groups.llm_pp), tp_group=llm_tp, cp_group=llm_cp,
-                sequence_parallel=sequence_parallel, device=device,
+                sequence_parallel=sp, device=device,
             )  # fmt: skip
         else:
             llm = TPLLM.from_full(
                 reference.llm, cfg, tp_group=llm_tp, cp_group=llm_cp,
-                sequence_parallel=sequence_parallel, fused_loss=fused_loss, device=device,
+                sequence_parallel=sp, fused_loss=opts.fused_loss, device=device,
             )  # fmt: skip
         return cls(
             TPEncoder.from_full(reference.encoder, cfg, tp_group=enc_tp, device=device),
@@ -289,10 +283,7 @@ class ColocatedMimoModel(nn.Module):
             llm,
             groups,
             image_token_id=cfg.image_token_id,
-            flow=flow,
-            microbatches=microbatches,
-            schedule=schedule,
-            balance=balance,
+            **opts.model_keywords(),
         )
 
     def to_full(self) -> dict[str, torch.Tensor]:

@@ -21,7 +21,7 @@ from torch import nn
 
 from mp_bridge.comm import BalancePlan, ImageBalancer, PartitionAdapter, ShardedBatch
 from mp_bridge.layers import masked_mean
-from mp_bridge.models.colocated.groups import MimoGroups
+from mp_bridge.models.colocated.mimo_groups import MimoGroups
 from mp_bridge.models.data.images import RaggedImages
 from mp_bridge.models.data.inputs import StepInputs
 from mp_bridge.models.parallel.llm import TPLLM

@@ -37,9 +37,9 @@ from dataclasses import dataclass
 import torch
 
 from mp_bridge.comm import ColocatedBridgeCommunicator, scatter_along
-from mp_bridge.models.colocated.agreement import agree_image_counts
 from mp_bridge.models.colocated.parts import StepParts
-from mp_bridge.models.colocated.routed import _image_rows, place_local_rows
+from mp_bridge.models.colocated.routed import encoder_image_rows, place_local_rows
+from mp_bridge.models.colocated.step_agreement import agree_image_counts
 from mp_bridge.models.data.inputs import StepInputs
 from mp_bridge.models.data.placement import place_images
 from mp_bridge.models.parallel.pipeline import LLMPipeline
@@ -121,7 +121,7 @@ def _deliver(parts: StepParts, inputs: StepInputs, flow: str):
     tokens per sample."""
     image, plan = parts.encode_balanced(inputs.images)  # plan: balanced ragged images
     if flow == "routed":
-        x, counts = _image_rows(parts, image, inputs) if plan is None else (
+        x, counts = encoder_image_rows(parts, image, inputs) if plan is None else (
             image, inputs.images.tokens_per_sample)  # fmt: skip
         balanced = {} if plan is None else {"balance": plan}
         rows = parts.bridge.route(

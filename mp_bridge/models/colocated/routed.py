@@ -1,7 +1,7 @@
 """The routed flow: shard the integer tensors first, route image rows to the shards.
 
 ``ColocatedMimoModel(..., flow="routed")`` runs :class:`RoutedFlow` on the inputs the
-model parsed and agreed (:mod:`.agreement`). Per rank (``S`` the LLM DP batch's sequence
+model parsed and agreed (:mod:`.step_agreement`). Per rank (``S`` the LLM DP batch's sequence
 length, ``c`` CP size, ``t`` TP size):
 
 1. ``partition.shard(None, input_ids=, labels=, loss_mask=)``: CP-local integer tensors
@@ -48,7 +48,7 @@ from mp_bridge.models.colocated.parts import MimoFlow, StepParts, shard_loss
 from mp_bridge.models.data.inputs import StepInputs
 from mp_bridge.models.data.packed import rows_per_document
 
-__all__ = ["RoutedFlow", "place_local_rows"]
+__all__ = ["RoutedFlow", "encoder_image_rows", "place_local_rows"]
 
 
 def place_local_rows(text: torch.Tensor, rows: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -89,7 +89,7 @@ class RoutedFlow(MimoFlow):
         if inputs.has_images:
             features, plan = parts.encode_balanced(inputs.images)
             if plan is None:
-                x, counts = _image_rows(parts, features, inputs)
+                x, counts = encoder_image_rows(parts, features, inputs)
             else:  # balanced rows: the plan names their holders, counts stay pre-balance
                 x, counts = features, inputs.images.tokens_per_sample
             balanced = {} if plan is None else {"balance": plan}
@@ -102,7 +102,7 @@ class RoutedFlow(MimoFlow):
         return shard_loss(parts, embeddings, shard)  # LLM -> per-token loss -> masked_mean
 
 
-def _image_rows(parts: StepParts, image: torch.Tensor, inputs: StepInputs):
+def encoder_image_rows(parts: StepParts, image: torch.Tensor, inputs: StepInputs):
     """``(x [T, h], tokens_per_sample [b_e])`` of this rank's encoder DP batch.
 
     Ragged: the encoder output and its counts. Uniform ``[b_e, p, h]``: the first ``n_i``

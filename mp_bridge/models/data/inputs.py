@@ -33,6 +33,7 @@ __all__ = [
     "IGNORE_INDEX",
     "BatchSpec",
     "StepInputs",
+    "check_image_batch",
     "check_placeholders",
     "packed_tokens",
     "parse_step_inputs",
@@ -126,6 +127,7 @@ def parse_step_inputs(
     spec: BatchSpec,
     *,
     images_of_text: bool,
+    dp_sizes: tuple[int, int] | None = None,
 ) -> StepInputs:
     """Validate one step's inputs once and return them parsed (local checks only).
 
@@ -134,7 +136,9 @@ def parse_step_inputs(
     too (or ``IGNORE_INDEX``), images' kind and shape, at most ``num_patches``
     placeholders per sample for uniform images. ``images_of_text``: the images are of
     the text's samples (one process), so ragged counts must equal the placeholders and
-    the uniform batch size the text's.
+    the uniform batch size the text's. ``dp_sizes``: ``(encoder dp, llm dp)`` of a
+    colocated model, whose images are this rank's encoder DP block of the global batch
+    (``b_text · llm_dp / encoder_dp`` samples, :func:`check_image_batch`).
     """
     if cu_seqlens is not None:
         input_ids, labels, loss_mask = map(packed_tokens, (input_ids, labels, loss_mask))
@@ -166,6 +170,8 @@ def parse_step_inputs(
     _check_ids(input_ids, labels, spec.vocab_size)
     placeholders = placeholder_counts(input_ids, spec.image_token_id, cu)
     _check_images(images, placeholders, spec, images_of_text, packed)
+    if images is not None and dp_sizes is not None and not images_of_text:
+        check_image_batch(images, placeholders.shape[0], *dp_sizes, packed=packed)
     docs = None if cu is None else PaddedLayout.of_documents(cu.tolist())  # parsed: no 2nd parse
     return StepInputs(
         input_ids, labels, loss_mask, images, cu, placeholders, spec.image_token_id, docs
@@ -223,6 +229,41 @@ def _check_images(
             f"images has {images.shape[0]} samples but the text has {placeholders.shape[0]} "
             f"{sample}s; give one image per {sample} ({sample} i takes image i)"
         )
+
+
+def check_image_batch(
+    images: Images, text_samples: int, encoder_dp: int, llm_dp: int, *, packed: bool = False
+) -> None:
+    """``ValueError`` naming ``images`` unless they hold this rank's encoder DP block.
+
+    The global batch (``text_samples · llm_dp``: the LLM DP blocks) splits over the
+    encoder DP ranks in equal contiguous blocks, so the encoder batch holds
+    ``text_samples · llm_dp / encoder_dp`` samples (ragged: ``tokens_per_sample`` entries).
+    E.g. encoder dp 4, LLM dp 2, 4 text samples: 2 images. Local: no collective.
+    """
+    sample = "document" if packed else "sample"
+    n = len(images.tokens_per_sample) if isinstance(images, RaggedImages) else images.shape[0]
+    total = text_samples * llm_dp
+    want = total // encoder_dp
+    if total % encoder_dp == 0 and n == want:
+        return
+    head = (
+        f"images holds {n} {sample}s (images.tokens_per_sample entries)"
+        if isinstance(images, RaggedImages)
+        else f"images has {n} {sample}s (shape {tuple(images.shape)})"
+    )
+    if total % encoder_dp:
+        raise ValueError(
+            f"{head} but the global batch of {total} {sample}s ({text_samples} in input_ids "
+            f"x llm dp {llm_dp}) does not split over encoder dp {encoder_dp}; pass a global "
+            f"batch divisible by {encoder_dp} (input_ids and images)"
+        )
+    raise ValueError(
+        f"{head} but this rank's encoder DP batch holds {want}: the global batch of {total} "
+        f"{sample}s ({text_samples} in input_ids x llm dp {llm_dp}) splits over encoder dp "
+        f"{encoder_dp} in equal blocks; pass this rank's encoder DP block of images, {want} "
+        f"{sample}s (one image per {sample})"
+    )
 
 
 def check_placeholders(

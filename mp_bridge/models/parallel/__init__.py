@@ -1,19 +1,13 @@
 """TP/CP building blocks of the distributed encoder and LLM (whole, or in pipeline stages
-run by ``LLMPipeline``), and full-state sharding."""
+run by ``LLMPipeline``), and full-state sharding (the per-parameter shard names,
+``ShardSpec``, ``mark_sharded``, ``shard_of``, live in :mod:`mp_bridge.layers`)."""
 
 from .encoder import TPEncoder, TPProjection, bidirectional_attention
 from .llm import TPLLM
 from .llm_stages import TPLLMStage, stage_layers
 from .pipeline import LLMPipeline, PipelineStepSpec
 from .pipeline_capacity import agree_capacity, packed_length, pad_packed_to
-from .sharding import (
-    FullStateMixin,
-    ShardSpec,
-    gather_full_state,
-    load_full_state,
-    mark_sharded,
-    shard_of,
-)
+from .sharding import FullStateMixin, gather_full_state, load_full_state
 from .tp_blocks import (
     TPMLP,
     AttentionCore,
@@ -39,11 +33,8 @@ __all__ = [
     "packed_length",
     "pad_packed_to",
     "FullStateMixin",
-    "ShardSpec",
     "gather_full_state",
     "load_full_state",
-    "mark_sharded",
-    "shard_of",
     "AttentionCore",
     "TPAttention",
     "TPBlock",

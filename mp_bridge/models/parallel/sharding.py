@@ -16,23 +16,11 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from mp_bridge.layers import (
-    ShardSpec,
-    gather_shard,
-    load_shard_,
-    mark_sharded,
-    shard_of,
-    shard_spec,
-)
+from mp_bridge.layers import gather_shard, load_shard_, shard_spec
 
-__all__ = [
-    "FullStateMixin",
-    "ShardSpec",
-    "gather_full_state",
-    "load_full_state",
-    "mark_sharded",
-    "shard_of",
-]
+# The per-parameter names (ShardSpec, mark_sharded, shard_of) have one public home,
+# mp_bridge.layers; this module holds the whole-module steps only.
+__all__ = ["FullStateMixin", "gather_full_state", "load_full_state"]
 
 
 @torch.no_grad()

@@ -1,6 +1,6 @@
 """Ragged bridge execution: exact-bytes token exchange and its autograd Functions.
 
-``bridge_ragged`` runs one rank's :class:`~mp_bridge.comm.bridge.ragged_plan.RaggedRoute`:
+``bridge_ragged`` runs one rank's :class:`~mp_bridge.comm.bridge.plans.ragged_plan.RaggedRoute`:
 
 =========  ==============================================  ===================================
 direction  forward                                         backward (adjoint)
@@ -16,15 +16,17 @@ received are exactly the other slots' tokens, no padding to the largest member; 
 NCCL both support uneven splits, whereas gloo's ``all_gather`` needs equal sizes.
 
 Counts: FAN_IN first all-gathers a fixed-size int64 header per member (samples, tokens,
-row numel, element size), so a member passing a different number of samples (or another
-row shape) raises the same ``ValueError`` on every rank of the group instead of hanging.
+row numel, a code of the row shape and dtype): the call's one agreement, so a member
+passing a different number of samples (or another row shape or dtype) raises the same
+``ValueError`` on every rank of the group instead of hanging; nothing after it is checked
+again (the token exchange trusts it).
 The per-sample counts then ride in the token exchange as an ``8·n``-byte prefix of each
 message (the exchange moves bytes), so FAN_IN forward is two collectives: one small header
 all-gather (``4·8`` bytes per member) and one token exchange. FAN_OUT computes every slot's
 size from its local counts: no forward collective, one exchange backward.
 
 The CP all-reduce (dest CP > 1) is ``copy_to_group`` applied after the direction step, so
-backward sums the incoming gradient over the dest CP group first (see ``bridge.py``).
+backward sums the incoming gradient over the dest CP group first (see ``dense.py``).
 Each Function's backward applies its adjoint Function (gather-keep <-> narrow), so
 ``backward(create_graph=True)`` records the backward collective too.
 """
@@ -32,15 +34,17 @@ Each Function's backward applies its adjoint Function (gather-keep <-> narrow), 
 from __future__ import annotations
 
 import math
+import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from mp_bridge.checks import FrozenSpec, agree, agreed, is_int
-from mp_bridge.comm.bridge.plan import BridgeDirection, BridgePlan
-from mp_bridge.comm.bridge.ragged_plan import check_member_headers, route_ragged
+from mp_bridge.checks import FrozenSpec, agree, agreed
+from mp_bridge.comm.bridge.plans.bridge_plan import BridgePlan
+from mp_bridge.comm.bridge.plans.layouts import BridgeDirection
+from mp_bridge.comm.bridge.plans.ragged_plan import check_member_headers, ragged_route_of
 from mp_bridge.comm.collectives.primitives import (
     all_gather_tensor,
     copy_to_group,
@@ -48,59 +52,9 @@ from mp_bridge.comm.collectives.primitives import (
     group_size,
 )
 
-__all__ = ["bridge_ragged", "check_tokens_per_sample", "exchange_rows"]
+__all__ = ["bridge_ragged", "exchange_rows"]
 
-HEADER_FIELDS = ("samples", "tokens", "row numel", "element size")
-
-
-def check_tokens_per_sample(tokens_per_sample: object, num_tokens: int) -> tuple[int, ...]:
-    """Validate ``tokens_per_sample`` (local, no collective) and return it as ints.
-
-    Accepts a 1-D integer tensor or a sequence of ints, each >= 0, summing to ``num_tokens``
-    (the first dim of ``x``). Raises ``ValueError`` naming the value and the fix.
-    """
-    if isinstance(tokens_per_sample, torch.Tensor):
-        t = tokens_per_sample
-        if t.dim() != 1:
-            raise ValueError(
-                f"tokens_per_sample has shape {tuple(t.shape)} ({t.dim()} dims); pass a 1-D "
-                f"tensor with one token count per sample of this rank's batch"
-            )
-        if t.dtype == torch.bool or t.is_floating_point() or t.is_complex():
-            raise ValueError(
-                f"tokens_per_sample has dtype {t.dtype}; pass an integer tensor (e.g. "
-                f"torch.int64) of per-sample token counts"
-            )
-        values = t.tolist()
-    elif isinstance(tokens_per_sample, Sequence) and not isinstance(tokens_per_sample, str):
-        values = list(tokens_per_sample)
-        bad = [v for v in values if not is_int(v)]
-        if bad:
-            raise ValueError(
-                f"tokens_per_sample={values} has non-int entries {bad[:4]}; pass a flat "
-                f"sequence (or 1-D integer tensor) of per-sample token counts"
-            )
-    else:
-        raise TypeError(
-            f"tokens_per_sample must be a 1-D integer tensor or a sequence of ints, got "
-            f"{type(tokens_per_sample).__name__}"
-        )
-    negative = [v for v in values if v < 0]
-    if negative:
-        raise ValueError(
-            f"tokens_per_sample={_short(values)} has negative counts {negative[:4]}; each "
-            f"sample's token count must be >= 0 (0 for a text-only sample)"
-        )
-    if sum(values) != num_tokens:
-        raise ValueError(
-            f"tokens_per_sample={_short(values)} sums to {sum(values)} but x has {num_tokens} "
-            f"tokens (its first dim); pass one count per sample summing to x.shape[0]"
-        )
-    return tuple(int(v) for v in values)
-
-
-def _short(values: list[int]) -> str:
-    return str(values) if len(values) <= 16 else f"[{len(values)} counts: {values[:8]}...]"
+HEADER_FIELDS = ("samples", "tokens", "row numel", "row code")
 
 
 # ------------------------------------------------------- plain (non-autograd) exchange
@@ -140,6 +94,17 @@ def exchange_rows(
     n = None if counts is None else counts.numel()
     spec = _ExchangeSpec(tuple(slot_rows), tuple(x.shape[1:]), x.dtype, n)
     agree("exchange_rows", group, spec, device=x.device)
+    return _exchange(x, group, slot_rows, counts)
+
+
+def _exchange(
+    x: torch.Tensor,
+    group: dist.ProcessGroup | None,
+    slot_rows: Sequence[int],
+    counts: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`exchange_rows` after its checks (``bridge_ragged``'s header agreed on them)."""
+    k = len(slot_rows)
     if k == 1:  # a single process (group None or of size 1): nothing to exchange
         return x.clone(), None if counts is None else counts.reshape(1, -1).clone()
     rest = tuple(x.shape[1:])
@@ -178,26 +143,34 @@ def _as_bytes(t: torch.Tensor) -> torch.Tensor:
 def _exchange_headers(
     x: torch.Tensor, n_samples: int, group: dist.ProcessGroup | None, k: int
 ) -> list[list[int]]:
-    """All-gather one fixed-size int64 header per member (``HEADER_FIELDS``)."""
+    """All-gather one fixed-size int64 header per member (``HEADER_FIELDS``; the row code
+    is a CRC of the row shape and dtype, so the header is the call's whole agreement)."""
     header = torch.tensor(
-        [n_samples, x.shape[0], math.prod(x.shape[1:]), x.element_size()],
+        [n_samples, x.shape[0], math.prod(x.shape[1:]), _row_code(x)],
         dtype=torch.int64,
         device=x.device,
     )
     return all_gather_tensor(header, group, 0).reshape(k, len(HEADER_FIELDS)).tolist()
 
 
+def _row_code(x: torch.Tensor) -> int:
+    return zlib.crc32(repr((tuple(x.shape[1:]), str(x.dtype))).encode())
+
+
 def _check_rows(members: Sequence[int], headers: list[list[int]]) -> None:
-    rows = {(h[2], h[3]) for h in headers}
-    if len(rows) > 1:
-        per_rank = ", ".join(
-            f"rank {r}: {h[2]} elements x {h[3]} bytes" for r, h in zip(members, headers)
-        )
-        raise ValueError(
-            f"the ranks of gather group {list(members)} passed tokens of different row "
-            f"sizes in x ({per_rank}); every member's x must be [T, *rest] with the same "
-            f"rest and dtype"
-        )
+    if len({h[2] for h in headers}) > 1:
+        what = "sizes"
+        per_rank = ", ".join(f"rank {r}: {h[2]} elements" for r, h in zip(members, headers))
+    elif len({h[3] for h in headers}) > 1:
+        what = "shapes or dtypes"
+        per_rank = ", ".join(f"rank {r}: code {h[3]:#x}" for r, h in zip(members, headers))
+    else:
+        return
+    raise ValueError(
+        f"the ranks of gather group {list(members)} passed tokens of different row "
+        f"{what} in x ({per_rank}); every member's x must be [T, *rest] with the same "
+        f"rest and dtype"
+    )
 
 
 # ----------------------------------------------------------------- autograd ops
@@ -208,7 +181,7 @@ class _GatherRows(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group, slot, slot_rows, counts):
         ctx.group, ctx.slot, ctx.slot_rows = group, slot, slot_rows
-        y, received = exchange_rows(x, group, slot_rows, counts)
+        y, received = _exchange(x, group, slot_rows, counts)
         if received is None:
             received = torch.empty(0, dtype=torch.int64, device=x.device)
         ctx.mark_non_differentiable(received)
@@ -239,7 +212,7 @@ class _NarrowRows(torch.autograd.Function):
 
 def bridge_ragged(
     x: torch.Tensor,
-    tokens_per_sample: object,
+    counts: tuple[int, ...],
     *,
     plan: BridgePlan,
     rank: int,
@@ -248,32 +221,28 @@ def bridge_ragged(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One rank's ragged bridge step; see ``ColocatedBridgeCommunicator.communicate_ragged``.
 
-    Returns ``(y, dest_tokens_per_sample)``: ``y`` ``[T_dest, *rest]`` (never aliasing
-    ``x``), ``dest_tokens_per_sample`` a CPU int64 tensor ``[B_dest_local]``.
+    ``x`` ``[T, *rest]`` and ``counts`` (``tokens_per_sample`` parsed by
+    :func:`~mp_bridge.comm.bridge.plans.token_counts.check_tokens_per_sample`) are trusted:
+    the communicator checked them. Returns ``(y, dest_tokens_per_sample)``: ``y``
+    ``[T_dest, *rest]`` (never aliasing ``x``), ``dest_tokens_per_sample`` a CPU int64
+    tensor ``[B_dest_local]``.
     """
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
-    plan.check_member(rank, "communicate_ragged()")
-    if x.dim() < 1:
-        raise ValueError(
-            f"x has shape {tuple(x.shape)}; pass the flat tokens [T, *rest] (e.g. [T, h])"
-        )
-    counts = check_tokens_per_sample(tokens_per_sample, x.shape[0])
     k, slot, direction = plan.scale, plan.slot_of(rank), plan.direction
     if direction is BridgeDirection.FAN_IN:
         members = plan.gather_group_of(rank)
         headers = _exchange_headers(x, len(counts), gather_group, k)
-        # Every member sees the same headers, so every member raises the same error.
+        # The header is the call's one agreement: every member sees the same headers, so
+        # every member raises the same error; after it nothing is checked again.
         check_member_headers(members, [h[0] for h in headers])
         _check_rows(members, headers)
         slot_tokens = tuple(h[1] for h in headers)
         own = torch.tensor(counts, dtype=torch.int64)
         y, received = _GatherRows.apply(x, gather_group, slot, slot_tokens, own)
-        route = route_ragged(plan, rank, [tuple(c) for c in received.tolist()])
+        route = ragged_route_of(plan, rank, [tuple(c) for c in received.tolist()])
         assert route.slot_tokens == slot_tokens, (route, slot_tokens)
     else:
         # FAN_OUT members are one src DP replica: they all hold these counts.
-        route = route_ragged(plan, rank, [counts] * k)
+        route = ragged_route_of(plan, rank, [counts] * k)
         if direction is BridgeDirection.FAN_OUT:
             y = _NarrowRows.apply(x, gather_group, slot, route.slot_tokens)
         else:

@@ -23,7 +23,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from .agreement import check_agreement
+from .agreement_check import check_agreement
 
 __all__ = ["AgreementSpec", "FrozenSpec", "agree"]
 

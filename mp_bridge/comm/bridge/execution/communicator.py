@@ -1,11 +1,17 @@
 """``ColocatedBridgeCommunicator``: execute a :class:`BridgePlan` with process groups.
 
-The plan (``plan.py``) decides who talks to whom; the groups are made by
-:func:`~mp_bridge.comm.bridge.groups.make_bridge_groups`; each call runs one of three
+The pure plans (:mod:`mp_bridge.comm.bridge.plans`) decide who talks to whom; the groups
+are made by :func:`~.bridge_groups.make_bridge_groups`; each call runs one of three
 executions: ``communicate`` (dense, ``dense.py``), ``communicate_ragged`` (``ragged.py``)
-and ``route`` (``route.py``). Every public call passes one entry guard first: not
-destroyed, this rank inside the grids, then (after the call's local validation) the
-agreement of its parsed spec across the ranks of its collective.
+and ``route`` (``route.py``).
+
+Every public call passes **one** entry guard at its top (:meth:`_enter`: not destroyed,
+this rank inside the grids; nothing later checks either again), its local validation
+(before any collective), then **one** agreement: ``communicate``, ragged FAN_OUT/EQUAL
+and ``route`` ``agree`` on a :class:`RowsSpec`/:class:`RouteSpec`; ragged FAN_IN on its
+fixed-size header all-gather (samples, tokens, row size, a code of row shape and dtype),
+a pipelined LLM on its own header: the token exchange trusts them. ``route``'s count rows
+then carry data its plan needs (every replica's token totals), not a second verdict.
 """
 
 from __future__ import annotations
@@ -17,18 +23,26 @@ import torch
 import torch.distributed as dist
 
 from mp_bridge.checks import agree, agreed, check_tensor
-from mp_bridge.comm.bridge.balance_plan import BalancePlan
-from mp_bridge.comm.bridge.balance_route import check_balance, run_balanced_route
-from mp_bridge.comm.bridge.call_specs import BuildSpec, RouteSpec, RowsSpec, layout_key, plan_code
-from mp_bridge.comm.bridge.dense import bridge_dense, check_dim_mapping
-from mp_bridge.comm.bridge.groups import BridgeGroups, make_bridge_groups
-from mp_bridge.comm.bridge.names import bridge_names
-from mp_bridge.comm.bridge.plan import BridgeDirection, BridgePlan, plan_bridge
-from mp_bridge.comm.bridge.ragged import bridge_ragged, check_tokens_per_sample
-from mp_bridge.comm.bridge.route import parse_route, run_route
-from mp_bridge.comm.bridge.route_plan import RouteCache
-from mp_bridge.comm.bridge.stage import deliver_rows, ragged_dest_counts, stage_rows
-from mp_bridge.comm.bridge.stage_plan import StageDelivery, plan_stage_delivery
+from mp_bridge.comm.bridge.execution.balanced_route import check_balance, run_balanced_route
+from mp_bridge.comm.bridge.execution.bridge_groups import BridgeGroups, make_bridge_groups
+from mp_bridge.comm.bridge.execution.call_specs import (
+    CommunicatorSpec,
+    RouteSpec,
+    RowsSpec,
+    layout_key,
+    plan_code,
+)
+from mp_bridge.comm.bridge.execution.dense import bridge_dense, check_dim_mapping
+from mp_bridge.comm.bridge.execution.names import bridge_names
+from mp_bridge.comm.bridge.execution.ragged import bridge_ragged
+from mp_bridge.comm.bridge.execution.route import read_route_args, run_route
+from mp_bridge.comm.bridge.execution.stage import deliver_rows, ragged_dest_counts, stage_rows
+from mp_bridge.comm.bridge.plans.balance_plan import BalancePlan
+from mp_bridge.comm.bridge.plans.bridge_plan import BridgePlan, plan_bridge
+from mp_bridge.comm.bridge.plans.layouts import BridgeDirection
+from mp_bridge.comm.bridge.plans.route_plan import RouteCache
+from mp_bridge.comm.bridge.plans.stage_plan import StageDelivery, plan_stage_delivery
+from mp_bridge.comm.bridge.plans.token_counts import check_tokens_per_sample
 from mp_bridge.comm.sequence.padding import PaddedLayout
 from mp_bridge.comm.sequence.partition import PartitionAdapter
 from mp_bridge.grid import GridLayout
@@ -44,15 +58,15 @@ class ColocatedBridgeCommunicator:
     ``b_dest = k·b_src``, FAN_OUT ``b_dest = b_src / k``), replicated over dest TP and CP
     (the LLM takes its CP chunks itself). Collectives per call: FAN_IN forward one
     all-gather; FAN_OUT backward one all-gather; plus one all-reduce in backward when dest
-    CP > 1; nothing else. Adjoints: :mod:`mp_bridge.comm.bridge.dense`.
+    CP > 1; nothing else. Adjoints: :mod:`mp_bridge.comm.bridge.execution.dense`.
 
     Construction is collective over the whole world: every rank (even one outside the
     grids) builds the communicator with the same arguments, in the same order as its
     other group creations. It validates the layouts (``plan_bridge``) and ``dim_mapping``
-    and agrees on them over the world (:class:`BuildSpec`) before creating any group,
-    then makes the gather groups, the dest CP group and the
-    world group (:mod:`mp_bridge.comm.bridge.groups`, which says who owns which), and ends
-    with one world barrier. The route groups are made on the first ``route`` (every rank of
+    and agrees on them over the world (:class:`CommunicatorSpec`) before creating any group,
+    then makes the gather groups, the dest CP group and the world group
+    (:mod:`~mp_bridge.comm.bridge.execution.bridge_groups`, which says who owns which), and
+    ends with one world barrier. The route groups are made on the first ``route`` (every rank of
     the grids calls it) or by ``prepare_route()``, which a rank outside the grids must call
     at the same point: a user who never routes pays no group for it.
 
@@ -70,7 +84,7 @@ class ColocatedBridgeCommunicator:
             ``dest_module_name`` (``DeprecationWarning``).
 
     LLM PP > 1 (a ``pp`` axis in ``dest_grid``): only the LLM's first stage consumes
-    encoder rows (:mod:`mp_bridge.comm.bridge.stage`): ``communicate`` and
+    encoder rows (:mod:`mp_bridge.comm.bridge.execution.stage`): ``communicate`` and
     ``communicate_ragged`` return the first-stage rank's dest batch and ``[0, ...]`` on a
     later stage, with one exact-bytes ``all_to_all_single`` over the world group each way
     (no gather group is made); ``route`` sends straight to the first stage's CP/SP shard.
@@ -113,7 +127,7 @@ class ColocatedBridgeCommunicator:
         self.src_grid, self.dest_grid = src_grid, dest_grid
         self._route_cache = RouteCache(maxsize=8)
         self._destroyed = False
-        spec = BuildSpec(
+        spec = CommunicatorSpec(
             layout_key(src), layout_key(dest), tuple(sorted(self._dim_mapping.items()))
         )
         agree("ColocatedBridgeCommunicator.__init__", dist.group.WORLD, spec)
@@ -145,7 +159,7 @@ class ColocatedBridgeCommunicator:
 
     @property
     def groups(self) -> BridgeGroups:
-        """This rank's :class:`~mp_bridge.comm.bridge.groups.BridgeGroups`."""
+        """This rank's :class:`~mp_bridge.comm.bridge.execution.bridge_groups.BridgeGroups`."""
         return self._groups
 
     @property
@@ -166,20 +180,26 @@ class ColocatedBridgeCommunicator:
         return self._groups.world
 
     # ------------------------------------------------------------------ entry guard
-    def _enter(self, call: str, spec: RowsSpec | None = None, group: Any = None) -> None:
-        """The guard of every public call: ``spec`` (parsed by the call's local
-        validation) is compared across ``group`` before the call's first collective."""
+    def _enter(self, call: str) -> None:
+        """The one entry guard of every public call, run once at its top: not destroyed,
+        and this rank inside the grids (the call's only membership check)."""
         if self._destroyed:
             raise RuntimeError(f"{call}() after destroy(); build a new communicator")
         self._plan.check_member(self._rank, f"{call}()")
-        if spec is not None:
-            agree(f"ColocatedBridgeCommunicator.{call}", group, spec, device=spec.device)
+
+    def _agree(self, call: str, spec: RowsSpec, group: Any) -> None:
+        """The call's one agreement: ``spec`` (parsed by its local validation) compared
+        across ``group`` before its first collective."""
+        agree(f"ColocatedBridgeCommunicator.{call}", group, spec, device=spec.device)
 
     def prepare_route(self) -> None:
         """Make the route groups now (collective over the world; idempotent). ``route``
         calls it; a rank outside the grids calls it where the others first route."""
         if self._destroyed:
             raise RuntimeError("prepare_route() after destroy(); build a new communicator")
+        self._make_route_groups()
+
+    def _make_route_groups(self) -> None:
         make_bridge_groups(self._plan, self._rank, self._world, parts=("route",), into=self._groups)
 
     # ------------------------------------------------------------------ execution
@@ -204,7 +224,7 @@ class ColocatedBridgeCommunicator:
         groups = self._groups
         spec = RowsSpec(tuple(x.shape), x.dtype, x.device.type)
         if self._stage is not None:  # every rank's batch: one exchange over the world
-            self._enter("communicate", spec, groups.world)
+            self._agree("communicate", spec, groups.world)
             rows = stage_rows(self._stage, self._rank, [1] * x.shape[dim], [1] * (
                 x.shape[dim] // len(self._stage.src_pieces(self._rank))
                 * len(self._stage.dest_pieces(self._rank))))  # fmt: skip
@@ -213,7 +233,7 @@ class ColocatedBridgeCommunicator:
                 cp_group=groups.cp,
             )  # fmt: skip
             return y.movedim(0, dim)
-        self._enter("communicate", spec, groups.gather if k > 1 else groups.cp)
+        self._agree("communicate", spec, groups.gather if k > 1 else groups.cp)
         return bridge_dense(
             x,
             direction=direction,
@@ -251,35 +271,36 @@ class ColocatedBridgeCommunicator:
         header is its agreement check; FAN_OUT and EQUAL compare the row shape and dtype
         in the entry guard). Every backward applies its adjoint Function, so
         ``backward(create_graph=True)`` works in every direction. See
-        :mod:`mp_bridge.comm.bridge.ragged`.
+        :mod:`mp_bridge.comm.bridge.execution.ragged`.
         """
         self._enter("communicate_ragged")
         check_tensor("x", x)
-        if self._stage is not None:
-            return self._ragged_to_stage(x, tokens_per_sample)
-        if self._plan.direction is not BridgeDirection.FAN_IN:
-            groups = self._groups
-            spec = RowsSpec(tuple(x.shape[1:]), x.dtype, x.device.type)
-            group = groups.gather if self._plan.scale > 1 else groups.cp
-            self._enter("communicate_ragged", spec, group)
-        return bridge_ragged(
-            x,
-            tokens_per_sample,
-            plan=self._plan,
-            rank=self._rank,
-            gather_group=self._groups.gather,
-            cp_group=self._groups.cp,
-        )
-
-    def _ragged_to_stage(
-        self, x: torch.Tensor, tokens_per_sample
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``communicate_ragged`` with LLM PP > 1 (:mod:`mp_bridge.comm.bridge.stage`)."""
         if x.dim() < 1:
             raise ValueError(
                 f"x has shape {tuple(x.shape)}; pass the flat tokens [T, *rest] (e.g. [T, h])"
             )
         counts = check_tokens_per_sample(tokens_per_sample, x.shape[0])
+        groups = self._groups
+        if self._stage is not None:
+            return self._ragged_to_stage(x, counts)
+        if self._plan.direction is not BridgeDirection.FAN_IN:  # FAN_IN: the header agrees
+            spec = RowsSpec(tuple(x.shape[1:]), x.dtype, x.device.type)
+            group = groups.gather if self._plan.scale > 1 else groups.cp
+            self._agree("communicate_ragged", spec, group)
+        return bridge_ragged(
+            x,
+            counts,
+            plan=self._plan,
+            rank=self._rank,
+            gather_group=groups.gather,
+            cp_group=groups.cp,
+        )
+
+    def _ragged_to_stage(
+        self, x: torch.Tensor, counts: tuple[int, ...]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``communicate_ragged`` with LLM PP > 1 (:mod:`~.stage`); its header over the
+        world group is the call's agreement."""
         world, ranks = self._groups.world, self._plan.src.ranks
         dest = ragged_dest_counts(x, counts, self._stage, rank=self._rank, group=world,
                                   ranks=ranks)  # fmt: skip
@@ -319,29 +340,28 @@ class ColocatedBridgeCommunicator:
         whose ``image_mask`` count differs from its ``tokens_per_sample`` entry, or a rank
         passing a different number of samples, raises the same ``ValueError`` on every
         rank (naming the first bad sample). Plans are cached (8 layouts). Bytes, backward
-        and errors: see :mod:`mp_bridge.comm.bridge.route`.
+        and errors: see :mod:`mp_bridge.comm.bridge.execution.route`.
 
         ``balance``: the :class:`BalancePlan` of ``ImageBalancer.balance`` (the same on
         every rank). ``x`` then holds the encoded rows of the images this rank's replica
         encoded (``balance.tokens_after(replica)``) and ``tokens_per_sample`` stays its
         encoder DP batch's pre-balance counts (the count check runs on them). Each row goes
         straight from its encoder to its consumers over every rank of the grids, no return
-        trip to its source replica: :mod:`mp_bridge.comm.bridge.balance_route`. A plan
+        trip to its source replica: :mod:`mp_bridge.comm.bridge.execution.balanced_route`. A plan
         that moves no image is the plain route.
         """
         self._enter("route")
-        self.prepare_route()  # collective: before any local validation can raise
+        self._make_route_groups()  # collective: before any local validation can raise
         source_rows = None
         if balance is not None:
-            self._plan.check_member(self._rank, "route()")
             source_rows = check_balance(balance, x, self._plan, self._rank)
-        call = parse_route(
+        call = read_route_args(
             x, tokens_per_sample, image_mask, partition, cu_seqlens=cu_seqlens, layout=layout,
             plan=self._plan, rank=self._rank, source_rows=source_rows,
         )  # fmt: skip
         groups = self._groups
         spec = RouteSpec(tuple(x.shape[1:]), x.dtype, x.device.type, plan_code(balance))
-        self._enter("route", spec, groups.world)
+        self._agree("route", spec, groups.world)
         if balance is not None and balance.moved_images:
             return run_balanced_route(
                 call, balance, plan=self._plan, rank=self._rank, world_group=groups.world,

@@ -35,7 +35,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from mp_bridge.comm.bridge.plan import BridgeDirection, BridgePlan
+from mp_bridge.comm.bridge.plans.bridge_plan import BridgePlan
+from mp_bridge.comm.bridge.plans.layouts import BridgeDirection
 from mp_bridge.table import format_table
 
 __all__ = ["Piece", "StageDelivery", "Transfer", "plan_stage_delivery"]

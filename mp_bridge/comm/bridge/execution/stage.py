@@ -1,6 +1,6 @@
 """Delivery of encoder rows to the LLM's first pipeline stage: exact bytes, one exchange.
 
-Executes :func:`~mp_bridge.comm.bridge.stage_plan.plan_stage_delivery` (LLM PP > 1) for
+Executes :func:`~mp_bridge.comm.bridge.plans.stage_plan.plan_stage_delivery` (LLM PP > 1) for
 ``communicate`` (dense rows: one row per sample) and ``communicate_ragged`` (tokens per
 sample). One rank's step, on row-major ``x`` ``[rows, *rest]`` of its encoder batch:
 
@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from mp_bridge.checks import forbid_double_backward
-from mp_bridge.comm.bridge.stage_plan import StageDelivery
+from mp_bridge.comm.bridge.plans.stage_plan import StageDelivery
 from mp_bridge.comm.collectives.primitives import all_gather_tensor, all_reduce_sum, group_size
 
 __all__ = ["StageRows", "deliver_rows", "ragged_dest_counts", "stage_rows"]

@@ -35,7 +35,8 @@ from dataclasses import dataclass
 
 import torch
 
-from mp_bridge.comm.bridge.plan import BridgeDirection, BridgePlan
+from mp_bridge.comm.bridge.plans.bridge_plan import BridgePlan
+from mp_bridge.comm.bridge.plans.layouts import BridgeDirection
 from mp_bridge.comm.sequence.padding import PaddedLayout
 
 __all__ = [

@@ -32,9 +32,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from mp_bridge.checks import is_int
-from mp_bridge.comm.bridge.plan import BridgeDirection, BridgePlan
+from mp_bridge.comm.bridge.plans.bridge_plan import BridgePlan
+from mp_bridge.comm.bridge.plans.layouts import BridgeDirection
 
-__all__ = ["RaggedRoute", "check_member_headers", "route_ragged"]
+__all__ = ["RaggedRoute", "check_member_headers", "ragged_route_of", "route_ragged"]
 
 
 @dataclass(frozen=True)
@@ -107,8 +108,7 @@ def route_ragged(
     for negative or non-int counts, members with different numbers of samples, unequal
     FAN_OUT entries, or a FAN_OUT batch not divisible by ``k``.
     """
-    members = plan.gather_group_of(rank)
-    slot, k = plan.slot_of(rank), plan.scale
+    members, k = plan.gather_group_of(rank), plan.scale
     if len(member_counts) != k:
         raise ValueError(
             f"member_counts has {len(member_counts)} entries but rank {rank}'s gather group "
@@ -116,17 +116,27 @@ def route_ragged(
         )
     counts = [_check_counts(f"member_counts[{i}]", c) for i, c in enumerate(member_counts)]
     check_member_headers(members, [len(c) for c in counts])
-    direction = plan.direction
-    if direction is BridgeDirection.FAN_IN:
-        slot_tokens = tuple(sum(c) for c in counts)
-        dest = tuple(n for c in counts for n in c)
-        return RaggedRoute(direction, slot, slot_tokens, dest)
-    if any(c != counts[0] for c in counts):
+    if plan.direction is not BridgeDirection.FAN_IN and any(c != counts[0] for c in counts):
         raise ValueError(
             f"member_counts={[list(c) for c in counts]}: the members {list(members)} of a "
-            f"{direction.name} group hold the same src batch, so their counts must be equal"
+            f"{plan.direction.name} group hold the same src batch, so their counts must be equal"
         )
-    src = counts[0]
+    return ragged_route_of(plan, rank, counts)
+
+
+def ragged_route_of(
+    plan: BridgePlan, rank: int, member_counts: Sequence[tuple[int, ...]]
+) -> RaggedRoute:
+    """:func:`route_ragged` on counts already checked (the communicator's path: its counts
+    were parsed once by ``check_tokens_per_sample`` and, FAN_IN, its members' sample
+    numbers compared in the header). Still raises for a FAN_OUT batch not divisible by
+    ``k`` (a local fact nothing earlier checks)."""
+    slot, k, direction = plan.slot_of(rank), plan.scale, plan.direction
+    if direction is BridgeDirection.FAN_IN:
+        slot_tokens = tuple(sum(c) for c in member_counts)
+        dest = tuple(n for c in member_counts for n in c)
+        return RaggedRoute(direction, slot, slot_tokens, dest)
+    src = member_counts[0]
     if len(src) % k:
         raise ValueError(
             f"tokens_per_sample has {len(src)} samples but {direction.name} with scale {k} "

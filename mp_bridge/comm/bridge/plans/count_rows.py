@@ -1,4 +1,8 @@
-"""Every rank of the bridge agrees that each sample's image count equals its token count.
+"""The per-sample count rows of the bridge and their comparison: pure (no process group).
+
+Every rank of the bridge must agree that each sample's image count equals its token count;
+the collective that runs this comparison is
+:func:`~mp_bridge.comm.bridge.execution.sample_counts.check_sample_counts`.
 
 The encoder side names each sample's image tokens (``tokens_per_sample``), the LLM side
 its image positions (``True`` entries of ``image_mask``); sample ``g`` (global index:
@@ -28,19 +32,14 @@ of their difference polynomial.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import astuple, dataclass
+from dataclasses import dataclass
 
-import torch
-import torch.distributed as dist
-
-from mp_bridge.comm.bridge.plan import BridgePlan
-from mp_bridge.comm.bridge.route_plan import route_groups
-from mp_bridge.comm.collectives.primitives import all_gather_tensor, group_size
+from mp_bridge.comm.bridge.plans.bridge_plan import BridgePlan
+from mp_bridge.comm.bridge.plans.route_plan import route_groups
 
 __all__ = [
     "ROW_SIZE",
     "CountRow",
-    "check_sample_counts",
     "count_mismatch_message",
     "count_row",
     "counts_agree",
@@ -228,39 +227,3 @@ def count_mismatch_message(
         + f"{more}. A sample's j-th True position takes its j-th image token, so the counts "
         f"must match: fix that sample's image_mask or tokens_per_sample{tail}"
     )
-
-
-def check_sample_counts(
-    plan: BridgePlan,
-    rank: int,
-    world_group: dist.ProcessGroup | None,
-    *,
-    encoder_counts: Sequence[int],
-    llm_counts: Sequence[int],
-    device: torch.device | str = "cpu",
-    where: str = "ColocatedBridgeCommunicator.route",
-) -> tuple[CountRow, ...]:
-    """Raise the same ``ValueError`` on every rank of ``world_group`` unless the counts fit.
-
-    ``encoder_counts``: this rank's ``tokens_per_sample`` (its encoder DP batch);
-    ``llm_counts``: the image positions of each sample of its LLM DP batch. ``world_group``
-    spans every rank of ``plan``'s grids (``None``: a single process). Collectives: one
-    all-gather of ``[1, ROW_SIZE]`` int64 on ``device``; on a mismatch one
-    ``all_gather_object``. Returns every rank's :class:`CountRow` (group order), checked.
-    """
-    row = count_row(rank, encoder_counts, llm_counts)
-    if group_size(world_group) > 1:
-        local = torch.tensor([astuple(row)], dtype=torch.int64, device=device)
-        gathered = all_gather_tensor(local, world_group, 0).cpu().tolist()
-        rows = tuple(CountRow(*r) for r in gathered)
-    else:
-        rows = (row,)
-    if counts_agree(plan, rows):
-        return rows
-    mine = (rank, tuple(encoder_counts), tuple(llm_counts))
-    if group_size(world_group) > 1:
-        parts: list = [None] * group_size(world_group)
-        dist.all_gather_object(parts, mine, group=world_group)
-    else:
-        parts = [mine]
-    raise ValueError(count_mismatch_message(plan, {r: (e, m) for r, e, m in parts}, where))

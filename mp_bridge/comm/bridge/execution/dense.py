@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from mp_bridge.checks import check_int, forbid_double_backward
-from mp_bridge.comm.bridge.plan import BridgeDirection
+from mp_bridge.comm.bridge.plans.layouts import BridgeDirection
 from mp_bridge.comm.collectives.primitives import all_gather_tensor, all_reduce_sum, copy_to_group
 
 __all__ = ["DEFAULT_DIM_MAPPING", "bridge_dense", "check_dim_mapping"]

@@ -1,11 +1,11 @@
 """``route``: each image token from the encoder rank holding it to the LLM shard using it.
 
-One rank's step (the plan is :mod:`mp_bridge.comm.bridge.route_plan`):
+One rank's step (the plan is :mod:`mp_bridge.comm.bridge.plans.route_plan`):
 
 1. Local validation (``ValueError`` before any collective).
 2. Metadata, forward. FAN_IN and EQUAL: **one** all-gather over the bridge's world group
    (every rank of the grids) of a fixed-size int64 row per rank,
-   ``8·ROW_SIZE = 56`` bytes (:mod:`mp_bridge.comm.bridge.counts`): sample numbers,
+   ``8·ROW_SIZE = 56`` bytes (:mod:`mp_bridge.comm.bridge.plans.count_rows`): sample numbers,
    token totals and order-sensitive fingerprints of the per-sample counts. Every rank
    checks every sample's image count against its token count, and every replica's
    TP/CP ranks against each other; on a mismatch every rank of the bridge raises the
@@ -41,22 +41,23 @@ import torch
 import torch.distributed as dist
 
 from mp_bridge.checks import forbid_double_backward
-from mp_bridge.comm.bridge.counts import check_sample_counts
-from mp_bridge.comm.bridge.plan import BridgeDirection, BridgePlan
-from mp_bridge.comm.bridge.ragged import check_tokens_per_sample
-from mp_bridge.comm.bridge.route_plan import (
+from mp_bridge.comm.bridge.execution.sample_counts import check_sample_counts
+from mp_bridge.comm.bridge.plans.bridge_plan import BridgePlan
+from mp_bridge.comm.bridge.plans.layouts import BridgeDirection
+from mp_bridge.comm.bridge.plans.route_plan import (
     RankRoute,
     RouteCache,
     image_token_shards,
     plan_route,
     route_needs,
 )
+from mp_bridge.comm.bridge.plans.token_counts import check_tokens_per_sample
 from mp_bridge.comm.collectives.primitives import all_gather_tensor, group_size
 from mp_bridge.comm.sequence.padding import PaddedLayout
 from mp_bridge.comm.sequence.partition import PartitionAdapter
 from mp_bridge.comm.sequence.samples import sample_sums
 
-__all__ = ["RouteCall", "apply_route", "parse_route", "route_image_rows", "run_route"]
+__all__ = ["RouteCall", "apply_route", "parse_route", "read_route_args", "run_route"]
 
 
 def _exchange(rows: torch.Tensor, send: Sequence[torch.Tensor], recv: Sequence[int], group):
@@ -137,6 +138,27 @@ def parse_route(
     image_mask: object,
     partition: object,
     *,
+    plan: BridgePlan,
+    rank: int,
+    **options: object,
+) -> RouteCall:
+    """:func:`read_route_args` (``options``: its ``cu_seqlens``, ``layout``,
+    ``source_rows``) behind the membership check, for a caller that plans and runs
+    ``route`` itself (``parse_route`` then :func:`run_route`): ``ValueError`` unless
+    ``rank`` is one of the bridged ranks. The communicator's entry guard checks that once
+    and calls :func:`read_route_args` directly."""
+    plan.check_member(rank, "route()")
+    return read_route_args(
+        x, tokens_per_sample, image_mask, partition, plan=plan, rank=rank, **options
+    )
+
+
+def read_route_args(
+    x: object,
+    tokens_per_sample: object,
+    image_mask: object,
+    partition: object,
+    *,
     cu_seqlens: object = None,
     layout: PaddedLayout | None = None,
     plan: BridgePlan,
@@ -148,8 +170,7 @@ def parse_route(
     ``layout`` (``ShardedBatch.layout``) is used as is; without it the layout is parsed
     here from ``image_mask``'s length and ``cu_seqlens``. ``source_rows``: with a balance
     plan, the encoder DP batch's image tokens before balancing (``tokens_per_sample`` sums
-    to it, not to ``x``'s rows)."""
-    plan.check_member(rank, "route()")
+    to it, not to ``x``'s rows). ``rank`` is trusted to be one of the bridged ranks."""
     if not isinstance(x, torch.Tensor) or x.dim() < 1:
         raise ValueError(f"x must be the flat image tokens [T, *rest] (e.g. [T, h]), got {x!r}")
     if not isinstance(image_mask, torch.Tensor) or image_mask.dtype != torch.bool:
@@ -270,31 +291,3 @@ def apply_route(x: torch.Tensor, route: RankRoute, group, *, exchange: bool) -> 
     row it needs is held (only the backward exchanges then)."""
     assert route.x_rows == x.shape[0], (route, x.shape)
     return _RouteRows.apply(x, route, group, exchange)
-
-
-def route_image_rows(
-    x: torch.Tensor,
-    tokens_per_sample: object,
-    image_mask: torch.Tensor,
-    partition: PartitionAdapter,
-    *,
-    cu_seqlens=None,
-    layout: PaddedLayout | None = None,
-    plan: BridgePlan,
-    rank: int,
-    group: dist.ProcessGroup | None,
-    members: tuple[int, ...],
-    world_group: dist.ProcessGroup | None,
-    cache: RouteCache | None = None,
-) -> torch.Tensor:
-    """One rank's ``route`` (:func:`parse_route` then :func:`run_route`); see
-    ``ColocatedBridgeCommunicator.route``. ``group``/``members``: this rank's route group;
-    ``world_group``: every rank of the grids; ``cache``: plans (``None``: plan anew)."""
-    call = parse_route(
-        x, tokens_per_sample, image_mask, partition, cu_seqlens=cu_seqlens, layout=layout,
-        plan=plan, rank=rank,
-    )  # fmt: skip
-    return run_route(
-        call, plan=plan, rank=rank, group=group, members=members, world_group=world_group,
-        cache=cache,
-    )  # fmt: skip

@@ -2,7 +2,7 @@
 
 Frozen specs for the entry guard (:func:`mp_bridge.checks.agree`): the rows of a call
 (:class:`RowsSpec`), ``route``'s rows plus its balance plan (:class:`RouteSpec`), and the
-construction (:class:`BuildSpec`).
+construction (:class:`CommunicatorSpec`).
 """
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ from dataclasses import dataclass
 import torch
 
 from mp_bridge.checks import FrozenSpec
-from mp_bridge.comm.bridge.balance_plan import BalancePlan
+from mp_bridge.comm.bridge.plans.balance_plan import BalancePlan
 from mp_bridge.grid import GridLayout
 
-__all__ = ["BuildSpec", "RouteSpec", "RowsSpec", "layout_key", "plan_code"]
+__all__ = ["CommunicatorSpec", "RouteSpec", "RowsSpec", "layout_key", "plan_code"]
 
 
 @dataclass(frozen=True)
@@ -33,7 +33,7 @@ class RowsSpec:
 
 
 @dataclass(frozen=True)
-class BuildSpec(FrozenSpec):
+class CommunicatorSpec(FrozenSpec):
     """What every rank of the world builds the communicator with: both layouts (shape,
     axis names, offset) and the dim mapping (names only label messages: not compared)."""
 

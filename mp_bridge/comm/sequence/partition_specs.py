@@ -10,11 +10,11 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["ShardSpec", "UnshardSpec"]
+__all__ = ["PartitionShardSpec", "PartitionUnshardSpec"]
 
 
 @dataclass(frozen=True)
-class ShardSpec:
+class PartitionShardSpec:
     """``shard``: the full batch is the same on every CP (and SP) rank."""
 
     embeddings_shape: tuple[int, ...] | None
@@ -34,7 +34,7 @@ class ShardSpec:
 
 
 @dataclass(frozen=True)
-class UnshardSpec:
+class PartitionUnshardSpec:
     """``unshard``: every rank gathers the same shape, layout and adjoint."""
 
     shape: tuple[int, ...]

@@ -49,8 +49,8 @@ from mp_bridge.checks import (
     check_tensor,
     fingerprint,
 )
-from mp_bridge.comm.bridge.balance_plan import BalancePlan, image_costs, plan_balance
-from mp_bridge.comm.bridge.route_plan import RouteCache
+from mp_bridge.comm.bridge.plans.balance_plan import BalancePlan, image_costs, plan_balance
+from mp_bridge.comm.bridge.plans.route_plan import RouteCache
 from mp_bridge.comm.collectives.primitives import all_gather_tensor, group_rank, group_size
 
 __all__ = ["BalanceSpec", "ImageBalancer", "RestoreSpec", "move_images", "return_images"]

@@ -8,26 +8,22 @@ keywords in the same positions, so it can replace megatron's unchanged. ``src_na
 
 from __future__ import annotations
 
-from mp_bridge.deprecations import warn_deprecated
+from mp_bridge.checks import check_str
+from mp_bridge.deprecations import resolve_alias
 
 __all__ = ["bridge_names"]
 
 
 def _one(canonical: str, value: object, old: str, old_value: object, default: str) -> str:
-    if old_value is not None:
-        # user -> __init__ -> bridge_names -> _one -> warn_deprecated -> warnings.warn
-        warn_deprecated(f"mp_bridge.comm.ColocatedBridgeCommunicator({old}=...)", stacklevel=5)
-        if value is not None and value != old_value:
-            raise ValueError(
-                f"{old}={old_value!r} and its megatron spelling {canonical}={value!r} "
-                f"disagree; pass {canonical} alone"
-            )
-        value = old_value
-    if value is None:
-        return default
-    if not isinstance(value, str):
-        raise TypeError(f"{canonical} must be a str, got {type(value).__name__}")
-    return value
+    value = resolve_alias(
+        f"mp_bridge.comm.ColocatedBridgeCommunicator({old}=...)", canonical, value, old,
+        old_value, equal_ok=True,
+        both=f"{old}={old_value!r} and its megatron spelling {canonical}={value!r} disagree; "
+        f"pass {canonical} alone",
+        # user -> __init__ -> bridge_names -> _one -> resolve_alias -> warnings.warn
+        stacklevel=6,
+    )  # fmt: skip
+    return default if value is None else check_str(canonical, value)
 
 
 def bridge_names(

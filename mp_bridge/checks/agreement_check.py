@@ -1,7 +1,7 @@
 """Agreement checks: ranks of a group that disagree get the same clear error on every rank.
 
 This module is the mechanism; entry points call it through ``agree(where, group, spec)``
-(:mod:`mp_bridge.checks.agree`), listed in :mod:`mp_bridge.checks.entry_points`.
+(:mod:`mp_bridge.checks.agree_spec`), listed in :mod:`mp_bridge.checks.entry_points`.
 
 A collective whose ranks disagree (one rank sends ``[2, 8, 4]``, the others
 ``[2, 4, 8]``; fp64 on one rank; 5 tokens versus 4; a target that differs across TP)
@@ -23,13 +23,14 @@ Tools that observe collectives (``mp_bridge.testing.CollectiveCounter``) ask
 :func:`in_agreement_check` to tell this check's collectives from the operation's own.
 
 Three exchanges stay outside this mechanism because they carry data the call itself needs,
-not only a verdict: the bridge's per-sample count rows (``comm/bridge/counts.py``: every
-rank of the world needs every replica's counts to compare encoder samples with LLM image
-positions), the ragged FAN_IN header (``comm/bridge/ragged.py``: each member's token
-count sizes the gather's output) and the image balancer's count rows
-(``comm/bridge/balance.py``: the plan is made from every replica's counts; the row carries
-a code of the frozen ``BalanceSpec``, compared through ``agree`` when it differs). All
-raise the same error on every rank, as here.
+not only a verdict: the bridge's per-sample count rows
+(``comm/bridge/execution/sample_counts.py``: every rank of the world needs every replica's
+counts to compare encoder samples with LLM image positions), the ragged FAN_IN header
+(``comm/bridge/execution/ragged.py``: each member's token count sizes the gather's output;
+it carries a code of the row shape and dtype and is that call's only agreement) and the
+image balancer's count rows (``comm/bridge/execution/balancer.py``: the plan is made from
+every replica's counts; the row carries a code of the frozen ``BalanceSpec``, compared
+through ``agree`` when it differs). All raise the same error on every rank, as here.
 
 What it cannot see: a rank that never calls the check (e.g. ``masked_mean`` given the
 group on one rank only). Under ``MP_BRIDGE_CHECK=1`` the ranks that did call it wait at

@@ -1,6 +1,6 @@
 """``route(..., balance=plan)``: encoded rows of balanced images straight to their shards.
 
-After :class:`~mp_bridge.comm.bridge.balance.ImageBalancer` moved whole images between
+After :class:`~mp_bridge.comm.bridge.execution.balancer.ImageBalancer` moved whole images between
 encoder DP replicas, an encoder rank holds the rows of the images it encoded
 (``plan.tokens_after(replica)``), not its own samples' rows. This step sends each
 encoded row from that rank straight to the LLM CP/SP shard(s) consuming it (first stage
@@ -32,11 +32,11 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from mp_bridge.comm.bridge.balance_plan import BalancePlan
-from mp_bridge.comm.bridge.counts import check_sample_counts
-from mp_bridge.comm.bridge.plan import BridgePlan
-from mp_bridge.comm.bridge.route import RouteCall, apply_route
-from mp_bridge.comm.bridge.route_plan import (
+from mp_bridge.comm.bridge.execution.route import RouteCall, apply_route
+from mp_bridge.comm.bridge.execution.sample_counts import check_sample_counts
+from mp_bridge.comm.bridge.plans.balance_plan import BalancePlan
+from mp_bridge.comm.bridge.plans.bridge_plan import BridgePlan
+from mp_bridge.comm.bridge.plans.route_plan import (
     RankRoute,
     RouteCache,
     image_token_shards,

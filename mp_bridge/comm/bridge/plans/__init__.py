@@ -1,0 +1,66 @@
+"""The bridge's pure plans: who sends which rows to whom, from two grid layouts.
+
+No module here imports ``torch.distributed`` (``tests/unit/test_architecture.py`` checks
+it): every plan is a frozen value computed from coordinates, unit-testable with no process
+group. ``layouts``: whether two layouts bridge (direction, DP ratio, nesting);
+``bridge_plan``: :class:`BridgePlan` and :func:`plan_bridge`; ``dense_plan``: the dense
+gather groups and the readable table; ``ragged_plan``, ``token_counts``: the ragged step
+and its per-sample counts; ``route_plan``: the routed rows; ``stage_plan``: delivery to a
+pipelined LLM's first stage; ``balance_plan``: the encoder image balance; ``count_rows``:
+the per-sample count rows every rank compares.
+"""
+
+from .balance_plan import BalancePlan, ImageMove, image_costs, plan_balance
+from .bridge_plan import BridgePlan, plan_bridge
+from .count_rows import (
+    ROW_SIZE,
+    CountRow,
+    count_mismatch_message,
+    count_row,
+    counts_agree,
+    counts_fingerprint,
+)
+from .dense_plan import format_rank_table
+from .layouts import BridgeDirection
+from .ragged_plan import RaggedRoute, check_member_headers, route_ragged
+from .route_plan import (
+    RankRoute,
+    RouteCache,
+    image_token_shards,
+    plan_route,
+    route_groups,
+    route_needs,
+)
+from .stage_plan import Piece, StageDelivery, Transfer, plan_stage_delivery
+from .token_counts import check_tokens_per_sample
+
+__all__ = [
+    "BalancePlan",
+    "ImageMove",
+    "image_costs",
+    "plan_balance",
+    "BridgePlan",
+    "plan_bridge",
+    "ROW_SIZE",
+    "CountRow",
+    "count_mismatch_message",
+    "count_row",
+    "counts_agree",
+    "counts_fingerprint",
+    "format_rank_table",
+    "BridgeDirection",
+    "RaggedRoute",
+    "check_member_headers",
+    "route_ragged",
+    "RankRoute",
+    "RouteCache",
+    "image_token_shards",
+    "plan_route",
+    "route_groups",
+    "route_needs",
+    "Piece",
+    "StageDelivery",
+    "Transfer",
+    "plan_stage_delivery",
+    "check_tokens_per_sample",
+]
