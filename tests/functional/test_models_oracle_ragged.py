@@ -39,6 +39,9 @@ def _ragged_batch():
 
 
 def test_ragged_batch_is_what_the_cases_rely_on():
+    # Device-independent: checks the seeded CPU draw in the pytest process (no rank, no
+    # device; touching CUDA here would break the ranks forked later). The world cases move
+    # the batch to current_device() in run_parity(device=...).
     batch = _ragged_batch()
     # Written out from the seeded draw: 0..3 images per sample, 1..4 tokens per image.
     assert batch.images.images_per_sample.tolist() == [2, 2, 0, 0, 1, 0, 1, 3]
