@@ -168,7 +168,8 @@ def test_ranks_with_another_cost_parameter_raise_the_same_error_on_every_rank():
     c = 3.0 if dist.get_rank() == 6 else 1.0
     balancer = ImageBalancer(dp_group=grid.get_pg("dp"), count_group=dist.group.WORLD, c=c)
     match = r"(?s)ranks disagree on c .*ranks \[0, 1, 2, 3, 4, 5, 7\] have 1.0; ranks \[6\] have 3"
-    _expect_same_error(AgreementError, match, lambda: balancer.balance(torch.randn(4, P).to(current_device()), [4]))
+    x = torch.randn(4, P).to(current_device())
+    _expect_same_error(AgreementError, match, lambda: balancer.balance(x, [4]))
     destroy_grid(grid)
 
 
