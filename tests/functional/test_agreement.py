@@ -156,7 +156,7 @@ def test_attention_local_lengths_differ():
 @world.case
 def test_embedding_ids_differ_across_tp():
     group = _world_group()
-    emb = VocabParallelEmbedding(16, 4, tp_group=group).to(current_device())
+    emb = VocabParallelEmbedding(16, 4, tp_group=group, device=current_device())
     ids = torch.tensor([[1, 2, 3]], device=current_device()) + int(_odd())
     with _raises(r"ids \(fingerprint\)"):
         emb(ids)
