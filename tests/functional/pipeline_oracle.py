@@ -9,6 +9,9 @@ feeds the LLM). The distributed side splits the batch over LLM DP, each DP shard
 the leaf gradient (stage 0, summed over CP as the bridge's backward does), every
 parameter's synced gradient at step 1 and every weight after the last step (each stage
 its own parameters, gathered over TP).
+
+Device: both models, the batch and the image rows live on ``current_device()`` (the rows
+are drawn on the CPU from a seeded generator first, so every device sees the same values).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from mp_bridge.models.parallel import (
     pad_packed_to,
 )
 from mp_bridge.models.reference.model import packed_causal_mask, reference_masked_mean
+from mp_bridge.testing import current_device
 
 DOC_LENGTHS = (9, 13, 8, 11, 6, 21, 15, 12)
 
@@ -47,7 +51,8 @@ def _place(emb: torch.Tensor, image: torch.Tensor, rows: torch.Tensor) -> torch.
 def _reference(ref: ReferenceLLM, batch, rows: torch.Tensor, image: torch.Tensor):
     emb = _place(ref.embed(batch.input_ids), image, rows)
     if batch.packed:
-        logits = ref(emb.unsqueeze(0), packed_causal_mask(batch.cu_seqlens)).squeeze(0)
+        mask = packed_causal_mask(batch.cu_seqlens, emb.device)
+        logits = ref(emb.unsqueeze(0), mask).squeeze(0)
     else:
         logits = ref(emb)
     per_token = F.cross_entropy(
@@ -101,12 +106,13 @@ def run_pipeline_parity(
     reference's last loss below its first). ``drop_microbatch`` (teeth): stage 0 feeds
     microbatch ``M − 2`` again in place of ``M − 1``."""
     torch.manual_seed(seed)
-    ref = ReferenceLLM(cfg)
+    device = current_device()
+    ref = ReferenceLLM(cfg).to(device)  # initialized on the CPU (seeded), then moved
     init = {k: v.clone() for k, v in ref.state_dict().items()}
-    batch = _batch(cfg, packed, seed + 1)
+    batch = _batch(cfg, packed, seed + 1).to(device)  # cu_seqlens stays on the CPU
     image = batch.input_ids == cfg.image_token_id
     gen = torch.Generator().manual_seed(seed + 2)
-    rows = torch.randn(int(image.sum()), cfg.llm_hidden, generator=gen)
+    rows = torch.randn(int(image.sum()), cfg.llm_hidden, generator=gen).to(device)
 
     grid = make_grid(tp=tp, cp=cp, pp=pp, dp=dp, create=("tp", "cp", "pp", ("dp", "cp")))
     rank = dist.get_rank()
@@ -119,7 +125,7 @@ def run_pipeline_parity(
     if True:
         stage = TPLLMStage.from_full(
             ref, cfg, stage=c["pp"], n_stages=pp, tp_group=tp_g, cp_group=cp_g,
-            sequence_parallel=sequence_parallel,
+            sequence_parallel=sequence_parallel, device=device,
         )  # fmt: skip
         pipe = LLMPipeline(stage, pp_group=grid.get_pg("pp"), loss_group=dpcp)
         adapter = PartitionAdapter(
@@ -202,7 +208,7 @@ def run_pipeline_parity(
     state = ref.state_dict()
     for name, w in full.items():
         worst["weight"] = max(worst["weight"], _rel(w, state[name]))
-    out = torch.tensor(list(worst.values()), dtype=torch.float64)
+    out = torch.tensor(list(worst.values()), dtype=torch.float64, device=device)
     dist.all_reduce(out, op=dist.ReduceOp.MAX)
     result = dict(zip(worst, out.tolist()))
     result["trained"] = float(ref_losses[-1] < ref_losses[0])

@@ -26,7 +26,13 @@ from mp_bridge.layers import (
     masked_mean,
     vocab_parallel_cross_entropy,
 )
-from mp_bridge.testing import CollectiveCall, CollectiveCounter, DistributedWorld, run_distributed
+from mp_bridge.testing import (
+    CollectiveCall,
+    CollectiveCounter,
+    DistributedWorld,
+    current_device,
+    run_distributed,
+)
 
 world = DistributedWorld(2, timeout_s=180, abort_grace_s=15)
 
@@ -60,8 +66,9 @@ def test_bridge_fan_in_disagreement(odd_shape, odd_dtype, field):
     with _fan_in_bridge() as bridge:
         shape, dtype = (odd_shape, odd_dtype) if _odd() else ((2, 4, 8), torch.float32)
         with _raises(rf"ranks disagree on {field}(.|\n)*ranks \[0\] have .*ranks \[1\] have"):
-            bridge.communicate(torch.randn(shape, dtype=dtype))
-        y = bridge.communicate(torch.randn(2, 4, 8))  # the group still works afterwards
+            bridge.communicate(torch.randn(shape, dtype=dtype).to(current_device()))
+        # the group still works afterwards
+        y = bridge.communicate(torch.randn(2, 4, 8).to(current_device()))
         assert y.shape == (4, 4, 8)
 
 
@@ -69,8 +76,8 @@ def test_bridge_fan_in_disagreement(odd_shape, odd_dtype, field):
 @world.case
 def test_cross_entropy_token_counts_differ():
     group = _world_group()
-    n = 5 if _odd() else 4
-    logits, target = torch.randn(n, 8), torch.zeros(n, dtype=torch.long)
+    n, dev = (5 if _odd() else 4), current_device()
+    logits, target = torch.randn(n, 8).to(dev), torch.zeros(n, dtype=torch.long, device=dev)
     with _raises(r"ranks disagree on logits.shape(.|\n)*\(4, 8\)(.|\n)*\(5, 8\)"):
         vocab_parallel_cross_entropy(logits, target, tp_group=group)
 
@@ -78,30 +85,34 @@ def test_cross_entropy_token_counts_differ():
 @world.case
 def test_cross_entropy_v_local_differs():
     group = _world_group()
-    v_local = 9 if _odd() else 8
+    v_local, dev = (9 if _odd() else 8), current_device()
     with _raises(r"logits.shape(.|\n)*\(4, 8\)(.|\n)*\(4, 9\)"):
         vocab_parallel_cross_entropy(
-            torch.randn(4, v_local), torch.zeros(4, dtype=torch.long), tp_group=group
+            torch.randn(4, v_local).to(dev),
+            torch.zeros(4, dtype=torch.long, device=dev),
+            tp_group=group,
         )
 
 
 @world.case
 def test_cross_entropy_target_differs_across_tp():
     group = _world_group()
-    target = torch.tensor([1, 2, 3, 4 if _odd() else 5])
+    dev = current_device()
+    target = torch.tensor([1, 2, 3, 4 if _odd() else 5], device=dev)
     with _raises(r"ranks disagree on target \(fingerprint\)"):
-        vocab_parallel_cross_entropy(torch.randn(4, 8), target, tp_group=group)
+        vocab_parallel_cross_entropy(torch.randn(4, 8).to(dev), target, tp_group=group)
     # A permutation of the same ids is a different target too.
-    target = torch.tensor([2, 1, 3, 5] if _odd() else [1, 2, 3, 5])
+    target = torch.tensor([2, 1, 3, 5] if _odd() else [1, 2, 3, 5], device=dev)
     with _raises(r"target \(fingerprint\)"):
-        vocab_parallel_cross_entropy(torch.randn(4, 8), target, tp_group=group)
+        vocab_parallel_cross_entropy(torch.randn(4, 8).to(dev), target, tp_group=group)
 
 
 def _fused(n: int, *, chunk_size: int | None = None, hidden=None, group=None):
     torch.manual_seed(0)  # the same hidden and target on both ranks unless given
-    hidden = torch.randn(n, 6) if hidden is None else hidden
-    weight = torch.randn(8, 6)
-    target = torch.randint(0, 16, (n,))
+    dev = current_device()  # drawn on the CPU (same values on every device), then moved
+    hidden = torch.randn(n, 6).to(dev) if hidden is None else hidden
+    weight = torch.randn(8, 6).to(dev)
+    target = torch.randint(0, 16, (n,)).to(dev)
     return fused_linear_cross_entropy(hidden, weight, target, tp_group=group, chunk_size=chunk_size)
 
 
@@ -123,7 +134,7 @@ def test_fused_zero_tokens_on_one_rank():
 def test_fused_hidden_not_identical_across_tp():
     group = _world_group()
     torch.manual_seed(0)
-    hidden = torch.randn(4, 6)
+    hidden = torch.randn(4, 6).to(current_device())
     if _odd():
         hidden[2, 3] += 1e-3
     with _raises(r"ranks disagree on hidden \(fingerprint\)"):
@@ -135,9 +146,9 @@ def test_fused_hidden_not_identical_across_tp():
 @world.case
 def test_attention_local_lengths_differ():
     group = _world_group()
-    s = 6 if _odd() else 4
-    q = torch.randn(1, s, 2, 4)
-    pos = torch.arange(s) + dist.get_rank() * 4
+    s, dev = (6 if _odd() else 4), current_device()
+    q = torch.randn(1, s, 2, 4).to(dev)
+    pos = torch.arange(s, device=dev) + dist.get_rank() * 4
     with _raises(r"q.shape(.|\n)*\(1, 4, 2, 4\)(.|\n)*\(1, 6, 2, 4\)"):
         context_parallel_attention(q, q, q, cp_group=group, position_ids=pos)
 
@@ -145,8 +156,8 @@ def test_attention_local_lengths_differ():
 @world.case
 def test_embedding_ids_differ_across_tp():
     group = _world_group()
-    emb = VocabParallelEmbedding(16, 4, tp_group=group)
-    ids = torch.tensor([[1, 2, 3]]) + int(_odd())
+    emb = VocabParallelEmbedding(16, 4, tp_group=group, device=current_device())
+    ids = torch.tensor([[1, 2, 3]], device=current_device()) + int(_odd())
     with _raises(r"ids \(fingerprint\)"):
         emb(ids)
 
@@ -155,7 +166,8 @@ def test_embedding_ids_differ_across_tp():
 @world.case
 def test_reductions_with_different_ops():
     group = _world_group()
-    values, mask = torch.ones(3), torch.ones(3, dtype=torch.bool)
+    dev = current_device()
+    values, mask = torch.ones(3, device=dev), torch.ones(3, dtype=torch.bool, device=dev)
     with _raises(r"different collective calls(.|\n)*rank 0 is in masked_mean(.|\n)*masked_sum"):
         if _odd():
             from mp_bridge.layers import masked_sum
@@ -185,7 +197,8 @@ def _mean_with_group_on_rank_0_only():
     group = dist.new_group([0, 1])
     start = time.monotonic()
     try:
-        masked_mean(torch.ones(2), torch.ones(2), group=group if dist.get_rank() == 0 else None)
+        ones = torch.ones(2, device=current_device())
+        masked_mean(ones, ones, group=group if dist.get_rank() == 0 else None)
     except TimeoutError as exc:
         return "timeout", str(exc), time.monotonic() - start
     return "returned", "", time.monotonic() - start
@@ -217,8 +230,9 @@ def _model_rows():
     torch.manual_seed(0)
     enc = make_grid(tp=1, dp=2, create=("tp", "dp"))
     llm = make_grid(tp=1, cp=1, dp=2, create=("tp", "cp", "dp", ("dp", "cp")))
-    model = build_colocated_mimo(ReferenceMimo(cfg), enc, llm)
-    batch = synthetic_batch(cfg, 4, seed=5)
+    dev = current_device()
+    model = build_colocated_mimo(ReferenceMimo(cfg).to(dev), enc, llm, device=dev)
+    batch = synthetic_batch(cfg, 4, seed=5).to(dev)
     rows = slice(2 * dist.get_rank(), 2 * dist.get_rank() + 2)
     parts = [t[rows].clone() for t in (batch.input_ids, batch.labels, batch.loss_mask)]
     return cfg, (enc, llm), model, parts, batch.images[rows]
@@ -258,12 +272,12 @@ def test_model_too_many_image_tokens_on_one_rank():
 def _one_exchange_per_call() -> str:
     with _fan_in_bridge() as bridge:
         with CollectiveCounter() as counter:
-            bridge.communicate(torch.randn(2, 4, 8))
+            bridge.communicate(torch.randn(2, 4, 8).to(current_device()))
         # one [n, 4 + 16] int64 row all-gathered over the pair (160 bytes from the peer)
         assert counter.check_calls == [CollectiveCall("all_gather", 2, 160)]
         assert counter.counts() == {"all_gather": 1}  # the bridge's own, counted apart
         with pytest.raises(AgreementError) as info:
-            bridge.communicate(torch.randn((3 if _odd() else 2), 4, 8))
+            bridge.communicate(torch.randn((3 if _odd() else 2), 4, 8).to(current_device()))
     return str(info.value)
 
 

@@ -29,7 +29,7 @@ from mp_bridge.comm.bridge.execution.balancer import HEADER, ImageBalancer
 from mp_bridge.comm.bridge.plans.balance_plan import plan_balance
 from mp_bridge.grid import make_grid
 from mp_bridge.grid.destroy import destroy_grid
-from mp_bridge.testing import CollectiveCounter, DistributedWorld
+from mp_bridge.testing import CollectiveCounter, DistributedWorld, current_device
 
 world = DistributedWorld(8)
 P, H = 5, 3
@@ -60,7 +60,7 @@ def _encode(rows, counts, w, a, b):
 def _params(seed: int = 11):
     gen = torch.Generator().manual_seed(seed)
     w, a, b = (torch.randn(s, generator=gen, dtype=torch.float64) for s in ((P, H), (P,), (H,)))
-    return [t.requires_grad_() for t in (w, a, b)]
+    return [t.to(current_device()).requires_grad_() for t in (w, a, b)]
 
 
 def _grid(tp: int, dp: int):
@@ -82,8 +82,9 @@ def test_balanced_encoder_equals_one_process(tp, dp, skewed, cap):
     tokens = _tokens(dp, skewed)
     total = sum(map(sum, tokens))
     gen = torch.Generator().manual_seed(5)
-    x_full = torch.randn(total, P, generator=gen, dtype=torch.float64, requires_grad=True)
-    r_full = torch.randn(total, H, generator=gen, dtype=torch.float64)
+    dev = current_device()
+    x_full = torch.randn(total, P, generator=gen, dtype=torch.float64).to(dev).requires_grad_()
+    r_full = torch.randn(total, H, generator=gen, dtype=torch.float64).to(dev)
     params = _params()
     flat = [t for r in tokens for t in r]
     (r_full * _encode(x_full, flat, *params)).sum().backward()
@@ -150,7 +151,7 @@ def test_tp_peers_with_other_counts_raise_the_same_error_on_every_rank():
     grid = _grid(2, 4)
     rank = dist.get_rank()
     tokens = [3, 1, 2] if rank != 5 else [3, 2, 1]  # rank 5: TP rank 1 of replica 2
-    x = torch.randn(6, P)
+    x = torch.randn(6, P).to(current_device())
     balancer = ImageBalancer(dp_group=grid.get_pg("dp"), count_group=dist.group.WORLD)
     match = (
         r"the TP ranks of encoder DP replica 2 disagree on tokens_per_image \(or costs\): "
@@ -167,7 +168,8 @@ def test_ranks_with_another_cost_parameter_raise_the_same_error_on_every_rank():
     c = 3.0 if dist.get_rank() == 6 else 1.0
     balancer = ImageBalancer(dp_group=grid.get_pg("dp"), count_group=dist.group.WORLD, c=c)
     match = r"(?s)ranks disagree on c .*ranks \[0, 1, 2, 3, 4, 5, 7\] have 1.0; ranks \[6\] have 3"
-    _expect_same_error(AgreementError, match, lambda: balancer.balance(torch.randn(4, P), [4]))
+    x = torch.randn(4, P).to(current_device())
+    _expect_same_error(AgreementError, match, lambda: balancer.balance(x, [4]))
     destroy_grid(grid)
 
 
@@ -175,7 +177,7 @@ def test_ranks_with_another_cost_parameter_raise_the_same_error_on_every_rank():
 def test_local_validation_raises_before_any_collective():
     grid = _grid(2, 4)
     balancer = ImageBalancer(dp_group=grid.get_pg("dp"), count_group=dist.group.WORLD)
-    x = torch.randn(5, P)
+    x = torch.randn(5, P).to(current_device())
     with CollectiveCounter() as counter:
         with pytest.raises(ValueError, match=r"tokens_per_image sums to 4 but x has 5 rows"):
             balancer.balance(x, [3, 1])
@@ -184,7 +186,7 @@ def test_local_validation_raises_before_any_collective():
         with pytest.raises(TypeError, match=r"x must be a torch.Tensor, got list"):
             balancer.balance([[0.0] * P] * 5, [5])
         with pytest.raises(ValueError, match=r"costs has shape \(2,\).*shape \(1,\)"):
-            balancer.balance(x, [5], costs=torch.ones(2))
+            balancer.balance(x, [5], costs=torch.ones(2, device=x.device))
     assert counter.calls == []
     with pytest.raises(TypeError, match=r"dp_group=4 must be a torch.distributed ProcessGroup"):
         ImageBalancer(dp_group=4)

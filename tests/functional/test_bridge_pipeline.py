@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from mp_bridge.comm import ColocatedBridgeCommunicator
 from mp_bridge.grid import GridLayout, make_grid
-from mp_bridge.testing import CollectiveCounter, DistributedWorld
+from mp_bridge.testing import CollectiveCounter, DistributedWorld, current_device
 from tests.functional.route_oracle import check_route
 
 world = DistributedWorld(8, timeout_s=600)
@@ -53,7 +53,7 @@ def _setup(src: dict, dest: dict):
 
 def _cp_mask(n_rows: int, positions, cp: int, c: int) -> torch.Tensor:
     """Rows whose sequence position belongs to CP rank ``c`` (``pos % cp == c``)."""
-    return torch.tensor([positions[i] % cp == c for i in range(n_rows)])
+    return torch.tensor([positions[i] % cp == c for i in range(n_rows)], device=current_device())
 
 
 def _check_bytes(fwd, bwd, *, got_fwd: int, got_bwd: int, cp: int, consumes: bool):
@@ -71,7 +71,7 @@ def test_communicate_delivers_to_the_first_stage(layout):
     src, dest, direction = LAYOUTS[layout]
     src_grid, dest_grid, dc, cp, s_samples, d_samples = _setup(src, dest)
     gen = torch.Generator().manual_seed(3)
-    X, W = torch.randn(B, S, H, generator=gen), torch.randn(B, S, H, generator=gen)
+    X, W = (torch.randn(B, S, H, generator=gen).to(current_device()) for _ in range(2))
     x = X[s_samples.start : s_samples.stop].clone().requires_grad_()
     consumes = dc["pp"] == 0
     with ColocatedBridgeCommunicator(src_grid, dest_grid) as bridge:
@@ -101,7 +101,7 @@ def test_communicate_ragged_delivers_to_the_first_stage(layout):
     counts = [3, 0, 5, 1, 2, 4, 0, 6]  # a text-only sample or two
     starts = [sum(counts[:i]) for i in range(B + 1)]
     gen = torch.Generator().manual_seed(4)
-    X, W = torch.randn(starts[-1], H, generator=gen), torch.randn(starts[-1], H, generator=gen)
+    X, W = (torch.randn(starts[-1], H, generator=gen).to(current_device()) for _ in range(2))
     x = X[starts[s_samples.start] : starts[s_samples.stop]].clone().requires_grad_()
     consumes = dc["pp"] == 0
     with ColocatedBridgeCommunicator(src_grid, dest_grid) as bridge:

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from mp_bridge.comm import ColocatedBridgeCommunicator
-from mp_bridge.testing import CollectiveCounter, DistributedWorld
+from mp_bridge.testing import CollectiveCounter, DistributedWorld, current_device
 from tests.functional.ragged_oracle import H, check_double_backward, check_ragged, grids
 
 world = DistributedWorld(8)
@@ -89,7 +89,7 @@ def test_member_with_other_sample_count_raises_on_its_whole_group():
     src_grid, dest_grid = grids(dict(tp=2, dp=4), dict(tp=4, dp=2))
     rank = dist.get_rank()
     counts = [1, 2, 0] if rank in (2, 6) else [1, 2]
-    x = torch.randn(sum(counts), H)
+    x = torch.randn(sum(counts), H).to(current_device())
     with ColocatedBridgeCommunicator(src_grid, dest_grid) as bridge:
         if rank in (0, 2, 4, 6):
             with pytest.raises(ValueError, match=r"passed different numbers of samples"):
@@ -98,7 +98,7 @@ def test_member_with_other_sample_count_raises_on_its_whole_group():
             y, dest_counts = bridge.communicate_ragged(x, counts)
             assert dest_counts.tolist() == [1, 2, 1, 2] and y.shape == (6, H)
         # A row-shape mismatch is caught by the same header.
-        x = torch.randn(3, H + (rank == 3))
+        x = torch.randn(3, H + (rank == 3)).to(current_device())
         if rank in (1, 3):
             with pytest.raises(ValueError, match=r"tokens of different row sizes"):
                 bridge.communicate_ragged(x, [1, 2])
@@ -113,7 +113,7 @@ def test_member_with_other_sample_count_raises_on_six_ranks():
     src_grid, dest_grid = grids(dict(dp=6), dict(tp=3, dp=2))
     rank = dist.get_rank()
     counts = [4, 0, 1] if rank == 4 else [0, 3]
-    x = torch.randn(sum(counts), H)
+    x = torch.randn(sum(counts), H).to(current_device())
     with ColocatedBridgeCommunicator(src_grid, dest_grid) as bridge:
         if rank >= 3:
             match = r"gather group \[3, 4, 5\] passed different numbers of samples .*rank 4: 3"
@@ -128,12 +128,13 @@ def test_member_with_other_sample_count_raises_on_six_ranks():
 @world.case
 def test_validation_raises_before_any_collective():
     src_grid, dest_grid = grids(dict(tp=2, dp=4), dict(tp=2, cp=2, dp=2))
-    x = torch.randn(5, H)
+    dev = current_device()
+    x = torch.randn(5, H).to(dev)
     cases = [
         ([2, -1, 4], r"tokens_per_sample=\[2, -1, 4\] has negative counts \[-1\]"),
         ([2, 2], r"sums to 4 but x has 5 tokens"),
-        (torch.tensor([2.0, 3.0]), r"dtype torch.float32; pass an integer tensor"),
-        (torch.tensor([[2, 3]]), r"shape \(1, 2\) \(2 dims\); pass a 1-D tensor"),
+        (torch.tensor([2.0, 3.0], device=dev), r"dtype torch.float32; pass an integer tensor"),
+        (torch.tensor([[2, 3]], device=dev), r"shape \(1, 2\) \(2 dims\); pass a 1-D tensor"),
     ]
     with ColocatedBridgeCommunicator(src_grid, dest_grid) as bridge:
         with CollectiveCounter() as counter:
@@ -143,7 +144,7 @@ def test_validation_raises_before_any_collective():
             with pytest.raises(TypeError, match=r"sequence of ints, got int"):
                 bridge.communicate_ragged(x, 5)
             with pytest.raises(ValueError, match=r"pass the flat tokens \[T, \*rest\]"):
-                bridge.communicate_ragged(torch.tensor(1.0), [1])
+                bridge.communicate_ragged(torch.tensor(1.0, device=dev), [1])
         assert counter.calls == []
     with pytest.raises(RuntimeError, match=r"after destroy\(\)"):
         bridge.communicate_ragged(x, [5])

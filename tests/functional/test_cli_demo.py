@@ -2,6 +2,10 @@
 
 The demo forks its ranks from this process, so a patch applied here is inherited by
 every rank: that is how the second test breaks the model and checks the exit code.
+
+Device: the demo picks its own (gloo on the CPU here, NCCL with one GPU per rank where
+CUDA has enough devices); it does not read ``current_device()``, so these tests do not
+depend on the test device.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-from mp_bridge.testing import CollectiveCounter, DistributedWorld
+from mp_bridge.testing import CollectiveCounter, DistributedWorld, current_device
 
 world = DistributedWorld(2, timeout_s=120)
 
@@ -18,7 +18,7 @@ world = DistributedWorld(2, timeout_s=120)
 def test_p2pop_isend_irecv_are_counted_and_restored():
     rank = dist.get_rank()
     originals = (dist.isend, dist.irecv, c10d.isend, c10d.irecv)
-    buf = torch.full((3, 5), float(rank))
+    buf = torch.full((3, 5), float(rank), device=current_device())
     with CollectiveCounter() as counter:
         if rank == 0:
             ops = [dist.P2POp(dist.isend, buf, 1)]
@@ -30,4 +30,4 @@ def test_p2pop_isend_irecv_are_counted_and_restored():
     assert counter.counts() == ({"send": 1} if rank == 0 else {"recv": 1}), counter.calls
     assert counter.bytes_received() == 3 * 5 * 4
     if rank == 1:
-        assert torch.equal(buf, torch.zeros(3, 5))
+        assert torch.equal(buf, torch.zeros(3, 5, device=buf.device))

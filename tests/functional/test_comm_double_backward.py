@@ -26,7 +26,7 @@ from mp_bridge.comm import (
     scatter_along,
 )
 from mp_bridge.grid import GridLayout, destroy_grid, make_grid
-from mp_bridge.testing import DistributedWorld
+from mp_bridge.testing import DistributedWorld, current_device
 
 N = 2
 world = DistributedWorld(N)
@@ -34,7 +34,8 @@ TOL = dict(rtol=1e-12, atol=1e-12)
 
 
 def _rand(*shape: int, seed: int) -> torch.Tensor:
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    gen = torch.Generator().manual_seed(seed)  # drawn on the CPU, then on the rank's device
+    return torch.randn(*shape, generator=gen, dtype=torch.float64).to(current_device())
 
 
 def _weights(shape) -> list[torch.Tensor]:
@@ -122,7 +123,7 @@ def test_gather_keep_grad_and_scatter_adjoint_pair():
 def test_gather_kv_and_reduce_scatter_kv_adjoint_pair():
     r = dist.get_rank()
     full, v = _rand(2, 1, 6, 2, 3, seed=12), _rand(2, 1, 6, 2, 3, seed=13)  # [2, b, S, hk, d]
-    pos_full = torch.tensor([[5, 1, 4, 0, 3, 2]])
+    pos_full = torch.tensor([[5, 1, 4, 0, 3, 2]], device=current_device())
     w = _weights((2, 1, 6, 2, 3))
     kv_all, pos_all = gather_kv(_chunk(full, r, 2), _chunk(pos_full, r, 1), dist.group.WORLD)
     assert torch.equal(pos_all, pos_full) and torch.equal(kv_all, full)

@@ -206,7 +206,7 @@ def _attention_mismatches(cp, lengths, *, hq, hk):
     ref = reference_attention(*full, lengths)
     ref_grads = torch.autograd.grad((ref * grad_out).sum(), full)
     adapter = PartitionAdapter(cp_group=cp_g)
-    shards = [adapter.shard(x, cu_seqlens=torch.tensor(cu)) for x in full]
+    shards = [adapter.shard(x, cu_seqlens=torch.tensor(cu, device=x.device)) for x in full]
     q, k, v = (sh.embeddings for sh in shards)
     out = context_parallel_attention(
         q, k, v, cp_group=cp_g, position_ids=shards[0].position_ids, cu_seqlens=cu
@@ -238,7 +238,7 @@ def test_attention_mixed_dtypes_rejected_before_any_collective():
     with CollectiveCounter() as counter:
         with pytest.raises(TypeError, match=r"q torch.float32, k torch.bfloat16.*k.to\(q.dtype"):
             context_parallel_attention(
-                q, q.bfloat16(), q, cp_group=cp_g, position_ids=torch.arange(4)
+                q, q.bfloat16(), q, cp_group=cp_g, position_ids=torch.arange(4, device=q.device)
             )
     assert counter.counts() == {}
 
@@ -256,7 +256,7 @@ def test_cp_attention_cp4_plain_and_packed_matches_one_process():
             g_out = rand(*ref.shape, seed=13)
             grads = torch.autograd.grad((ref * g_out).sum(), (q, k, v))
             cu = None if lengths is None else [0, 8, 24, 48]
-            idx = ref_cut(torch.arange(seq), 0, 4, r, lengths)  # the independent cut
+            idx = ref_cut(torch.arange(seq, device=q.device), 0, 4, r, lengths)  # independent cut
             local = [t.detach().index_select(1, idx).requires_grad_() for t in (q, k, v)]
             out = context_parallel_attention(
                 *local, cp_group=cp_g, position_ids=idx, causal=causal, cu_seqlens=cu

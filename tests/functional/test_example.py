@@ -7,6 +7,9 @@ cross-entropy over the supervised tokens. Matching the losses after the first st
 the gradients of every parameter, including the encoder's through the bridge.
 Tolerance: 2e-5 absolute on losses near 6.9: fp32 sums in a different order across ranks
 (relative error ~1e-6) plus the example's 6-decimal printing.
+
+Device: none. The example runs under torchrun with ``--backend gloo`` (CPU); the oracle
+runs in the pytest process, which must not touch CUDA (ranks forked later would fail).
 """
 
 from __future__ import annotations

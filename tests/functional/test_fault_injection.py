@@ -6,6 +6,10 @@ name that rank (exit code or signal), not a peer that lost its connection to it.
 ``DistributedWorld`` must report each case on its own: a case that passed stays passed,
 the failing case names its rank (a hang shows the hanging rank's stack), a skip skips
 that case only, and the cases after a fault still run correctly (a fresh world).
+
+Device: none. These cases test the launchers' fault reports; the one-element all-reduces
+that peers wait in stay on the CPU, which gloo carries in every mode (also the one-GPU
+mode), so a killed or hanging rank never holds a CUDA context.
 """
 
 from __future__ import annotations

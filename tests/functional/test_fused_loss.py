@@ -370,10 +370,10 @@ def test_fused_losses_tp5_tp6_against_torch():
             continue
         rank = rank_in(group)
         for vocab in (7, 1001):
-            gen = torch.Generator().manual_seed(vocab * 3 + tp)
-            weight = torch.randn(vocab, 8, generator=gen) / 3
-            hidden = torch.randn(37, 8, generator=gen)
-            target = torch.randint(0, vocab, (37,), generator=gen)
+            gen, dev = torch.Generator().manual_seed(vocab * 3 + tp), current_device()
+            weight = (torch.randn(vocab, 8, generator=gen) / 3).to(dev)
+            hidden = torch.randn(37, 8, generator=gen).to(dev)
+            target = torch.randint(0, vocab, (37,), generator=gen).to(dev)
             target[3] = -100
             for red in ("mean", "none"):
                 w = vocab_cut(weight, vocab_shard_size(vocab, tp), rank, 0).requires_grad_()

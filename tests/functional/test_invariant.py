@@ -180,10 +180,10 @@ def test_unaligned_shard_is_a_clear_error():
 @world.case(world_size=6)
 def test_invariant_bitwise_tp1_unpadded_vs_tp2_3_5_6():
     vocab, n = 1001, 70
-    gen = torch.Generator().manual_seed(5)
-    weight = torch.randn(vocab, 16, generator=gen) / 4
-    hidden = torch.randn(n, 16, generator=gen)
-    target = torch.randint(0, vocab, (n,), generator=gen)
+    gen, dev = torch.Generator().manual_seed(5), current_device()
+    weight = (torch.randn(vocab, 16, generator=gen) / 4).to(dev)
+    hidden = torch.randn(n, 16, generator=gen).to(dev)
+    target = torch.randint(0, vocab, (n,), generator=gen).to(dev)
     padded = torch.cat([weight, weight.new_zeros(1024 - vocab, 16)])
     logits = hidden @ padded.t()  # one full logits tensor, split at every TP size
     results = {}
@@ -214,7 +214,8 @@ def test_invariant_bitwise_tp1_unpadded_vs_tp2_3_5_6():
         )
         ce.sum().backward()
         grad_z = gather_rows(z.grad.t(), group, tp)[:vocab]
-        results[tp] = (lp, h.grad, gather_rows(w.grad, group, tp)[:vocab], ce, grad_z)
+        outs = (lp, h.grad, gather_rows(w.grad, group, tp)[:vocab], ce, grad_z)
+        results[tp] = tuple(t.detach().cpu() for t in outs)  # compared across ranks, on CPU
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, results)
     merged = {tp: r for rank_results in everyone for tp, r in rank_results.items()}
@@ -246,11 +247,12 @@ def test_fused_any_order_and_split_same_bits_tp1_2_4():
         n = int(torch.randint(1, 160, (1,), generator=gen))
         h_dim = (7, 16, 33, 48, 5, 20)[case]
         vocab = int(torch.randint(2, 2900, (1,), generator=gen))
-        weight = torch.randn(vocab, h_dim, generator=gen) / h_dim**0.5
-        hidden = torch.randn(n, h_dim, generator=gen) * 2
-        target = torch.randint(0, vocab, (n,), generator=gen)
-        upstream = torch.randn(n, generator=gen) * (torch.rand(n, generator=gen) > 0.2)
-        perm = torch.randperm(n, generator=gen)
+        dev = current_device()  # drawn on the CPU, then moved: the same values everywhere
+        weight = (torch.randn(vocab, h_dim, generator=gen) / h_dim**0.5).to(dev)
+        hidden = (torch.randn(n, h_dim, generator=gen) * 2).to(dev)
+        target = torch.randint(0, vocab, (n,), generator=gen).to(dev)
+        upstream = (torch.randn(n, generator=gen) * (torch.rand(n, generator=gen) > 0.2)).to(dev)
+        perm = torch.randperm(n, generator=gen).to(dev)
         cut = int(torch.randint(0, n + 1, (1,), generator=gen))
         kind = ("logprobs", "ce")[case % 2]
         ref = _fused_run(kind, hidden, weight, target, upstream, 40, None, vocab)

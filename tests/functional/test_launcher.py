@@ -1,4 +1,7 @@
-"""run_distributed: results, a raising rank's traceback, and hangs that fail in time."""
+"""run_distributed: results, a raising rank's traceback, and hangs that fail in time.
+
+Device: the all-reduce runs on ``current_device()``; the other cases build no tensor (the
+launcher's failure reports do not depend on the device)."""
 
 from __future__ import annotations
 
@@ -10,11 +13,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from mp_bridge.testing import DistributedError, run_distributed
+from mp_bridge.testing import DistributedError, current_device, run_distributed
 
 
 def _all_reduce_rank():
-    x = torch.tensor([float(dist.get_rank())])
+    x = torch.tensor([float(dist.get_rank())], device=current_device())
     dist.all_reduce(x)
     return dist.get_rank(), dist.get_world_size(), x.item(), os.getpid()
 

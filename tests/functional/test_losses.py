@@ -203,7 +203,7 @@ def test_ignored_tokens_have_zero_loss_and_grad():
     group, _ = tp_group(8)
     full, target, _ = full_problem(1001, 1, 8, torch.float32)
     target[0] = 7  # ignore_index may be a real id: it still wins
-    target[1] = torch.tensor([3, 1000, 520])
+    target[1] = torch.tensor([3, 1000, 520], device=target.device)
     local = shard(full, 1001, 1, 8, group)
     loss = vocab_parallel_cross_entropy(local, target, tp_group=group, ignore_index=7)
     assert torch.all(loss[0] == 0) and torch.all(loss[1] > 0)
@@ -273,11 +273,11 @@ def test_materialized_ops_tp5_tp6_against_torch():
             continue
         rank = rank_in(group)
         for vocab in (7, 4099):
-            gen = torch.Generator().manual_seed(vocab + tp)
-            full = 3 * torch.randn(3, 5, vocab, generator=gen, dtype=torch.float64)
-            target = torch.randint(0, vocab, (3, 5), generator=gen)
+            gen, dev = torch.Generator().manual_seed(vocab + tp), current_device()
+            full = (3 * torch.randn(3, 5, vocab, generator=gen, dtype=torch.float64)).to(dev)
+            target = torch.randint(0, vocab, (3, 5), generator=gen).to(dev)
             target[0, 0], target[1, 1] = vocab - 1, 3
-            up = torch.randn(3, 5, generator=gen, dtype=torch.float64)
+            up = torch.randn(3, 5, generator=gen, dtype=torch.float64).to(dev)
             local = vocab_cut(full.float(), vocab_shard_size(vocab, tp), rank, -1).requires_grad_()
             ref = full.clone().requires_grad_()
             ce = vocab_parallel_cross_entropy(

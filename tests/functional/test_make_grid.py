@@ -1,5 +1,8 @@
 """make_grid in an 8-rank (and a 4-rank) world: groups hold exactly the ranks written out
-by hand for each layout; errors name the argument, the value and the fix."""
+by hand for each layout; errors name the argument, the value and the fix.
+
+Device: none of these cases builds a tensor (group membership and errors only), so they
+do not depend on ``current_device()`` and run unchanged in the one-GPU mode."""
 
 from __future__ import annotations
 

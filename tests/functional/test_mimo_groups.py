@@ -25,7 +25,7 @@ from mp_bridge.models import (
     TPProjection,
     make_mimo_groups,
 )
-from mp_bridge.testing import DistributedWorld
+from mp_bridge.testing import DistributedWorld, current_device
 
 world = DistributedWorld(4, timeout_s=120)
 CFG = MimoConfig()
@@ -116,15 +116,16 @@ def test_bridge_puts_a_missing_cp_group_on_the_grid():
 @world.case
 def test_plain_model_creates_no_group_and_names_a_missing_one():
     torch.manual_seed(0)
-    reference = ReferenceMimo(CFG)
+    dev = current_device()
+    reference = ReferenceMimo(CFG).to(dev)
     enc = make_grid(dp=4, create=("tp", "dp"))
     llm = make_grid(cp=2, dp=2, create=("tp", "cp"))  # no ("dp", "cp") group
     bridge = ColocatedBridgeCommunicator(enc, llm)
     enc_tp, llm_tp, llm_cp = enc.get_pg("tp"), llm.get_pg("tp"), llm.get_pg("cp")
     parts = (
-        TPEncoder.from_full(reference.encoder, CFG, tp_group=enc_tp),
-        TPProjection.from_full(reference.projection, CFG, tp_group=enc_tp),
-        TPLLM.from_full(reference.llm, CFG, tp_group=llm_tp, cp_group=llm_cp),
+        TPEncoder.from_full(reference.encoder, CFG, tp_group=enc_tp, device=dev),
+        TPProjection.from_full(reference.projection, CFG, tp_group=enc_tp, device=dev),
+        TPLLM.from_full(reference.llm, CFG, tp_group=llm_tp, cp_group=llm_cp, device=dev),
         bridge,
         PartitionAdapter(cp_group=llm_cp, tp_group=llm_tp),
     )

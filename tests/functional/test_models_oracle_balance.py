@@ -56,6 +56,8 @@ def _packed_long_tail():
 
 
 def test_long_tail_batches_are_what_the_cases_rely_on():
+    # Device-independent: the seeded CPU draw, checked in the pytest process (no rank;
+    # CUDA here would break ranks forked later). World cases move batches to the device.
     # Written out from the seeded draws.
     batch = _long_tail()
     assert batch.images.images_per_sample.tolist() == [3, 0, 0, 0, 1, 1, 0, 3]

@@ -68,6 +68,8 @@ def _parity(flow, batch=None, steps=2, **layout):
 
 
 def test_packed_batch_is_what_the_cases_rely_on():
+    # Device-independent: the seeded CPU draw, checked in the pytest process (no rank;
+    # CUDA here would break ranks forked later). World cases move batches to the device.
     batch = _packed_batch()
     assert batch.cu_seqlens.tolist() == [0, 9, 22, 30, 41, 44, 65, 80, 92]
     # Written out from the seeded draw: document i holds sample i's image tokens.

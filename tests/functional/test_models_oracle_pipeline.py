@@ -25,7 +25,7 @@ import pytest
 
 import mp_bridge.models.colocated.pipelined as pipelined
 from mp_bridge.models import MimoConfig, run_parity, synthetic_batch
-from mp_bridge.testing import DistributedWorld
+from mp_bridge.testing import DistributedWorld, current_device
 
 world = DistributedWorld(8, timeout_s=900)
 CFG = MimoConfig(llm_layers=4)  # one block per stage at pp = 4
@@ -73,7 +73,7 @@ def _parity(case: dict):
     kw = dict(case)
     if "batch" in kw:
         kw["batch"] = BATCHES[kw["batch"]]()
-    return run_parity(CFG, **kw)
+    return run_parity(CFG, device=current_device(), **kw)
 
 
 @world.parametrize("case", list(CASES), ids=list(CASES))
@@ -129,13 +129,15 @@ def test_pipelined_model_refusals_are_the_same_on_every_rank():
 
     torch.manual_seed(0)
     enc, llm = make_grid(tp=2, dp=4), make_grid(tp=2, pp=2, dp=2, create=("tp", "pp"))
+    dev = current_device()
     model = build_colocated_mimo(
-        ReferenceMimo(CFG), enc, llm, microbatches=2, flow="routed", sequence_parallel=True
-    )
+        ReferenceMimo(CFG).to(dev), enc, llm, microbatches=2, flow="routed",
+        sequence_parallel=True, device=dev,
+    )  # fmt: skip
     with pytest.raises(RuntimeError, match=r"call\s+model.train_step"):
         model(None, None, None)
     rank = torch.distributed.get_rank()
-    packed = _packed()
+    packed = _packed().to(dev)
     text = packed.llm_shard(rank // 4, 2)
     images = packed.encoder_shard(rank // 2, 4)
     with pytest.raises(ValueError, match="flow='routed' with a pipelined LLM cannot microbatch"):

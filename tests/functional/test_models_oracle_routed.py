@@ -63,6 +63,8 @@ ODD = dataclasses.replace(CFG, seq_len=15)
 
 
 def test_odd_batch_is_what_the_padded_case_relies_on():
+    # Device-independent: the seeded CPU draw, checked in the pytest process (no rank;
+    # CUDA here would break ranks forked later). World cases move batches to the device.
     batch = synthetic_batch(ODD, 8, seed=4, images_per_sample=(0, 3))
     assert batch.input_ids.shape == (8, 15)  # 15 % (2 * cp * tp) != 0: the cut pads
     assert int((batch.input_ids == ODD.image_token_id).sum()) > 0
@@ -144,6 +146,7 @@ def test_routed_oracle_catches_rows_placed_in_the_wrong_order():
 
 
 def test_flow_names_are_parsed_once_into_flow_objects():
+    # Device-independent: parses names, builds no tensor (runs in the pytest process).
     from mp_bridge.models import GatherFlow, RoutedFlow, parse_flow
 
     assert isinstance(parse_flow("routed"), RoutedFlow)

@@ -227,4 +227,4 @@ def test_run_parity_on_4_ranks():
 @world.case
 def test_run_parity_refuses_a_layout_smaller_than_the_world():
     with pytest.raises(ValueError, match=r"encoder sizes \(1, 2\) cover 2 ranks .* has 4"):
-        run_parity(CFG, encoder_tp=1, encoder_dp=2, llm_dp=4)
+        run_parity(CFG, encoder_tp=1, encoder_dp=2, llm_dp=4, device=current_device())

@@ -15,7 +15,7 @@ from torch import nn
 from mp_bridge.layers import VocabParallelEmbedding, VocabParallelLMHead, VocabShard
 from mp_bridge.models import gather_full_state, load_full_state
 from mp_bridge.models.parallel.tp_blocks import column_linear, parallel_config, row_linear
-from mp_bridge.testing import DistributedWorld
+from mp_bridge.testing import DistributedWorld, current_device
 
 world = DistributedWorld(4, timeout_s=120)
 
@@ -27,14 +27,15 @@ VOCAB_ROWS = {0: (0, 3, 3), 1: (3, 6, 3), 2: (6, 9, 3), 3: (9, 12, 1)}
 def test_vocab_layers_load_and_gather_their_hand_written_rows():
     group, rank = dist.group.WORLD, dist.get_rank()
     start, stop, real = VOCAB_ROWS[rank]
-    full = torch.arange(20.0).view(10, 2)
-    emb = VocabParallelEmbedding.from_full(full, tp_group=group)
+    dev = current_device()
+    full = torch.arange(20.0, device=dev).view(10, 2)
+    emb = VocabParallelEmbedding.from_full(full, tp_group=group)  # on full's device
     assert emb.vocab_shard == VocabShard(start, stop, 10, 12)
-    want = torch.zeros(3, 2)
+    want = torch.zeros(3, 2, device=dev)
     want[:real] = full[start : start + real]
     assert torch.equal(emb.weight.detach(), want)
-    head = VocabParallelLMHead(2, 10, tp_group=group, bias=True)
-    load_full_state(head, {"weight": full, "bias": torch.arange(10.0)})
+    head = VocabParallelLMHead(2, 10, tp_group=group, bias=True, device=dev)
+    load_full_state(head, {"weight": full, "bias": torch.arange(10.0, device=dev)})
     assert torch.equal(head.weight.detach(), want)
     assert head.bias.tolist() == [float(i) if i < 10 else 0.0 for i in range(start, stop)]
     back = gather_full_state(head)
@@ -48,8 +49,10 @@ def test_megatron_linears_use_the_same_declaration():
     module = nn.Module()
     module.col = column_linear(4, 8, tp_group=group, config=config)  # rows split
     module.row = row_linear(8, 4, tp_group=group, config=config)  # columns split
-    col_full = torch.arange(32.0).view(8, 4)
-    row_full = torch.arange(32.0).view(4, 8)
+    dev = current_device()
+    module.to(dev)  # megatron's linears are built on the CPU (use_cpu_initialization)
+    col_full = torch.arange(32.0, device=dev).view(8, 4)
+    row_full = torch.arange(32.0, device=dev).view(4, 8)
     load_full_state(module, {"col.weight": col_full, "row.weight": row_full})
     assert torch.equal(module.col.weight.detach(), col_full[2 * rank : 2 * rank + 2])
     assert torch.equal(module.row.weight.detach(), row_full[:, 2 * rank : 2 * rank + 2])

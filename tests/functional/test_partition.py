@@ -170,7 +170,7 @@ def test_bad_input_raises_before_any_collective():
         with pytest.raises(ValueError, match=r"cu_seqlens\[-1\]=8 must equal .* 12"):
             cp_only.shard(torch.zeros(1, 12, 2, device=dev), cu_seqlens=[0, 8])
         with pytest.raises(ValueError, match=r"labels has shape \(2, 7\); expected \[2, 8\]"):
-            cp_only.shard(torch.zeros(2, 8, 2, device=dev), labels=torch.zeros(2, 7))
+            cp_only.shard(torch.zeros(2, 8, 2, device=dev), labels=torch.zeros(2, 7, device=dev))
         with pytest.raises(ValueError, match=r"seq_dim=3 is out of range"):
             PartitionAdapter(seq_dim=3).shard(torch.zeros(2, 8, 2, device=dev))
         with pytest.raises(ValueError, match=r"grad='mean'"):
@@ -216,9 +216,11 @@ def test_partition_packed_cu_seqlens_forms_and_2d_tokens():
     tokens = rand(36, 4, seed=5)  # packed [T, h], sequence on dim 0
     adapter = PartitionAdapter(cp_group=cp_g, seq_dim=0)
     bad = []
-    forms = (cu, torch.tensor(cu, dtype=torch.int32), np.array(cu), tuple(cu))
+    dev = tokens.device
+    forms = (cu, torch.tensor(cu, dtype=torch.int32, device=dev), np.array(cu), tuple(cu))
+    labels = torch.arange(36, device=dev)
     for form in forms:
-        out = adapter.shard(tokens, labels=torch.arange(36), cu_seqlens=form)
+        out = adapter.shard(tokens, labels=labels, cu_seqlens=form)
         if not torch.equal(out.embeddings, ref_cut(tokens, 0, 3, r, lengths)):
             bad.append(f"{type(form).__name__}: embeddings are not the reference cut")
         # No batch dim: default positions are 1-D original positions.
@@ -229,7 +231,7 @@ def test_partition_packed_cu_seqlens_forms_and_2d_tokens():
             bad.append(f"{type(form).__name__}: cu_seqlens {out.cu_seqlens.tolist()}")
         if not torch.equal(adapter.unshard(out.embeddings, cu_seqlens=form), tokens):
             bad.append(f"{type(form).__name__}: unshard(embeddings) is not the input")
-        if not torch.equal(adapter.unshard(out.labels, cu_seqlens=form), torch.arange(36)):
+        if not torch.equal(adapter.unshard(out.labels, cu_seqlens=form), labels):
             bad.append(f"{type(form).__name__}: unshard(labels) is not the labels")
     assert not bad, bad
 
@@ -239,7 +241,7 @@ def test_partition_without_cp_takes_any_length():
     # cp = 1 (no group): nothing to balance, so odd and packed odd lengths are fine.
     emb = rand(2, 7, 3, seed=6)
     adapter = PartitionAdapter()
-    out = adapter.shard(emb, labels=torch.arange(14).view(2, 7))
+    out = adapter.shard(emb, labels=torch.arange(14, device=emb.device).view(2, 7))
     assert torch.equal(out.embeddings, emb)
     assert torch.equal(out.position_ids, torch.arange(7, device=emb.device).expand(2, 7))
     assert torch.equal(adapter.unshard(out.embeddings), emb)
@@ -265,14 +267,14 @@ CP2_SP2_TOKENS[1, 1] = [8, 9, 10, 11]
 @world.case(world_size=4)
 def test_partition_cp2_sp_tp2_against_literal_token_lists():
     cp_g, tp_g, c, t = tp_cp_groups(2)  # rank = t + 2·c on 4 ranks
-    bad = []
+    bad, dev = [], current_device()
     for sp in (False, True):
-        idx = torch.tensor(CP2_SP2_TOKENS[c, t] if sp else CP2_TOKENS[c])
-        cp_idx = torch.tensor(CP2_TOKENS[c])
+        idx = torch.tensor(CP2_SP2_TOKENS[c, t] if sp else CP2_TOKENS[c], device=dev)
+        cp_idx = torch.tensor(CP2_TOKENS[c], device=dev)
         adapter = PartitionAdapter(cp_group=cp_g, tp_group=tp_g, sequence_parallel=sp)
         emb = rand(2, 16, 3, seed=4).requires_grad_()
-        labels = torch.arange(32).view(2, 16)
-        out = adapter.shard(emb, labels=labels, loss_mask=torch.ones(2, 16))
+        labels = torch.arange(32, device=dev).view(2, 16)
+        out = adapter.shard(emb, labels=labels, loss_mask=torch.ones(2, 16, device=dev))
         if not torch.equal(out.embeddings, emb.detach()[:, idx]):
             bad.append(f"sp={sp}: embeddings are not tokens {idx.tolist()}")
         if not torch.equal(out.labels, labels[:, cp_idx]):
@@ -285,14 +287,14 @@ def test_partition_cp2_sp_tp2_against_literal_token_lists():
         (out.embeddings * w[:, idx]).sum().backward()
         # Zero-padded local gradient: w on this rank's CP tokens (with SP, the TP all-gather
         # brings the other TP rank's half), zero on the other CP rank's tokens.
-        expected = torch.zeros(2, 16, 3)
+        expected = torch.zeros(2, 16, 3, device=dev)
         expected[:, cp_idx] = w[:, cp_idx]
         if not torch.equal(emb.grad, expected):
             bad.append(f"sp={sp}: gradient is not the zero-padded local one")
     # S = 12 with SP is padded to 16 (zeros at 12..15): the same literal cut.
     emb12 = rand(2, 12, 3, seed=0)
     out = PartitionAdapter(cp_group=cp_g, tp_group=tp_g, sequence_parallel=True).shard(emb12)
-    padded = torch.cat([emb12, torch.zeros(2, 4, 3)], dim=1)
+    padded = torch.cat([emb12, torch.zeros(2, 4, 3, device=dev)], dim=1)
     if not torch.equal(out.embeddings, padded[:, CP2_SP2_TOKENS[c, t]]):
         bad.append("S=12 with SP: not the padded literal cut")
     assert not bad, bad

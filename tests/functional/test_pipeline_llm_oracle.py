@@ -25,7 +25,7 @@ import torch.distributed as dist
 from mp_bridge.checks import AgreementError
 from mp_bridge.models import MimoConfig
 from mp_bridge.models.parallel import LLMPipeline, TPLLMStage
-from mp_bridge.testing import DistributedWorld
+from mp_bridge.testing import DistributedWorld, current_device
 from tests.functional.pipeline_oracle import run_pipeline_parity
 
 world = DistributedWorld(8, timeout_s=900)
@@ -83,8 +83,9 @@ def test_a_bad_input_on_one_stage_is_the_same_error_on_every_stage():
     try:
         rank = dist.get_rank()
         pp = dist.new_group([0, 1])
-        stage = TPLLMStage(CFG, stage=rank, n_stages=2)
-        pos = torch.arange(8).expand(1, 8)
+        dev = current_device()
+        stage = TPLLMStage(CFG, stage=rank, n_stages=2, device=dev).to(dev)
+        pos = torch.arange(8, device=dev).expand(1, 8)
         bad = pos[:, :6]  # the last stage's labels do not match its positions
         with pytest.raises(
             AgreementError, match=r"rank 1 rejected its input: ValueError: labels\[0\] has shape"

@@ -18,7 +18,7 @@ import torch.distributed as dist
 import mp_bridge.comm.bridge.execution.route as route_module
 from mp_bridge.comm import ColocatedBridgeCommunicator, PartitionAdapter
 from mp_bridge.grid import GridLayout
-from mp_bridge.testing import CollectiveCounter, DistributedWorld
+from mp_bridge.testing import CollectiveCounter, DistributedWorld, current_device
 from tests.functional.route_oracle import H, RouteBatch, check_route, grids, ref_local_tokens
 
 world = DistributedWorld(8)
@@ -74,7 +74,8 @@ def _route_expecting_error(src, dest, counts, mask, match):
     """``route`` on this rank must raise ``ValueError`` matching ``match``, with the same
     message on every rank; then a world barrier (no rank is stranded in a collective)."""
     src_grid, dest_grid = grids(src, dest)
-    x = torch.randn(sum(counts), H)
+    x = torch.randn(sum(counts), H).to(current_device())
+    mask = mask.to(current_device())
     part = PartitionAdapter(cp_group=dest_grid.get_pg("cp"), tp_group=dest_grid.get_pg("tp"))
     with ColocatedBridgeCommunicator(src_grid, dest_grid) as bridge:
         with pytest.raises(ValueError, match=match) as info:
@@ -168,7 +169,8 @@ def test_route_validation_raises_before_any_collective():
     src_grid, dest_grid = grids(dict(tp=2, dp=4), dict(tp=2, cp=2, dp=2))
     cp_g, tp_g = dest_grid.get_pg("cp"), dest_grid.get_pg("tp")
     part = PartitionAdapter(cp_group=cp_g, tp_group=tp_g)
-    x, mask = torch.randn(4, H), torch.zeros(4, 6, dtype=torch.bool)
+    dev = current_device()
+    x, mask = torch.randn(4, H).to(dev), torch.zeros(4, 6, dtype=torch.bool, device=dev)
     with ColocatedBridgeCommunicator(src_grid, dest_grid) as bridge:
         # The route groups are made on every rank before validation (a rank raising first
         # would leave the others in new_group); made here, the calls below need nothing.
@@ -197,8 +199,9 @@ def test_route_validation_raises_before_any_collective():
 def test_double_backward_is_refused_on_every_rank():
     src_grid, dest_grid = grids(dict(tp=2, dp=4), dict(tp=2, cp=2, dp=2))
     part = PartitionAdapter(cp_group=dest_grid.get_pg("cp"), tp_group=dest_grid.get_pg("tp"))
-    x = torch.randn(4, H, requires_grad=True)
-    mask = torch.zeros(4, 6, dtype=torch.bool)
+    dev = current_device()
+    x = torch.randn(4, H).to(dev).requires_grad_()
+    mask = torch.zeros(4, 6, dtype=torch.bool, device=dev)
     mask[:, [0, 5]] = True
     with ColocatedBridgeCommunicator(src_grid, dest_grid) as bridge:
         y = bridge.route(x, tokens_per_sample=[2, 2], image_mask=mask, partition=part)
@@ -252,18 +255,19 @@ def test_fan_out_without_image_tokens_sends_no_shard_ids():
     # rank knows it from the count rows), so the count row is the only collective.
     src_grid, dest_grid = grids(dict(tp=4, dp=2), dict(cp=2, dp=4))
     part = PartitionAdapter(cp_group=dest_grid.get_pg("cp"), tp_group=dest_grid.get_pg("tp"))
-    x = torch.randn(0, H, requires_grad=True)
+    dev = current_device()
+    x = torch.zeros(0, H, device=dev, requires_grad=True)
     with ColocatedBridgeCommunicator(src_grid, dest_grid) as bridge:
         bridge.prepare_route()  # group creation is not part of a call's budget
         with CollectiveCounter() as fwd:
             y = bridge.route(
                 x,
                 tokens_per_sample=[0] * 4,
-                image_mask=torch.zeros(2, 6, dtype=torch.bool),
+                image_mask=torch.zeros(2, 6, dtype=torch.bool, device=dev),
                 partition=part,
             )
         assert y.shape == (0, H)
         assert fwd.counts() == {"all_gather": 1}, fwd.calls
         assert fwd.bytes_received() == 7 * 8 * 7  # 7 other ranks' 7-int64 count rows
         y.sum().backward()
-    assert torch.equal(x.grad, torch.zeros(0, H))
+    assert torch.equal(x.grad, torch.zeros(0, H, device=dev))

@@ -3,6 +3,10 @@ cases at several world sizes and parametrized cases in one module.
 
 Most tests here check small worlds of their own (the thing under test is the world itself);
 the module-level ``world`` shows the registration forms as pytest collects them.
+
+Device: none. The cases test the world itself (start-up, per-case reports, aborts of a
+stuck case); their one-element all-reduces stay on the CPU, which gloo carries in every
+mode, so they do not depend on ``current_device()``.
 """
 
 from __future__ import annotations

@@ -109,13 +109,15 @@ def test_embedding_matches_megatron():
         weight, ids, _ = _data(1000, torch.float32, seed=tp)
         ours = VocabParallelEmbedding.from_full(weight, tp_group=group)
         theirs = MegatronEmbedding(1000, H, init_method=None, config=config, tp_group=group)
+        theirs = theirs.to(weight.device)  # megatron builds it on the CPU (cpu initialization)
         with torch.no_grad():
             theirs.weight.copy_(ours.weight)
         assert (theirs.vocab_start_index, theirs.vocab_end_index) == (
             ours.vocab_start_index,
             ours.vocab_end_index,
         )
-        assert torch.equal(ours(ids), theirs(ids.to(theirs.weight.device)))
+        assert theirs.weight.device == ours.weight.device == ids.device
+        assert torch.equal(ours(ids), theirs(ids))
 
 
 def _check_head(dtype: torch.dtype, sequence_parallel: bool, bias: bool):
@@ -126,7 +128,7 @@ def _check_head(dtype: torch.dtype, sequence_parallel: bool, bias: bool):
         if vocab == 50257 and dtype != torch.float32:
             continue  # same code path as vocab 1001; keeps the bf16 case fast
         weight, _, h_full = _data(vocab, dtype, seed=3 * tp + vocab)
-        b_full = torch.randn(vocab, dtype=dtype, device=weight.device) if bias else None
+        b_full = torch.randn(vocab, dtype=dtype).to(weight.device) if bias else None
         gen = torch.Generator().manual_seed(tp)
         padded = vocab_shard_ranges(vocab, tp, multiple=multiple)[-1][1]
         g_full = torch.randn(B, S, padded, generator=gen).to(dtype).to(weight.device)
@@ -228,6 +230,8 @@ def test_out_of_range_ids_raise_before_the_all_reduce():
         with pytest.raises(ValueError, match=r"outside \[0, 1001\)"):
             emb(torch.tensor([[-1]], device=current_device()))
     assert counter.counts() == {}
-    sp = VocabParallelEmbedding(1001, H, tp_group=group, sequence_parallel=True)
+    sp = VocabParallelEmbedding(
+        1001, H, tp_group=group, sequence_parallel=True, device=current_device()
+    )
     with pytest.raises(ValueError, match="length 12.*divisible by the TP size 8"):
         sp(torch.zeros(2, 12, dtype=torch.long, device=current_device()))
