@@ -96,11 +96,15 @@ def case_before():
     dist.barrier()
 
 
-@stuck.case
-def case_rank_0_raises_before_a_collective():
+def _rank_0_raises_before_a_collective() -> None:
     if dist.get_rank() == 0:
         raise RuntimeError("bad input on rank 0")
-    dist.all_reduce(torch.ones(1))  # ranks 1, 2 wait here for rank 0 forever
+    dist.all_reduce(torch.ones(1))  # the other ranks wait here for rank 0 forever
+
+
+@stuck.case
+def case_rank_0_raises_before_a_collective():
+    _rank_0_raises_before_a_collective()
 
 
 @stuck.case
@@ -185,9 +189,7 @@ sizes_apart = DistributedWorld(2, timeout_s=120, abort_grace_s=2)
 
 @sizes_apart.case(world_size=3)
 def case_three_ranks_rank_0_raises_before_a_collective():
-    if dist.get_rank() == 0:
-        raise RuntimeError("bad input on rank 0")
-    dist.all_reduce(torch.ones(1))  # ranks 1, 2 wait here for rank 0 forever
+    _rank_0_raises_before_a_collective()
 
 
 @sizes_apart.case
