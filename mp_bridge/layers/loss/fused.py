@@ -177,13 +177,32 @@ def _chunks(n: int, chunk: int):
         yield slice(s, min(s + chunk, n))
 
 
-def _fused_loss(hidden, weight, call: LossCall, reduction: str):
+#: ``engine=`` of the fused doors: "auto" is "triton" for CUDA tensors, else "torch".
+ENGINES = ("auto", "torch", "triton")
+
+
+def _use_triton(engine: object, hidden: torch.Tensor, call: LossCall) -> bool:
+    """Whether this call runs on the triton engine (imported only then)."""
+    if engine not in ENGINES:
+        raise ValueError(f"engine={engine!r} must be one of {ENGINES}")
+    if engine == "torch" or (engine == "auto" and not hidden.is_cuda):
+        return False
+    from mp_bridge.layers.loss.engines.triton import fallback_reason
+
+    return fallback_reason(hidden, call) is None
+
+
+def _fused_loss(hidden, weight, call: LossCall, reduction: str, engine: object = "torch"):
     """Build the engine of the parsed ``call`` and run the loss (``reduction`` here, the
     call's own or "none").
 
     Returns ``(values, extra, sq)`` shaped like ``target`` (``reduction="none"``) or
     scalars.
     """
+    if _use_triton(engine, hidden, call):
+        from mp_bridge.layers.loss.engines.triton import triton_fused_loss
+
+        return triton_fused_loss(hidden, weight, call, reduction)
     lead = tuple(hidden.shape[:-1])
     v_local = weight.shape[0]
     spec = call.spec()
@@ -244,6 +263,7 @@ def fused_linear_cross_entropy(
     z_loss_weight: float = 0.0,
     return_z_loss: bool = False,
     logits_precision: str = "fp32",
+    engine: str = "auto",
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Cross-entropy of ``hidden @ full_weight[:vocab_size].T`` without materializing it.
 
@@ -266,10 +286,11 @@ def fused_linear_cross_entropy(
     dtype (logits rounded to it: log-prob errors 3e-2 to 5e-2 in bf16, 4e-3 to 8e-3 in fp16
     at logits ~ N(0, 16), against ~5e-6 exact; bench/lm_head_accuracy.py). Not
     twice differentiable; with "mean" / "sum" one backward per call (gradients are made
-    in forward).
+    in forward). ``engine``: "auto" (default: "triton" for CUDA tensors, else "torch"),
+    "torch" or "triton" (``engines.triton``; fp64 falls back to "torch" with a warning).
     """
     call = parse_loss_call("ce", locals())
-    loss, z_loss, _ = _fused_loss(hidden, weight, call, call.reduction)
+    loss, z_loss, _ = _fused_loss(hidden, weight, call, call.reduction, engine)
     if not return_z_loss:
         return loss
     return loss, z_loss if call.z_loss_weight != 0.0 else torch.zeros_like(loss.detach())
@@ -292,6 +313,7 @@ def fused_linear_logprobs(
     return_sum_pi_squared: bool = False,
     reduction: str = "none",
     logits_precision: str = "fp32",
+    engine: str = "auto",
 ) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """``log_softmax(z)[target]`` ``[...]`` fp32, ``z = softcap(hidden @
     full_weight[:vocab_size].T) / temperature``; ``hidden [..., H]``, ``target [...]``.
@@ -305,9 +327,9 @@ def fused_linear_logprobs(
     order ``(logprobs, entropy, sum_pi_squared)``, from the same pass. ``reduction``:
     "none" (default), "sum" or "mean" over counted tokens, applied to every output.
     Gradients recompute logits in backward. ``logits_precision``: as
-    ``fused_linear_cross_entropy``.
+    ``fused_linear_cross_entropy``; ``engine``: as there.
     """
     call = parse_loss_call("logprob", locals())
     # reduced by the call, like every other output (backward recomputes)
-    out = _fused_loss(hidden, weight, call, "none")
+    out = _fused_loss(hidden, weight, call, "none", engine)
     return call.returned(*out)

@@ -1,0 +1,86 @@
+"""The ``"triton"`` loss engine for tests: interpreter setup, the call, the fp64 oracle.
+
+Import as ``from tests.triton_engine import ...`` *before* anything imports the engine.
+Without CUDA it sets ``TRITON_INTERPRET=1`` (read when the kernels are decorated), so the
+kernels run on CPU tensors; it changes nothing for the other tests (no other CPU test runs
+a Triton kernel; triton's own import by megatron-core ignores it). Skips the importing
+test module when ``triton`` is not installed.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+pytest.importorskip("triton")
+
+from mp_bridge.layers import fused_linear_cross_entropy, fused_linear_logprobs  # noqa: E402
+from tests.loss_refs import reference, sum_pi_squared  # noqa: E402
+
+__all__ = ["oracle", "run", "triton_loss"]
+
+DOORS = {"ce": fused_linear_cross_entropy, "logprob": fused_linear_logprobs}
+
+
+def triton_loss(kind: str, hidden, weight, target, **kw):
+    """``fused_linear_cross_entropy`` (``kind="ce"``) / ``fused_linear_logprobs`` on the
+    triton engine."""
+    kw.setdefault("engine", "triton")
+    return DOORS[kind](hidden, weight, target, **kw)
+
+
+def run(fn, hidden, weight, target, up_seed: int = 5):
+    """``(outputs tuple, d hidden, d weight)`` of ``fn(h, w, target)`` with a seeded
+    upstream gradient on its first output (and on the entropy, second, when a log-prob
+    call returns it with gradient)."""
+    h = hidden.detach().clone().requires_grad_(True)
+    w = weight.detach().clone().requires_grad_(True)
+    out = fn(h, w, target)
+    outs = out if isinstance(out, tuple) else (out,)
+    g = torch.Generator().manual_seed(up_seed)
+    loss = 0.0
+    for o in outs:
+        if o.requires_grad:
+            loss = loss + (o * (torch.rand(o.shape, generator=g).to(o) + 0.5)).sum()
+    loss.backward()
+    return tuple(o.detach() for o in outs), h.grad, w.grad
+
+
+def oracle(kind: str, vocab: int, **kw):
+    """The fp64 reference ``fn(h, w, target)`` of ``triton_loss(kind, ..., **kw)`` on the
+    full weight (its rows past ``vocab`` are padding)."""
+    red = kw.get("reduction", "mean" if kind == "ce" else "none")
+    ignore = kw.get("ignore_index", -100)
+    opts = dict(
+        temperature=kw.get("temperature", 1.0),
+        softcap=kw.get("softcap"),
+        ignore_index=ignore,
+    )
+
+    def fn(h, w, t):
+        z = h.double() @ w.double()[:vocab].t()
+        if kind == "ce":
+            value, _, z_loss = reference(
+                z, t, kind="ce", label_smoothing=kw.get("label_smoothing", 0.0),
+                z_loss_weight=kw.get("z_loss_weight", 0.0), **opts,
+            )  # fmt: skip
+            outs = [value] + ([z_loss.detach()] if kw.get("return_z_loss") else [])
+        else:
+            value, entropy, _ = reference(z, t, kind="logprob", **opts)
+            outs = [value]
+            if kw.get("return_entropy"):
+                outs.append(entropy)
+            if kw.get("return_sum_pi_squared"):
+                outs.append(sum_pi_squared(z, t, **opts).detach())
+        counted = torch.ones_like(t, dtype=torch.bool) if ignore is None else t != ignore
+        if red == "sum":
+            outs = [o.sum() for o in outs]
+        elif red == "mean":
+            outs = [o.sum() / counted.sum() for o in outs]
+        return tuple(outs) if len(outs) > 1 else outs[0]
+
+    return fn
