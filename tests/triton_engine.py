@@ -1,10 +1,9 @@
 """The ``"triton"`` loss engine for tests: interpreter setup, the call, the fp64 oracle.
 
-Import as ``from tests.triton_engine import ...`` *before* anything imports the engine.
-Without CUDA it sets ``TRITON_INTERPRET=1`` (read when the kernels are decorated), so the
-kernels run on CPU tensors; it changes nothing for the other tests (no other CPU test runs
-a Triton kernel; triton's own import by megatron-core ignores it). Skips the importing
-test module when ``triton`` is not installed.
+Without CUDA the kernels run on CPU tensors under ``TRITON_INTERPRET=1``, which must be
+set before ``triton`` itself is imported (its ``tl.zeros`` & co. are ``@jit`` functions
+decorated then): ``tests/conftest.py`` sets it; this module sets it too for a script that
+imports it first. Skips the importing test module when ``triton`` is not installed.
 """
 
 from __future__ import annotations
@@ -33,19 +32,19 @@ def triton_loss(kind: str, hidden, weight, target, **kw):
     return DOORS[kind](hidden, weight, target, **kw)
 
 
-def run(fn, hidden, weight, target, up_seed: int = 5):
+def run(fn, hidden, weight, target, up_seed: int = 5, up=None):
     """``(outputs tuple, d hidden, d weight)`` of ``fn(h, w, target)`` with a seeded
-    upstream gradient on its first output (and on the entropy, second, when a log-prob
-    call returns it with gradient)."""
+    upstream gradient on each output that has one (``up``: the first one's instead)."""
     h = hidden.detach().clone().requires_grad_(True)
     w = weight.detach().clone().requires_grad_(True)
     out = fn(h, w, target)
     outs = out if isinstance(out, tuple) else (out,)
     g = torch.Generator().manual_seed(up_seed)
     loss = 0.0
-    for o in outs:
+    for i, o in enumerate(outs):
         if o.requires_grad:
-            loss = loss + (o * (torch.rand(o.shape, generator=g).to(o) + 0.5)).sum()
+            u = up if i == 0 and up is not None else torch.rand(o.shape, generator=g) + 0.5
+            loss = loss + (o * u.to(o)).sum()
     loss.backward()
     return tuple(o.detach() for o in outs), h.grad, w.grad
 
