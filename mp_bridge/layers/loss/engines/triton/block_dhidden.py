@@ -56,7 +56,8 @@ def _block_dhidden_kernel(
     tile = rows[:, None] * hidden + hcols[None, :]
     tmask = rmask[:, None] & hmask[None, :]
     plane = n_rows * hidden
-    sp = 0
+    zero = tl.program_id(0) * 0  # an int32 tensor: the loop-carried counters' type
+    sp = zero
     for jj in range(0, n_blocks):
         part = tl.zeros((TILE_M, BH), tl.float32)
         for v0 in range(0, BLOCK, BKV):
@@ -71,7 +72,7 @@ def _block_dhidden_kernel(
             )
             part = dot_acc(gt, wt, part, INTERPRET)
         end = first + jj + 1  # the pushed leaf ends here (global block index)
-        level = 1
+        level = zero + 1
         while (end % (1 << level) == 0) & (end - (1 << level) >= first):
             sp -= 1
             part = tl.load(scratch_ptr + sp * plane + tile, mask=tmask, other=0.0) + part

@@ -40,8 +40,9 @@ from mp_bridge.layers.loss.reduce import gather_fold
 
 __all__ = ["DEFAULT_CHUNK_TOKENS", "BlockTiles"]
 
-#: Tokens per chunk without ``chunk_size``: ``g`` of 4096 x V_local plus the stack.
-DEFAULT_CHUNK_TOKENS = 4096
+#: Tokens per chunk without ``chunk_size``: ``g`` is ``[1024, V_local]`` in the input
+#: dtype (256 MiB at V_local = 131072 in bf16) plus the ``[D, 1024, H]`` fp32 stack.
+DEFAULT_CHUNK_TOKENS = 1024
 
 
 @dataclass(frozen=True, eq=False)
@@ -108,6 +109,7 @@ class BlockTiles:
             del g, scratch
         gw = None
         if want_gw:
-            gw = torch.zeros_like(self.weight)
-            gw[:rows_w] = acc
+            gw = acc.to(self.weight.dtype)  # one rounding of the fp32 sum
+            if rows_w < self.weight.shape[0]:  # weight rows past the real blocks: padding
+                gw = torch.cat([gw, gw.new_zeros((self.weight.shape[0] - rows_w, hd))])
         return gh, gw
