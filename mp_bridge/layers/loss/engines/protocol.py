@@ -17,7 +17,7 @@ Registering an engine: ``registry.ENGINE_MODULES`` and ``engines/__init__.py``.
 from __future__ import annotations
 
 import warnings
-from typing import TYPE_CHECKING, NamedTuple, Protocol
+from typing import TYPE_CHECKING, NamedTuple, Protocol, runtime_checkable
 
 import torch
 
@@ -48,6 +48,7 @@ class EngineOutput(NamedTuple):
     sum_pi_squared: torch.Tensor
 
 
+@runtime_checkable
 class FusedLossEngine(Protocol):
     """A fused LM-head loss engine: ``hidden @ weight.T`` -> per-token values, no logits
     tensor handed back, the weight never gathered.
