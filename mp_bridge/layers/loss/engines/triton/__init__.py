@@ -10,11 +10,12 @@ Two modes over a vocab shard at any TP, every option of the torch engine in the 
 
 One kernel per file with its launch wrapper and tile sizes at the top (``row_stats``,
 ``row_grad``, ``block_stats``, ``block_grad``, ``block_dhidden``, ``block_dweight``), the
-shared math in ``tiles``. Importing this package imports ``triton``: the loss doors
-import it only when ``engine="triton"`` is asked for (or picked by ``"auto"``). Under
+shared math in ``tiles``; ``ENGINE`` (``function``) is the ``FusedLossEngine`` the
+registry loads. Importing this package imports ``triton``: the registry imports it only
+when ``engine="triton"`` is asked for (or picked by ``"auto"``). Under
 ``TRITON_INTERPRET=1`` (set before this import) the kernels run on CPU tensors.
 """
 
-from mp_bridge.layers.loss.engines.triton.function import fallback_reason, triton_fused_loss
+from mp_bridge.layers.loss.engines.triton.function import ENGINE, TritonEngine
 
-__all__ = ["fallback_reason", "triton_fused_loss"]
+__all__ = ["ENGINE", "TritonEngine"]

@@ -35,7 +35,6 @@ from mp_bridge.layers.loss.engines.triton.block_dweight import block_dweight_
 from mp_bridge.layers.loss.engines.triton.block_grad import block_grad
 from mp_bridge.layers.loss.engines.triton.block_stats import TILE_M, block_stats
 from mp_bridge.layers.loss.formulas import LossSpec
-from mp_bridge.layers.loss.group_steps import add_
 from mp_bridge.layers.loss.reduce import gather_fold
 
 __all__ = ["DEFAULT_CHUNK_TOKENS", "BlockTiles"]
@@ -103,7 +102,7 @@ class BlockTiles:
             scratch = block_dhidden(g, wt, n_blocks=k, first=lay.first)
             pieces = list(zip(lay.pieces(lay.rank), scratch))
             shape = (rows.stop - rows.start, hd)
-            gh[rows] = gather_fold(pieces, lay, self.tp_group, add_, shape, h.device)
+            gh[rows] = gather_fold(pieces, lay, self.tp_group, torch.Tensor.add_, shape, h.device)
             if acc is not None:
                 block_dweight_(acc, g, h[rows])
             del g, scratch

@@ -1,49 +1,41 @@
-"""The triton engine's autograd Function and its entry point (``triton_fused_loss``).
+"""The ``"triton"`` engine (``ENGINE``, the ``FusedLossEngine`` of ``engines.protocol``):
+its autograd Function and the call.
 
 Forward: the runner's global statistics ``[S, N]`` (``VocabMajor`` by default,
 ``BlockTiles`` with ``invariant=True``) -> ``formulas.stats_values`` -> per-token value,
 entropy, ``sum_pi_squared`` and z-loss (0 at ``ignore_index``). Backward: ``w = (1 / T)
 x upstream`` per token (0 at ``ignore_index``; ``w_ent`` likewise for the entropy) -> the
-runner's ``d h`` (reduced over TP) and ``d W`` (this shard). The reductions
-("sum" / "mean") are taken by autograd-tracked torch ops on the per-token values
+runner's ``d h`` (reduced over TP) and ``d W`` (this shard). The reductions ("sum" /
+"mean") are autograd-tracked torch ops on the per-token values
 (``outputs.reduce_tokens``), so both modes recompute the logits in backward whatever the
 reduction: no fp32 ``d W`` is held from forward to backward.
 
-Temperature, soft-cap, z-loss, label smoothing, ``ignore_index``, entropy and
-``sum_pi_squared`` run in the kernels (``tiles``); fp64 inputs fall back to the torch
-engine (``fallback_reason``). ``logits_precision`` does not apply: the logits are always
-fp32-accumulated from the input dtype, which is ``"fp32"``'s result at ``"input"``'s cost.
+Temperature (float or per token), soft-cap, z-loss, label smoothing, ``ignore_index``,
+entropy and ``sum_pi_squared`` all run in the kernels (``tiles``); ``unsupported`` names
+only fp64 inputs (the kernels take fp32 / bf16 / fp16), which the door then runs on the
+torch engine with a warning. ``logits_precision`` is not an option here: the logits are
+always fp32-accumulated from the input dtype (``"fp32"``'s result, at GEMM speed).
 """
 
 from __future__ import annotations
 
-import warnings
+from typing import TYPE_CHECKING
 
 import torch
 
-from mp_bridge.layers.loss.call_spec import LossCall
-from mp_bridge.layers.loss.checks import forbid_double_backward
+from mp_bridge.layers.loss.arguments import forbid_double_backward
+from mp_bridge.layers.loss.engines.protocol import EngineOutput
 from mp_bridge.layers.loss.engines.triton.block_tiles import BlockTiles
 from mp_bridge.layers.loss.engines.triton.vocab_major import VocabMajor
 from mp_bridge.layers.loss.formulas import stats_values
 from mp_bridge.layers.loss.outputs import counted_tokens, reduce_tokens
 
-__all__ = ["fallback_reason", "triton_fused_loss"]
+if TYPE_CHECKING:
+    from mp_bridge.layers.loss.options import LossOptions
 
-_WARNED: set[str] = set()
+__all__ = ["ENGINE", "TritonEngine"]
+
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-def fallback_reason(hidden: torch.Tensor, call: LossCall) -> str | None:
-    """Why this call must run on the torch engine instead (``None``: it need not); warns
-    once per reason."""
-    reason = None
-    if hidden.dtype not in _DTYPES:
-        reason = f"dtype {hidden.dtype} (the kernels take fp32, bf16 and fp16)"
-    if reason is not None and reason not in _WARNED:
-        _WARNED.add(reason)
-        warnings.warn(f"engine='triton' falls back to 'torch' for {reason}", stacklevel=3)
-    return reason
 
 
 class _TritonLinearLoss(torch.autograd.Function):
@@ -90,29 +82,37 @@ class _TritonLinearLoss(torch.autograd.Function):
         return grad_h, gw, None, None, None
 
 
-def triton_fused_loss(hidden: torch.Tensor, weight: torch.Tensor, call: LossCall, reduction):
-    """``(values, extra, sq)`` of the fused ``call`` (the contract of ``fused._fused_loss``):
-    shaped like the tokens with ``reduction="none"``, else scalars; ``extra`` the entropy
-    (log-probs with ``return_entropy``), else the z-loss (cross-entropy with a weight),
-    else empty; ``sq`` ``sum_pi_squared`` (``reduction="none"``), else empty."""
-    lead = tuple(hidden.shape[:-1])
-    spec = call.spec()
-    h = hidden.reshape(-1, hidden.shape[-1]).contiguous()
-    target = call.target.reshape(-1)
-    if call.token_temperature is not None:
-        temp = call.token_temperature.to(torch.float32).reshape(-1).contiguous()
-    else:
-        temp = torch.full(target.shape, call.temperature, dtype=torch.float32, device=h.device)
-    w = weight.contiguous()
-    if call.flag("invariant"):
-        runner = BlockTiles.build(w, call.tp_group, call.shard, spec, call.chunk_size)
-    else:
-        runner = VocabMajor(w, call.tp_group, call.shard, spec)
-    values, ent, sq, z_loss = _TritonLinearLoss.apply(h, w, target, temp, runner)
-    extra = ent if spec.entropy else z_loss
-    counted = counted_tokens(target, call.ignore_index)
-    if reduction == "none":
-        return tuple(v.view(lead) if v.numel() else v for v in (values, extra, sq))
-    values = reduce_tokens(values, counted, reduction)
-    extra = reduce_tokens(extra, counted, reduction) if extra.numel() else extra
-    return values, extra, values.new_zeros(0)
+class TritonEngine:
+    """The GPU engine: ``VocabMajor`` (default) or ``BlockTiles`` (``invariant=True``)."""
+
+    name = "triton"
+
+    def unsupported(self, options: LossOptions) -> str | None:
+        for name, _, dtype in options.inputs:
+            if dtype not in _DTYPES:
+                return f"{name} dtype {dtype} (the kernels take fp32, bf16, fp16)"
+        return None
+
+    def loss(self, hidden, weight, target, temperature, options: LossOptions) -> EngineOutput:
+        spec = options.spec
+        h, w = hidden.contiguous(), weight.contiguous()
+        if temperature is None:
+            temp = torch.full(target.shape, spec.temperature, dtype=torch.float32, device=h.device)
+        else:
+            temp = temperature.to(torch.float32).contiguous()
+        if options.invariant:
+            runner = BlockTiles.build(w, options.tp_group, options.shard, spec, options.chunk_size)
+        else:
+            runner = VocabMajor(w, options.tp_group, options.shard, spec)
+        values, ent, sq, z_loss = _TritonLinearLoss.apply(h, w, target, temp, runner)
+        extra = ent if spec.entropy else z_loss
+        reduction = options.engine_reduction
+        if reduction != "none":
+            counted = counted_tokens(target, spec.ignore_index)
+            values = reduce_tokens(values, counted, reduction)
+            extra = reduce_tokens(extra, counted, reduction) if extra.numel() else extra
+        return EngineOutput(values, extra, sq)
+
+
+#: The instance the registry loads (``registry.ENGINE_MODULES["triton"]``).
+ENGINE = TritonEngine()
