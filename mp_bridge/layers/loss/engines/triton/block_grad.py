@@ -19,8 +19,8 @@ from mp_bridge.layers.loss.engines.triton.block_stats import BK, NUM_WARPS, TILE
 from mp_bridge.layers.loss.engines.triton.tiles import (
     INTERPRET,
     block_logits,
-    tile_grad,
-    transform,
+    grad_of,
+    grad_params,
 )
 from mp_bridge.layers.loss.formulas import LossSpec
 
@@ -35,16 +35,16 @@ def _block_grad_kernel(
     w_stride,
     out_ptr,
     out_stride,
+    n_rows,
+    hidden,
+    w_rows,
+    num_valid,
     temp_ptr,
     tcol_ptr,
     lse_ptr,
     w_tok_ptr,
     went_ptr,
     ent_ptr,
-    n_rows,
-    hidden,
-    w_rows,
-    num_valid,
     cap,
     coef_a,
     coef_b,
@@ -65,21 +65,9 @@ def _block_grad_kernel(
         h_ptr, h_stride, w_ptr, w_stride, rows, rmask, cols, w_rows, hidden,
         TILE_M, BLOCK, BK, INTERPRET,
     )  # fmt: skip
-    temp = tl.load(temp_ptr + rows, mask=rmask, other=1.0)
-    tcol = tl.load(tcol_ptr + rows, mask=rmask, other=-1)
-    lse = tl.load(lse_ptr + rows, mask=rmask, other=0.0)
-    w = tl.load(w_tok_ptr + rows, mask=rmask, other=0.0)
-    w_ent = tl.zeros((TILE_M,), tl.float32)
-    ent = tl.zeros((TILE_M,), tl.float32)
-    if HAS_ENT:
-        w_ent = tl.load(went_ptr + rows, mask=rmask, other=0.0)
-        ent = tl.load(ent_ptr + rows, mask=rmask, other=0.0)
-    z, deriv = transform(x, temp, cap, HAS_CAP)
-    valid = rmask[:, None] & (cols < num_valid)[None, :]
-    is_target = valid & (cols[None, :] == tcol[:, None])
-    g = tile_grad(
-        z, deriv, valid, is_target, lse, w, w_ent, ent, coef_a, coef_b, coef_c, zw2,
-        HAS_Z, HAS_ENT, HAS_CAP,
+    g = grad_of(
+        x, cols, rmask[:, None], rows, rmask, temp_ptr, tcol_ptr, lse_ptr, w_tok_ptr, went_ptr,
+        ent_ptr, num_valid, cap, coef_a, coef_b, coef_c, zw2, HAS_CAP, HAS_Z, HAS_ENT,
     )  # fmt: skip
     out = out_ptr + rows[:, None] * out_stride + cols[None, :]
     tl.store(out, g.to(out_ptr.dtype.element_ty), mask=rmask[:, None])
@@ -93,36 +81,10 @@ def block_grad(
     out = torch.empty((n, n_blocks * VOCAB_BLOCK), dtype=h.dtype, device=h.device)
     if n == 0 or n_blocks == 0:
         return out
-    a, b, c = spec.coefficients
+    args, flags = grad_params(spec, w, w_ent, ent)
     _block_grad_kernel[(triton.cdiv(n, TILE_M), n_blocks)](
-        h,
-        h.stride(0),
-        weight,
-        weight.stride(0),
-        out,
-        out.stride(0),
-        temp,
-        tcol,
-        lse,
-        w,
-        w if w_ent is None else w_ent,
-        w if ent is None else ent,
-        n,
-        hd,
-        weight.shape[0],
-        num_valid,
-        float(spec.softcap or 1.0),
-        a,
-        b,
-        c,
-        2.0 * spec.z_loss_weight,
-        HAS_CAP=spec.softcap is not None,
-        HAS_Z=spec.z_loss_weight != 0.0,
-        HAS_ENT=spec.entropy,
-        TILE_M=TILE_M,
-        BLOCK=VOCAB_BLOCK,
-        BK=BK,
-        INTERPRET=INTERPRET,
-        num_warps=NUM_WARPS,
-    )
+        h, h.stride(0), weight, weight.stride(0), out, out.stride(0), n, hd, weight.shape[0],
+        num_valid, temp, tcol, lse, *args, **flags, TILE_M=TILE_M, BLOCK=VOCAB_BLOCK, BK=BK,
+        INTERPRET=INTERPRET, num_warps=NUM_WARPS,
+    )  # fmt: skip
     return out

@@ -21,8 +21,8 @@ from mp_bridge.layers.loss.blocks import VOCAB_BLOCK
 from mp_bridge.layers.loss.engines.triton.tiles import (
     INTERPRET,
     block_logits,
-    tile_stats,
-    transform,
+    stats_of,
+    stats_params,
 )
 from mp_bridge.layers.loss.formulas import LossSpec
 
@@ -66,12 +66,9 @@ def _block_stats_kernel(
         h_ptr, h_stride, w_ptr, w_stride, rows, rmask, cols, w_rows, hidden,
         TILE_M, BLOCK, BK, INTERPRET,
     )  # fmt: skip
-    temp = tl.load(temp_ptr + rows, mask=rmask, other=1.0)
-    tcol = tl.load(tcol_ptr + rows, mask=rmask, other=-1)
-    z, _ = transform(x, temp, cap, HAS_CAP)
-    valid = rmask[:, None] & (cols < num_valid)[None, :]
-    is_target = valid & (cols[None, :] == tcol[:, None])
-    m, s, t, sz, u, q = tile_stats(z, valid, is_target)
+    m, s, t, sz, u, q = stats_of(
+        x, cols, rmask[:, None], rows, rmask, temp_ptr, tcol_ptr, num_valid, cap, HAS_CAP
+    )
     out = stats_ptr + j * n_rows + rows
     plane = n_blocks * n_rows
     tl.store(out, m, mask=rmask)
@@ -100,27 +97,10 @@ def block_stats(
     stats = torch.empty((spec.num_stats, n_blocks, n), dtype=torch.float32, device=h.device)
     if n == 0 or n_blocks == 0:
         return stats
+    args, flags = stats_params(spec)
     _block_stats_kernel[(triton.cdiv(n, TILE_M), n_blocks)](
-        h,
-        h.stride(0),
-        weight,
-        weight.stride(0),
-        stats,
-        temp,
-        tcol,
-        n,
-        hd,
-        weight.shape[0],
-        n_blocks,
-        num_valid,
-        float(spec.softcap or 1.0),
-        HAS_CAP=spec.softcap is not None,
-        WITH_ENT=spec.entropy,
-        WITH_SQ=spec.sum_pi_squared,
-        TILE_M=TILE_M,
-        BLOCK=VOCAB_BLOCK,
-        BK=BK,
-        INTERPRET=INTERPRET,
-        num_warps=NUM_WARPS,
-    )
+        h, h.stride(0), weight, weight.stride(0), stats, temp, tcol, n, hd, weight.shape[0],
+        n_blocks, num_valid, *args, **flags, TILE_M=TILE_M, BLOCK=VOCAB_BLOCK, BK=BK,
+        INTERPRET=INTERPRET, num_warps=NUM_WARPS,
+    )  # fmt: skip
     return stats

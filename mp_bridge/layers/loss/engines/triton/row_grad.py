@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mp_bridge.layers.loss.engines.triton.tiles import tile_grad, transform
+from mp_bridge.layers.loss.engines.triton.tiles import grad_of, grad_params
 from mp_bridge.layers.loss.formulas import LossSpec
 
 __all__ = ["COLS", "ROWS", "row_grad"]
@@ -31,16 +31,16 @@ def _row_grad_kernel(
     z_stride,
     out_ptr,
     out_stride,
+    n_rows,
+    n_cols,
+    col0,
+    num_valid,
     temp_ptr,
     tcol_ptr,
     lse_ptr,
     w_ptr,
     went_ptr,
     ent_ptr,
-    n_rows,
-    n_cols,
-    num_valid,
-    col0,
     cap,
     coef_a,
     coef_b,
@@ -56,22 +56,10 @@ def _row_grad_kernel(
     cols = tl.program_id(1) * COLS + tl.arange(0, COLS)
     rmask = rows < n_rows
     inside = rmask[:, None] & (cols < n_cols)[None, :]
-    temp = tl.load(temp_ptr + rows, mask=rmask, other=1.0)
-    tcol = tl.load(tcol_ptr + rows, mask=rmask, other=-1)
-    lse = tl.load(lse_ptr + rows, mask=rmask, other=0.0)
-    w = tl.load(w_ptr + rows, mask=rmask, other=0.0)
-    w_ent = tl.zeros((ROWS,), tl.float32)
-    ent = tl.zeros((ROWS,), tl.float32)
-    if HAS_ENT:
-        w_ent = tl.load(went_ptr + rows, mask=rmask, other=0.0)
-        ent = tl.load(ent_ptr + rows, mask=rmask, other=0.0)
     x = tl.load(z_ptr + rows[:, None] * z_stride + cols[None, :], mask=inside, other=0.0)
-    z, deriv = transform(x, temp, cap, HAS_CAP)
-    valid = inside & ((cols + col0) < num_valid)[None, :]
-    is_target = valid & ((cols + col0)[None, :] == tcol[:, None])
-    g = tile_grad(
-        z, deriv, valid, is_target, lse, w, w_ent, ent, coef_a, coef_b, coef_c, zw2,
-        HAS_Z, HAS_ENT, HAS_CAP,
+    g = grad_of(
+        x, cols + col0, inside, rows, rmask, temp_ptr, tcol_ptr, lse_ptr, w_ptr, went_ptr,
+        ent_ptr, num_valid, cap, coef_a, coef_b, coef_c, zw2, HAS_CAP, HAS_Z, HAS_ENT,
     )  # fmt: skip
     out = out_ptr + rows[:, None] * out_stride + cols[None, :]
     tl.store(out, g.to(out_ptr.dtype.element_ty), mask=inside)
@@ -95,32 +83,9 @@ def row_grad(
     n, vs = z.shape
     if n == 0 or vs == 0:
         return out
-    a, b, c = spec.coefficients
+    args, flags = grad_params(spec, w, w_ent, ent)
     _row_grad_kernel[(triton.cdiv(n, ROWS), triton.cdiv(vs, COLS))](
-        z,
-        z.stride(0),
-        out,
-        out.stride(0),
-        temp,
-        tcol,
-        lse,
-        w,
-        w if w_ent is None else w_ent,
-        w if ent is None else ent,
-        n,
-        vs,
-        num_valid,
-        col0,
-        float(spec.softcap or 1.0),
-        a,
-        b,
-        c,
-        2.0 * spec.z_loss_weight,
-        HAS_CAP=spec.softcap is not None,
-        HAS_Z=spec.z_loss_weight != 0.0,
-        HAS_ENT=spec.entropy,
-        ROWS=ROWS,
-        COLS=COLS,
-        num_warps=NUM_WARPS,
-    )
+        z, z.stride(0), out, out.stride(0), n, vs, col0, num_valid, temp, tcol, lse, *args,
+        **flags, ROWS=ROWS, COLS=COLS, num_warps=NUM_WARPS,
+    )  # fmt: skip
     return out

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mp_bridge.layers.loss.engines.triton.tiles import merge_stats2, tile_stats, transform
+from mp_bridge.layers.loss.engines.triton.tiles import merge_stats2, stats_of, stats_params
 from mp_bridge.layers.loss.formulas import LossSpec
 
 __all__ = ["COLS", "ROWS", "row_stats_"]
@@ -36,8 +36,8 @@ def _row_stats_kernel(
     tcol_ptr,
     n_rows,
     n_cols,
-    num_valid,
     col0,
+    num_valid,
     cap,
     HAS_CAP: tl.constexpr,
     WITH_ENT: tl.constexpr,
@@ -48,8 +48,6 @@ def _row_stats_kernel(
 ):
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     rmask = rows < n_rows
-    temp = tl.load(temp_ptr + rows, mask=rmask, other=1.0)
-    tcol = tl.load(tcol_ptr + rows, mask=rmask, other=-1)
     m = tl.full((ROWS,), float("-inf"), tl.float32)
     s = tl.zeros((ROWS,), tl.float32)
     t = tl.zeros((ROWS,), tl.float32)
@@ -60,10 +58,9 @@ def _row_stats_kernel(
         cols = v0 + tl.arange(0, COLS)
         inside = rmask[:, None] & (cols < n_cols)[None, :]
         x = tl.load(z_ptr + rows[:, None] * z_stride + cols[None, :], mask=inside, other=0.0)
-        z, _ = transform(x, temp, cap, HAS_CAP)
-        valid = inside & ((cols + col0) < num_valid)[None, :]
-        is_target = valid & ((cols + col0)[None, :] == tcol[:, None])
-        m2, s2, t2, z2, u2, q2 = tile_stats(z, valid, is_target)
+        m2, s2, t2, z2, u2, q2 = stats_of(
+            x, cols + col0, inside, rows, rmask, temp_ptr, tcol_ptr, num_valid, cap, HAS_CAP
+        )
         m, s, t, sz, u, q = merge_stats2(m, s, t, sz, u, q, m2, s2, t2, z2, u2, q2)
     if not FIRST:  # the slabs before this one lie left of it in vocab order
         m0 = tl.load(stats_ptr + rows, mask=rmask, other=float("-inf"))
@@ -103,22 +100,8 @@ def row_stats_(
     n, vs = z.shape
     if n == 0:
         return
+    args, flags = stats_params(spec)
     _row_stats_kernel[(triton.cdiv(n, ROWS),)](
-        z,
-        z.stride(0),
-        stats,
-        temp,
-        tcol,
-        n,
-        vs,
-        num_valid,
-        col0,
-        float(spec.softcap or 1.0),
-        HAS_CAP=spec.softcap is not None,
-        WITH_ENT=spec.entropy,
-        WITH_SQ=spec.sum_pi_squared,
-        FIRST=first,
-        ROWS=ROWS,
-        COLS=COLS,
-        num_warps=NUM_WARPS,
-    )
+        z, z.stride(0), stats, temp, tcol, n, vs, col0, num_valid, *args, **flags,
+        FIRST=first, ROWS=ROWS, COLS=COLS, num_warps=NUM_WARPS,
+    )  # fmt: skip

@@ -33,10 +33,16 @@ import os
 import triton
 import triton.language as tl
 
+from mp_bridge.layers.loss.formulas import LossSpec
+
 __all__ = [
     "INTERPRET",
     "block_logits",
     "dot_acc",
+    "grad_of",
+    "grad_params",
+    "stats_of",
+    "stats_params",
     "merge_stats2",
     "tile_grad",
     "tile_stats",
@@ -179,3 +185,77 @@ def block_logits(
         )
         acc = dot_acc(x, y, acc, INTERPRET)
     return acc
+
+
+@triton.jit
+def stats_of(
+    x, ids, inside, rows, rmask, temp_ptr, tcol_ptr, num_valid, cap, HAS_CAP: tl.constexpr
+):
+    """``tile_stats`` of raw logits ``x [R, C]``: rows ``rows`` (``rmask``: real
+    tokens), columns the shard's local ids ``ids [C]`` (true below ``num_valid``),
+    ``inside``: the tile's elements that exist."""
+    temp = tl.load(temp_ptr + rows, mask=rmask, other=1.0)
+    tcol = tl.load(tcol_ptr + rows, mask=rmask, other=-1)
+    z, _ = transform(x, temp, cap, HAS_CAP)
+    valid = inside & (ids < num_valid)[None, :]
+    return tile_stats(z, valid, valid & (ids[None, :] == tcol[:, None]))
+
+
+@triton.jit
+def grad_of(
+    x,
+    ids,
+    inside,
+    rows,
+    rmask,
+    temp_ptr,
+    tcol_ptr,
+    lse_ptr,
+    w_ptr,
+    went_ptr,
+    ent_ptr,
+    num_valid,
+    cap,
+    coef_a,
+    coef_b,
+    coef_c,
+    zw2,
+    HAS_CAP: tl.constexpr,
+    HAS_Z: tl.constexpr,
+    HAS_ENT: tl.constexpr,
+):
+    """``tile_grad`` of raw logits ``x [R, C]`` (rows, ids, masks: ``stats_of``), the
+    per-row inputs loaded from their ``[N]`` vectors (``went`` / ``ent``: with
+    ``HAS_ENT``)."""
+    temp = tl.load(temp_ptr + rows, mask=rmask, other=1.0)
+    tcol = tl.load(tcol_ptr + rows, mask=rmask, other=-1)
+    lse = tl.load(lse_ptr + rows, mask=rmask, other=0.0)
+    w = tl.load(w_ptr + rows, mask=rmask, other=0.0)
+    w_ent = w * 0.0
+    ent = w * 0.0
+    if HAS_ENT:
+        w_ent = tl.load(went_ptr + rows, mask=rmask, other=0.0)
+        ent = tl.load(ent_ptr + rows, mask=rmask, other=0.0)
+    z, deriv = transform(x, temp, cap, HAS_CAP)
+    valid = inside & (ids < num_valid)[None, :]
+    is_target = valid & (ids[None, :] == tcol[:, None])
+    return tile_grad(
+        z, deriv, valid, is_target, lse, w, w_ent, ent, coef_a, coef_b, coef_c, zw2,
+        HAS_Z, HAS_ENT, HAS_CAP,
+    )  # fmt: skip
+
+
+def stats_params(spec: LossSpec) -> tuple[tuple[float], dict[str, bool]]:
+    """The statistics kernels' spec arguments: ``(cap,)`` and their constexpr flags."""
+    flags = dict(HAS_CAP=spec.softcap is not None, WITH_ENT=spec.entropy)
+    return (float(spec.softcap or 1.0),), dict(flags, WITH_SQ=spec.sum_pi_squared)
+
+
+def grad_params(spec: LossSpec, w, w_ent, ent) -> tuple[tuple, dict[str, bool]]:
+    """The gradient kernels' trailing arguments ``(w, w_ent, ent, cap, a, b, c, 2 zw)``
+    (``w`` stands in for the absent entropy vectors) and their constexpr flags."""
+    a, b, c = spec.coefficients
+    args = (w, w if w_ent is None else w_ent, w if ent is None else ent)
+    args += (float(spec.softcap or 1.0), a, b, c, 2.0 * spec.z_loss_weight)
+    flags = dict(HAS_CAP=spec.softcap is not None, HAS_Z=spec.z_loss_weight != 0.0)
+    return args, dict(flags, HAS_ENT=spec.entropy)
