@@ -16,6 +16,7 @@ import types
 import pytest
 import torch
 
+from mp_bridge.checks.agreement import MAX_FIELDS
 from mp_bridge.layers import (
     fused_linear_cross_entropy,
     fused_linear_logprobs,
@@ -196,6 +197,8 @@ def test_every_door_parses_into_one_frozen_options_object(monkeypatch):
         assert [k for k in fields if k.endswith(".shape")] == [f"{n}.shape" for n in inputs]
         assert {"spec", "reduction", "invariant", "engine", "chunk"} <= set(fields)
         assert fields["engine"] == "torch"
+        # with the fingerprints of target, temperature and (fused) hidden: one row
+        assert len(fields) + 3 <= MAX_FIELDS
 
 
 def test_load_engine_reads_the_options(monkeypatch):

@@ -14,7 +14,9 @@ A new loss option ``foo`` touches the options, the formulas and the kernels, not
 1. here: the doors gain the keyword (they pass ``locals()``), ``parse_loss_options``
    checks it, and it lands in a field: of ``LossSpec`` (``formulas``) when the math reads
    it, so every engine sees it as ``options.spec.foo``, else of ``LossOptions``. Either way
-   :meth:`LossOptions.fields` puts it in the agreement by itself;
+   :meth:`LossOptions.fields` puts it in the agreement by itself (the spec is one field; a
+   new ``LossOptions`` field is one more of the agreement row's 16, of which the fused
+   cross-entropy with a per-token temperature uses 15);
 2. ``formulas`` / ``grad``: its math on the shared statistics;
 3. the kernels of each engine, or the engine's ``unsupported(options)`` names ``"foo"``
    and the door runs the ``"torch"`` engine instead (one warning).
