@@ -12,7 +12,8 @@ The shard's weight rows are cut into slabs of ``Vs`` rows (``slab_rows``: about
   dtype, ``d W_s = g^T @ h`` is **complete** (every token is in it) and is written once in
   the weight's dtype, ``d h += g @ W_s`` in fp32; one all-reduce of ``d h``. 3 GEMMs.
 
-So 4 GEMMs of ``N x V_local x H`` per call, no ``[N, V_local]`` buffer, no fp32 copy of
+``chunk_size`` does not apply (the slab, not a token chunk, bounds the logits held). So
+4 GEMMs of ``N x V_local x H`` per call, no ``[N, V_local]`` buffer, no fp32 copy of
 the weight and no fp32 ``d W`` accumulator. Extra memory at ``N x H x V = 8192 x 4096 x
 131072`` bf16, TP 1 (``Vs = 2048``): ``d W`` 1 GiB (bf16, the gradient itself), ``d h``
 fp32 128 MiB + one fp32 product 128 MiB + bf16 result 64 MiB, the slab's ``z`` 64 MiB and
