@@ -10,15 +10,19 @@ The shard's weight rows are cut into slabs of ``Vs`` rows (``slab_rows``: about
   are kept for backward.
 - backward: per slab, ``z`` again, ``row_grad`` writes ``g = d loss / d z`` in the input
   dtype, ``d W_s = g^T @ h`` is **complete** (every token is in it) and is written once in
-  the weight's dtype, ``d h += g @ W_s`` in fp32; one all-reduce of ``d h``. 3 GEMMs.
+  the weight's dtype, ``d h += g @ W_s`` in fp32 (``addmm_f32_``); one all-reduce of ``d h``.
+  3 GEMMs.
 
 ``chunk_size`` does not apply (the slab, not a token chunk, bounds the logits held). So
 4 GEMMs of ``N x V_local x H`` per call, no ``[N, V_local]`` buffer, no fp32 copy of
 the weight and no fp32 ``d W`` accumulator. Extra memory at ``N x H x V = 8192 x 4096 x
-131072`` bf16, TP 1 (``Vs = 2048``): ``d W`` 1 GiB (bf16, the gradient itself), ``d h``
-fp32 128 MiB + one fp32 product 128 MiB + bf16 result 64 MiB, the slab's ``z`` 64 MiB and
-``g`` 32 MiB, ``d W_s`` fp32 32 MiB: about 1.45 GiB (Liger measured 1.13 GiB, CCE 1.06
-GiB: the fp32 ``d h`` and its product are the gap). Unmeasured on a GPU (issue 29).
+131072`` bf16, TP 1 (``Vs = 2048``), during the slab loop of backward: ``d W`` 1 GiB (bf16,
+the gradient itself), ``d h``'s fp32 accumulator 128 MiB, the slab's ``z`` 64 MiB, ``g``
+32 MiB and ``d W_s``'s fp32 product 32 MiB: about 1.25 GiB (+128 MiB of fp32 ``d h``
+product where ``addmm`` lacks ``out_dtype``); the bf16 ``d h`` (64 MiB) is made after the
+slabs are freed. The floor of any method is the two bf16 gradients, 1.06 GiB (issue 29
+measured CCE there and Liger at 1.13 GiB on an H200); the fp32 ``d h`` accumulator is
+most of our gap. Unmeasured on a GPU.
 
 ``mm_f32``: ``torch.mm(a, b, out_dtype=torch.float32)`` on CUDA (bf16 / fp16 operands,
 fp32 accumulate and output, never rounded to the input dtype); elsewhere ``a.float() @
@@ -39,7 +43,7 @@ from mp_bridge.layers.loss.formulas import LossSpec
 from mp_bridge.layers.loss.reduce import all_reduce_sum_, gather_merge_stats
 from mp_bridge.layers.vocab_shards import VocabShard
 
-__all__ = ["SLAB_ELEMENTS", "VocabMajor", "mm_f32", "slab_rows"]
+__all__ = ["SLAB_ELEMENTS", "VocabMajor", "addmm_f32_", "mm_f32", "slab_rows"]
 
 #: fp32 logits per slab (64 MiB): slabs of 2048 rows at N = 8192, large enough GEMMs.
 SLAB_ELEMENTS = 1 << 24
@@ -52,6 +56,20 @@ def mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     if a.is_cuda:
         return torch.mm(a, b, out_dtype=torch.float32)
     return torch.mm(a.float(), b.float())
+
+
+def addmm_f32_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``acc += a @ b`` into fp32 ``acc`` (``mm_f32``'s math; on CUDA cuBLAS accumulates into
+    ``acc`` itself, no ``[N, H]`` fp32 product, where this torch has ``addmm``'s
+    ``out_dtype``)."""
+    if a.dtype == torch.float32:
+        return acc.addmm_(a, b)
+    if a.is_cuda:
+        try:
+            return torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+        except (RuntimeError, TypeError):  # an older torch: one fp32 product, then add
+            return acc.add_(mm_f32(a, b))
+    return acc.addmm_(a.float(), b.float())
 
 
 def slab_rows(n: int, v_local: int) -> int:
@@ -106,5 +124,5 @@ class VocabMajor:
             del z
             if gw is not None:
                 gw[v0 : v0 + w_s.shape[0]] = mm_f32(g.t(), h)  # (Vs, N) @ (N, H): complete
-            gh.add_(mm_f32(g, w_s))  # (N, Vs) @ (Vs, H)
+            addmm_f32_(gh, g, w_s)  # (N, Vs) @ (Vs, H)
         return all_reduce_sum_(gh, self.tp_group), gw
