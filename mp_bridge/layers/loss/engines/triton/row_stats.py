@@ -20,9 +20,10 @@ from mp_bridge.layers.loss.formulas import LossSpec
 
 __all__ = ["COLS", "ROWS", "row_stats_"]
 
-#: Tokens per program and vocab columns per tile step: a ``[8, 1024]`` fp32 tile is 32
-#: KiB of registers over 8 warps; the row reductions stay inside one program.
-ROWS = 8
+#: Tokens per program and vocab columns per tile step: a ``[4, 1024]`` fp32 tile is 16
+#: values per thread over 8 warps (188 registers per thread at ``[8, 1024]``, sm_90 build:
+#: one CTA per SM for a memory-bound pass); the row reductions stay inside one program.
+ROWS = 4
 COLS = 1024
 NUM_WARPS = 8
 
