@@ -20,23 +20,30 @@ pytest.importorskip("triton")
 from mp_bridge.layers import fused_linear_cross_entropy, fused_linear_logprobs  # noqa: E402
 from tests.loss_refs import reference, sum_pi_squared  # noqa: E402
 
-__all__ = ["oracle", "run", "triton_loss"]
+__all__ = ["DEVICE", "oracle", "run", "triton_loss"]
 
 DOORS = {"ce": fused_linear_cross_entropy, "logprob": fused_linear_logprobs}
+#: Where the engine runs: the GPU when there is one (compiled kernels; gloo carries CUDA
+#: tensors between the test world's ranks), else the CPU (interpreted kernels).
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def triton_loss(kind: str, hidden, weight, target, **kw):
     """``fused_linear_cross_entropy`` (``kind="ce"``) / ``fused_linear_logprobs`` on the
-    triton engine."""
+    triton engine, on ``hidden``'s device (a tensor temperature is moved there)."""
     kw.setdefault("engine", "triton")
+    if isinstance(kw.get("temperature"), torch.Tensor):
+        kw["temperature"] = kw["temperature"].to(hidden.device)
     return DOORS[kind](hidden, weight, target, **kw)
 
 
-def run(fn, hidden, weight, target, up_seed: int = 5, up=None):
-    """``(outputs tuple, d hidden, d weight)`` of ``fn(h, w, target)`` with a seeded
-    upstream gradient on each output that has one (``up``: the first one's instead)."""
-    h = hidden.detach().clone().requires_grad_(True)
-    w = weight.detach().clone().requires_grad_(True)
+def run(fn, hidden, weight, target, up_seed: int = 5, up=None, device=DEVICE):
+    """``(outputs tuple, d hidden, d weight)`` (on the CPU) of ``fn(h, w, target)`` run on
+    ``device``, with a seeded upstream gradient on each output that has one (``up``: the
+    first one's instead)."""
+    h = hidden.detach().to(device, copy=True).requires_grad_(True)
+    w = weight.detach().to(device, copy=True).requires_grad_(True)
+    target = target.to(device)
     out = fn(h, w, target)
     outs = out if isinstance(out, tuple) else (out,)
     g = torch.Generator().manual_seed(up_seed)
@@ -46,7 +53,7 @@ def run(fn, hidden, weight, target, up_seed: int = 5, up=None):
             u = up if i == 0 and up is not None else torch.rand(o.shape, generator=g) + 0.5
             loss = loss + (o * u.to(o)).sum()
     loss.backward()
-    return tuple(o.detach() for o in outs), h.grad, w.grad
+    return tuple(o.detach().cpu() for o in outs), h.grad.cpu(), w.grad.cpu()
 
 
 def oracle(kind: str, vocab: int, **kw):

@@ -61,7 +61,7 @@ def test_triton_engine_matches_fp64_at_tp_2_and_4():
     hidden, weight, target = _data()
     checks = Checks()
     for (kind, kw), tp in zip(CASES, (2, 4)):  # TP 1: tests/unit/test_triton_engine.py
-        want = run(oracle(kind, VOCAB, **kw), hidden, weight, target)
+        want = run(oracle(kind, VOCAB, **kw), hidden, weight, target, device="cpu")
         for invariant in (False, True):
             (outs, gh, gw), start = _ours(kind, kw, tp, invariant, hidden, target)
             what = f"{kind} tp={tp} invariant={invariant}"

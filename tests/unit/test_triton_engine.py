@@ -24,7 +24,7 @@ import warnings
 import pytest
 import torch
 
-from tests.triton_engine import oracle, run, triton_loss
+from tests.triton_engine import DEVICE, oracle, run, triton_loss
 
 N, H, V = 45, 24, 600
 FP32 = dict(rtol=2e-5, atol=2e-5)
@@ -56,7 +56,8 @@ def _check(kind, kw, dtype=torch.float32, shape=(N,)):
     flat = dict(kw)
     if isinstance(kw.get("temperature"), torch.Tensor):  # the oracle sees flat tokens
         flat["temperature"] = kw["temperature"].expand(shape).reshape(-1)
-    want = run(oracle(kind, V, **flat), hidden.flatten(0, -2), weight, target.flatten())
+    flat_h, flat_t = hidden.flatten(0, -2), target.flatten()
+    want = run(oracle(kind, V, **flat), flat_h, weight, flat_t, device="cpu")
     for invariant in (False, True):
         got = run(
             functools.partial(triton_loss, kind, invariant=invariant, chunk_size=20, **kw),
@@ -133,11 +134,12 @@ def test_all_tokens_ignored_is_nan_with_zero_grads():
 
 
 def _invariant(h, w, t, chunk, up):
+    h, w, t, up = (x.to(DEVICE) for x in (h, w, t, up))
     hh, ww = h.clone().requires_grad_(True), w.clone().requires_grad_(True)
     out = triton_loss("ce", hh, ww, t, invariant=True, chunk_size=chunk, reduction="none",
                       label_smoothing=0.1, softcap=6.0)  # fmt: skip
     out.backward(up)
-    return out.detach(), hh.grad, ww.grad
+    return out.detach().cpu(), hh.grad.cpu(), ww.grad.cpu()
 
 
 def test_invariant_bits_do_not_depend_on_chunks_or_other_tokens():
