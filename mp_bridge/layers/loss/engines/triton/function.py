@@ -12,13 +12,15 @@ reduction: no fp32 ``d W`` is held from forward to backward.
 
 Temperature (float or per token), soft-cap, z-loss, label smoothing, ``ignore_index``,
 entropy and ``sum_pi_squared`` all run in the kernels (``tiles``); ``unsupported`` names
-only fp64 inputs (the kernels take fp32 / bf16 / fp16), which the door then runs on the
-torch engine with a warning. ``logits_precision`` is not an option here: the logits are
+only fp64 inputs (the kernels take fp32 / bf16 / fp16) and a weight shard of ``2**31`` or
+more elements (int32 offsets), which the door then runs on the torch engine with a
+warning. ``logits_precision`` is not an option here: the logits are
 always fp32-accumulated from the input dtype (``"fp32"``'s result, at GEMM speed).
 """
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING
 
 import torch
@@ -36,6 +38,8 @@ if TYPE_CHECKING:
 __all__ = ["ENGINE", "TritonEngine"]
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+#: The kernels index with int32 offsets: a weight shard (and so ``d W``) must stay below.
+_MAX_OFFSET = 2**31
 
 
 class _TritonLinearLoss(torch.autograd.Function):
@@ -88,9 +92,11 @@ class TritonEngine:
     name = "triton"
 
     def unsupported(self, options: LossOptions) -> str | None:
-        for name, _, dtype in options.inputs:
+        for name, shape, dtype in options.inputs:
             if dtype not in _DTYPES:
                 return f"{name} dtype {dtype} (the kernels take fp32, bf16, fp16)"
+            if name == "weight" and math.prod(shape) >= _MAX_OFFSET:
+                return f"weight {tuple(shape)} of 2**31 or more elements (int32 offsets)"
         return None
 
     def loss(self, hidden, weight, target, temperature, options: LossOptions) -> EngineOutput:
