@@ -47,7 +47,7 @@ def _kernels(dt: str):
     yield (
         row_grad._row_grad_kernel,
         {"z_ptr": "fp32", "w_ptr": "fp32"},
-        dict(ROWS=row_grad.ROWS, COLS=row_grad.COLS),
+        dict(ROWS=row_grad.ROWS, COLS=row_grad.COLS, INTERPRET=False),
     )
     yield block_stats._block_stats_kernel, {"stats_ptr": "fp32"}, BLOCK
     yield block_grad._block_grad_kernel, {}, BLOCK

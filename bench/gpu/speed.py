@@ -26,8 +26,10 @@ reported with its error and left out of later rounds. Never asserts on time.
 
 Precision (after the timed rounds, ``--precision``, the default): one more call of each
 method against float64 on the *same* bf16 inputs (``_reference``: fp64 logits in token
-chunks, exact products of the bf16 values): the loss's absolute error and the normwise
-relative error ``|g - g64| / |g64|`` of ``d hidden`` and ``d weight``.
+chunks, exact products of the bf16 values): the loss's absolute error, the normwise
+relative error ``|g - g64| / |g64|`` of ``d hidden`` and ``d weight``, and for our fused
+methods the largest log-prob error over the tokens (``fused_linear_logprobs``; issue 29's
+target: 1e-5).
 
 Per-rank TP 8 (``--tp8``, the default): each shape again at ``V_local = V / 8`` rows, TP 1
 (this rank's work of a TP 8 call, collectives excluded), for ``ours_default``,
@@ -45,6 +47,7 @@ first imported)::
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -60,7 +63,10 @@ import torch.nn.functional as F
 if not torch.cuda.is_available():  # the triton engine's kernels on CPU: the interpreter
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from mp_bridge.layers import fused_linear_cross_entropy  # noqa: E402 - after TRITON_INTERPRET
+from mp_bridge.layers import (  # noqa: E402 - after TRITON_INTERPRET
+    fused_linear_cross_entropy,
+    fused_linear_logprobs,
+)
 
 METHODS = (
     "materialized",
@@ -104,20 +110,25 @@ def _cce(h, w, t):
     return linear_cross_entropy(h, w, t)
 
 
+#: Our fused methods and their keyword arguments (the log-prob precision column runs the
+#: same on ``fused_linear_logprobs``).
+FUSED_KW = {
+    "ours_default": dict(engine="triton"),
+    "ours_invariant": dict(engine="triton", invariant=True),
+    "torch_default": dict(engine="torch"),
+    "torch_invariant": dict(engine="torch", invariant=True),
+    "ours_input": dict(engine="torch", logits_precision="input"),
+}
+
+
+def _fused(kw: dict, h, w, t):
+    return fused_linear_cross_entropy(h, w, t, **kw)
+
+
 LOSSES = {
     "materialized": lambda h, w, t: F.cross_entropy(F.linear(h, w).float(), t),
     "megatron": _megatron,
-    "ours_default": lambda h, w, t: fused_linear_cross_entropy(h, w, t, engine="triton"),
-    "ours_invariant": lambda h, w, t: fused_linear_cross_entropy(
-        h, w, t, engine="triton", invariant=True
-    ),
-    "torch_default": lambda h, w, t: fused_linear_cross_entropy(h, w, t, engine="torch"),
-    "torch_invariant": lambda h, w, t: fused_linear_cross_entropy(
-        h, w, t, engine="torch", invariant=True
-    ),
-    "ours_input": lambda h, w, t: fused_linear_cross_entropy(
-        h, w, t, engine="torch", logits_precision="input"
-    ),
+    **{m: functools.partial(_fused, kw) for m, kw in FUSED_KW.items()},
     "liger": _liger,
     "cce": _cce,
 }
@@ -159,22 +170,25 @@ def _error(exc: BaseException) -> str:
 
 
 def _reference(h, w, t, chunk: int = 1024):
-    """fp64 ``(mean loss, d hidden, d weight)`` of the mean cross-entropy of ``h @ w.T`` on
-    the same inputs, tokens in chunks (``[chunk, V]`` fp64 logits at a time)."""
+    """fp64 ``(mean loss, d hidden, d weight, target log-probs [N])`` of the mean
+    cross-entropy of ``h @ w.T`` on the same inputs, tokens in chunks (``[chunk, V]`` fp64
+    logits at a time)."""
     w64 = w.detach().double()
-    loss = torch.zeros((), dtype=torch.float64, device=h.device)
+    lp = torch.empty(h.shape[0], dtype=torch.float64, device=h.device)
     gh = torch.empty(h.shape, dtype=torch.float64, device=h.device)
     gw = torch.zeros_like(w64)
     n = h.shape[0]
     for s in range(0, n, chunk):
         hc, tc = h.detach()[s : s + chunk].double(), t[s : s + chunk]
-        p = torch.softmax(hc @ w64.t(), dim=1)
-        loss -= p.gather(1, tc[:, None]).log().sum()
+        z = hc @ w64.t()
+        lp[s : s + chunk] = z.gather(1, tc[:, None])[:, 0] - torch.logsumexp(z, dim=1)
+        p = torch.softmax(z, dim=1)
+        del z
         p.scatter_add_(1, tc[:, None], p.new_full((tc.shape[0], 1), -1.0)).div_(n)
         gh[s : s + chunk] = p @ w64
         gw.addmm_(p.t(), hc)
         del p
-    return loss / n, gh, gw
+    return -lp.mean(), gh, gw, lp
 
 
 def _rel(a: torch.Tensor | None, ref: torch.Tensor) -> float | None:
@@ -184,7 +198,9 @@ def _rel(a: torch.Tensor | None, ref: torch.Tensor) -> float | None:
 
 
 def precision(method: str, h, w, t, ref) -> dict:
-    """``{"loss_err", "dh_rel", "dw_rel"}`` of one call of ``method`` against ``ref``."""
+    """``{"loss_err", "dh_rel", "dw_rel"}`` of one call of ``method`` against ``ref``, and
+    for our fused methods ``"lp_err"``: the largest ``|log-prob - fp64|`` over the tokens
+    (``fused_linear_logprobs`` with the same options)."""
     h.grad = w.grad = None
     loss = LOSSES[method](h, w, t)
     loss.backward()
@@ -194,6 +210,10 @@ def precision(method: str, h, w, t, ref) -> dict:
         "dw_rel": _rel(w.grad, ref[2]),
     }
     h.grad = w.grad = None
+    if method in FUSED_KW:
+        with torch.no_grad():
+            lp = fused_linear_logprobs(h, w, t, **FUSED_KW[method])
+        out["lp_err"] = (lp.double() - ref[3]).abs().max().item()
     return out
 
 
@@ -278,6 +298,7 @@ def shape_report(args, vocab: int, res: dict, title: str | None = None) -> str:
                 _fmt(None if peak is None else peak / 2**30, ".2f"),
                 _fmt(rel_m, ".2f"),
                 _fmt(prec.get("loss_err"), ".2e"),
+                _fmt(prec.get("lp_err"), ".2e"),
                 _fmt(prec.get("dh_rel"), ".2e"),
                 _fmt(prec.get("dw_rel"), ".2e"),
                 r["runs"],
@@ -285,7 +306,7 @@ def shape_report(args, vocab: int, res: dict, title: str | None = None) -> str:
             )
         )
     header = ("method", "fwd+bwd ms", "x ours_default", "peak GiB", "x ours_default")
-    precision_cols = ("loss - fp64", "d hidden rel err", "d weight rel err")
+    precision_cols = ("loss - fp64", "log-prob max err", "d hidden rel err", "d weight rel err")
     table = markdown_table((*header, *precision_cols, "timed runs", "error"), rows)
     measured = {
         m: Measure(r["seconds"], r["peak"] or 0) for m, r in res.items() if r["seconds"] is not None

@@ -24,7 +24,12 @@ import warnings
 import pytest
 import torch
 
-from tests.triton_engine import DEVICE, oracle, run, triton_loss
+from tests.triton_engine import DEVICE, oracle, run, triton_loss  # isort: split
+
+import triton  # noqa: E402 - after tests.triton_engine (TRITON_INTERPRET, importorskip)
+import triton.language as tl  # noqa: E402
+
+from mp_bridge.layers.loss.engines.triton.tiles import INTERPRET, rounded  # noqa: E402
 
 N, H, V = 45, 24, 600
 FP32 = dict(rtol=2e-5, atol=2e-5)
@@ -191,3 +196,21 @@ def test_unknown_engine_is_a_value_error():
     hidden, weight, target = _data()
     with pytest.raises(ValueError, match=r"engine='cuda' must be one of"):
         triton_loss("ce", hidden, weight, target, engine="cuda")
+
+
+@triton.jit
+def _store(x_ptr, y_ptr, n, B: tl.constexpr, INTERPRET: tl.constexpr):
+    i = tl.arange(0, B)
+    x = tl.load(x_ptr + i, mask=i < n)
+    tl.store(y_ptr + i, rounded(x, y_ptr, INTERPRET), mask=i < n)
+
+
+def test_bf16_gradient_stores_round_to_nearest_even_like_torch():
+    # The interpreter truncates fp32 -> bf16; ``tiles.rounded`` keeps the GPU's rounding.
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(1000, generator=g) * 10.0 ** torch.randint(-20, 20, (1000,), generator=g)
+    x[:3] = torch.tensor([1.00390625, 1.01171875, 1 + 3 * 2.0**-9])  # ties to even, a carry
+    x = x.to(DEVICE)
+    y = torch.empty(1000, dtype=torch.bfloat16, device=DEVICE)
+    _store[(1,)](x, y, 1000, B=1024, INTERPRET=INTERPRET)
+    assert torch.equal(y, x.to(torch.bfloat16))

@@ -21,6 +21,7 @@ from mp_bridge.layers.loss.engines.triton.tiles import (
     block_logits,
     grad_of,
     grad_params,
+    rounded,
 )
 from mp_bridge.layers.loss.formulas import LossSpec
 
@@ -70,7 +71,7 @@ def _block_grad_kernel(
         ent_ptr, num_valid, cap, coef_a, coef_b, coef_c, zw2, HAS_CAP, HAS_Z, HAS_ENT,
     )  # fmt: skip
     out = out_ptr + rows[:, None] * out_stride + cols[None, :]
-    tl.store(out, g.to(out_ptr.dtype.element_ty), mask=rmask[:, None])
+    tl.store(out, rounded(g, out_ptr, INTERPRET), mask=rmask[:, None])
 
 
 def block_grad(

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mp_bridge.layers.loss.engines.triton.tiles import grad_of, grad_params
+from mp_bridge.layers.loss.engines.triton.tiles import INTERPRET, grad_of, grad_params, rounded
 from mp_bridge.layers.loss.formulas import LossSpec
 
 __all__ = ["COLS", "ROWS", "row_grad"]
@@ -52,6 +52,7 @@ def _row_grad_kernel(
     HAS_ENT: tl.constexpr,
     ROWS: tl.constexpr,
     COLS: tl.constexpr,
+    INTERPRET: tl.constexpr,
 ):
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.program_id(1) * COLS + tl.arange(0, COLS)
@@ -63,7 +64,7 @@ def _row_grad_kernel(
         ent_ptr, num_valid, cap, coef_a, coef_b, coef_c, zw2, HAS_CAP, HAS_Z, HAS_ENT,
     )  # fmt: skip
     out = out_ptr + rows[:, None] * out_stride + cols[None, :]
-    tl.store(out, g.to(out_ptr.dtype.element_ty), mask=inside)
+    tl.store(out, rounded(g, out_ptr, INTERPRET), mask=inside)
 
 
 def row_grad(
@@ -87,6 +88,6 @@ def row_grad(
     args, flags = grad_params(spec, w, w_ent, ent)
     _row_grad_kernel[(triton.cdiv(n, ROWS), triton.cdiv(vs, COLS))](
         z, z.stride(0), out, out.stride(0), n, vs, col0, num_valid, temp, tcol, lse, *args,
-        **flags, ROWS=ROWS, COLS=COLS, num_warps=NUM_WARPS,
+        **flags, ROWS=ROWS, COLS=COLS, INTERPRET=INTERPRET, num_warps=NUM_WARPS,
     )  # fmt: skip
     return out

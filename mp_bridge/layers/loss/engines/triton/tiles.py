@@ -17,6 +17,9 @@ unchanged to what the kernels write:
   T`` and the upstream gradient): ``(p k + c w [true]) - w_ent p log p + (w b) [target]``
   with ``k = (a + 2 zw lse) w - w_ent H`` and ``p = exp(z - lse)``, times the soft-cap
   derivative.
+- ``rounded``: ``g`` in the dtype of the pointer it is stored to, round to nearest even (the
+  GPU's conversion; the interpreter truncates fp32 -> bf16, so there it is done on the
+  bits).
 - ``dot_acc``: ``acc + x @ y`` with fp32 accumulation. On a GPU ``tl.dot`` (bf16 / fp16
   operands as they are, their products exact in fp32; fp32 operands in ``"ieee"``
   precision, never TF32). Under ``TRITON_INTERPRET=1`` the interpreter's ``tl.dot`` is
@@ -41,6 +44,7 @@ __all__ = [
     "dot_acc",
     "grad_of",
     "grad_params",
+    "rounded",
     "stats_of",
     "stats_params",
     "merge_stats2",
@@ -65,6 +69,18 @@ def dot_acc(x, y, acc, INTERPRET: tl.constexpr):
         return tl.dot(x, y, acc, input_precision="ieee")
     else:
         return tl.dot(x, y, acc)
+
+
+@triton.jit
+def rounded(g, ptr, INTERPRET: tl.constexpr):
+    """fp32 ``g`` in ``ptr``'s element dtype, rounded to nearest even (see the module
+    docstring: under the interpreter a bf16 target is rounded on the fp32 bits)."""
+    if INTERPRET and ptr.dtype.element_ty == tl.bfloat16:
+        bits = g.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16  # finite values: RTNE to 16 bits
+        return bits.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    else:
+        return g.to(ptr.dtype.element_ty)
 
 
 @triton.jit
