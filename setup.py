@@ -21,7 +21,9 @@ setup(
         "numpy",
     ],
     extras_require={
-        "test": ["pytest", "hypothesis", "ruff"],
+        # triton: the "triton" loss engine's tests run its kernels under TRITON_INTERPRET=1
+        # (3.9.0 beside torch 2.13 here; the GPU runbook's machine has 3.6).
+        "test": ["pytest", "hypothesis", "ruff", "triton>=3.6,<4; platform_system == 'Linux'"],
         "viz": ["matplotlib"],
     },
     entry_points={"console_scripts": ["mp-bridge=mp_bridge.cli:main"]},

@@ -20,8 +20,9 @@ is killed keeps everything it measured:
    still counts what it ran.
 4. ``invariance`` (90 s): ``bench/gpu/invariance.py``, bitwise across TP 1/2/4/8 and
    batch composition, values and gradients, at the small shape (N=1000 H=512 V=50000,
-   fused and materialized, fp32 and bf16) and at a production-like one (N=2048 H=4096
-   V=131072, fused losses, one call per input dtype).
+   both engines' fused losses and the materialized ones, fp32 and bf16) and at a
+   production-like one (N=2048 H=4096 V=131072: the triton engine's three fused checks
+   and the torch engine's cross-entropy, one call per input dtype).
 5. ``speed`` (110 s): ``bench/gpu/speed.py``, the LM-head speed / memory / precision
    table (every method, losses and gradients against float64 on the same inputs) at
    8192 x 4096 x 131072, at 262144, and the per-rank TP-8 figure (``V_local`` = 16384).
@@ -195,7 +196,7 @@ def _steps(stage: str, args, py: str) -> list[Step]:
         else:
             small = ["--n", "1000", "--hidden", "512", "--vocab", "50000"]
             prod = ["--n", "2048", "--hidden", "4096", "--vocab", "131072"]
-        fused = ["--checks", "fused_ce_none", "fused_ce_mean", "fused_lp"]
+        fused = ["--checks", "triton_ce_none", "triton_ce_mean", "triton_lp", "fused_ce_none"]
         steps = [Step([*inv, *small], share=0.35, label="small, fp32 + bf16")]
         for i, dtype in enumerate(() if args.smoke else ("float32", "bfloat16")):
             argv = [*inv, *prod, *fused, "--dtypes", dtype]

@@ -11,18 +11,27 @@ Checked, for fp32 and bf16 inputs, values and gradients (``torch.equal``; a diff
 is shown with its largest absolute size):
 
 - ``fused_ce_none`` / ``fused_ce_mean``: ``fused_linear_cross_entropy`` (label smoothing
-  0.1, ignored tokens), ``reduction="none"`` (recompute in backward) and ``"mean"``
-  (gradients made in forward); outputs, ``d hidden`` and this rank's ``d weight`` rows;
+  0.1, ignored tokens) on the ``"torch"`` engine, ``reduction="none"`` (recompute in
+  backward) and ``"mean"`` (gradients made in forward); outputs, ``d hidden`` and this
+  rank's ``d weight`` rows;
 - ``fused_lp``: ``fused_linear_logprobs`` (temperature 0.8) with its entropy;
+- ``triton_ce_none`` / ``triton_ce_mean`` / ``triton_lp``: the same three on the
+  ``"triton"`` engine (issue 29; fixed-tile kernels, its own bits);
 - ``mat_ce`` / ``mat_lp``: ``vocab_parallel_cross_entropy`` / ``vocab_parallel_logprobs``
   on materialized logits (one fp32 ``[N, V]`` product of the same inputs), ``d logits``.
 
-Batch composition (TP 1 and 4): the same tokens with 90 unrelated tokens appended or
-prepended (upstream gradient 0 on them) give the same values and ``d hidden`` rows, and,
-appended, the same ``d weight``. TP 1 fp32 values are also compared with ``F.cross_entropy``
-in float64 on the full logits (a sanity figure, not a bitwise claim).
+Batch composition (TP 1 and 4; ``fused_ce_none``, ``triton_ce_none``, ``mat_lp``): the
+same tokens with 90 unrelated tokens appended or prepended (upstream gradient 0 on them)
+give the same values and ``d hidden`` rows, and, appended, the same ``d weight``. TP 1
+fp32 values are also compared with ``F.cross_entropy`` in float64 on the full logits (a
+sanity figure, not a bitwise claim).
 
     python bench/gpu/invariance.py --device cuda --out OUT/invariance.md
+
+CPU smoke (the triton engine under Triton's interpreter, set below before ``triton`` is
+first imported)::
+
+    python bench/gpu/invariance.py --device cpu --n 70 --hidden 24 --vocab 2500 --out /tmp/inv.md
 """
 
 from __future__ import annotations
@@ -37,18 +46,24 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from mp_bridge.layers import (
+if not torch.cuda.is_available():  # the triton engine's kernels on CPU: the interpreter
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from mp_bridge.layers import (  # noqa: E402 - after TRITON_INTERPRET
     fused_linear_cross_entropy,
     fused_linear_logprobs,
     vocab_parallel_cross_entropy,
     vocab_parallel_logprobs,
     vocab_shard_ranges,
 )
-from mp_bridge.testing import run_distributed
+from mp_bridge.testing import run_distributed  # noqa: E402
 
 WORLD = 8
 TPS = (2, 4, 8)
-CHECKS = ("fused_ce_none", "fused_ce_mean", "fused_lp", "mat_ce", "mat_lp")
+FUSED = ("fused_ce_none", "fused_ce_mean", "fused_lp")  # the "torch" engine
+TRITON = ("triton_ce_none", "triton_ce_mean", "triton_lp")  # the same on "triton"
+CHECKS = (*FUSED, *TRITON, "mat_ce", "mat_lp")
+BATCH_CHECKS = ("fused_ce_none", "triton_ce_none", "mat_lp")
 
 
 def _problem(n: int, hidden: int, vocab: int, seed: int = 0):
@@ -64,15 +79,16 @@ def _problem(n: int, hidden: int, vocab: int, seed: int = 0):
 def _run(check: str, h0, w0, z0, t, group, vocab: int, up):
     """One call of ``check`` with fresh leaves; ``(outputs..., grads...)`` detached."""
     tc = t.clamp(min=0)
-    if check.startswith("fused"):
+    if not check.startswith("mat"):
         h, w = h0.clone().requires_grad_(), w0.clone().requires_grad_()
         kw = {"tp_group": group, "vocab_size": vocab, "invariant": True, "chunk_size": 192}
-        if check == "fused_lp":
+        kw["engine"] = "triton" if check in TRITON else "torch"
+        if check.endswith("_lp"):
             lp, ent = fused_linear_logprobs(h, w, tc, temperature=0.8, return_entropy=True, **kw)
             (lp * up + ent * up.flip(0)).sum().backward()
             outs = (lp, ent)
         else:
-            red = "none" if check == "fused_ce_none" else "mean"
+            red = "none" if check.endswith("ce_none") else "mean"
             out = fused_linear_cross_entropy(h, w, t, label_smoothing=0.1, reduction=red, **kw)
             (out * up).sum().backward() if red == "none" else out.backward()
             outs = (out,)
@@ -131,7 +147,7 @@ def _rank(device: str, n: int, hidden: int, vocab: int, dtypes: tuple[str, ...],
             for tp in TPS:
                 group, r = groups[tp]
                 start, end = vocab_shard_ranges(vocab, tp, multiple=256)[r]
-                is_fused = check.startswith("fused")
+                is_fused = not check.startswith("mat")
                 wl = _shard(w, 0, start, end) if is_fused else None
                 zl = None if is_fused else _shard(z, 1, start, end)
                 outs, grads = _run(check, h, wl, zl, t, group, vocab, up)
@@ -162,8 +178,8 @@ def _batch(h, w, z, t, up, group_rank, vocab: int, name: str, checks=CHECKS) -> 
         def local(x, dim, tp=tp, start=start, end=end):
             return x if tp == 1 else _shard(x, dim, start, end)
 
-        for check in [c for c in ("fused_ce_none", "mat_lp") if c in checks]:
-            fused = check.startswith("fused")
+        for check in [c for c in BATCH_CHECKS if c in checks]:
+            fused = not check.startswith("mat")
             wl = local(w, 0)
             zl = None if z is None else local(z, 1)
             b_out, b_grads = _run(check, h, wl, zl, t, group, vocab, up)
@@ -210,7 +226,7 @@ def _report(results: list[dict], dtypes, args, seconds: float) -> str:
     rows = [
         (c, d, tp, *(_cell(results, ("batch", c, d, tp, w)) for w in ("append", "prepend")))
         for d in dtypes
-        for c in ("fused_ce_none", "mat_lp")
+        for c in BATCH_CHECKS
         if c in checks
         for tp in (1, 4)
     ]

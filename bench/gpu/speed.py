@@ -6,11 +6,13 @@
 - ``materialized``: ``F.linear`` bf16 logits ``[N, V]``, ``F.cross_entropy`` on them in fp32;
 - ``megatron``: the same logits, megatron-core's ``vocab_parallel_cross_entropy`` (a
   one-rank process group: it all-reduces even at TP 1);
-- ``ours_default``: ``fused_linear_cross_entropy`` with its defaults (bf16 upcast once,
-  fp32-accumulated logits, ``logits_precision="fp32"``);
-- ``ours_invariant``: the same with ``invariant=True``;
-- ``ours_input``: the same with ``logits_precision="input"`` (bf16 matmuls; shown for
-  reference, no target attached);
+- ``ours_default``: ``fused_linear_cross_entropy(engine="triton")`` (issue 29: cuBLAS
+  fp32-output GEMMs over vocab slabs + Triton passes, fp32-accumulated logits);
+- ``ours_invariant``: the same with ``invariant=True`` (fixed-tile Triton kernels);
+- ``torch_default`` / ``torch_invariant``: the same two on ``engine="torch"`` (bf16
+  upcast once: the engines issue 24 measured);
+- ``ours_input``: ``engine="torch"`` with ``logits_precision="input"`` (bf16 matmuls;
+  shown for reference, no target attached);
 - ``liger``: Liger-Kernel's ``liger_fused_linear_cross_entropy(input, weight, target)``;
 - ``cce``: Cut Cross-Entropy's ``linear_cross_entropy(e, c, targets)``.
 
@@ -22,12 +24,30 @@ clock), peak memory the worst: ``max_memory_allocated`` during the call minus
 call, so the gradients count). A method that fails (missing package, out of memory) is
 reported with its error and left out of later rounds. Never asserts on time.
 
+Precision (after the timed rounds, ``--precision``, the default): one more call of each
+method against float64 on the *same* bf16 inputs (``_reference``: fp64 logits in token
+chunks, exact products of the bf16 values): the loss's absolute error, the normwise
+relative error ``|g - g64| / |g64|`` of ``d hidden`` and ``d weight``, and for our fused
+methods the largest log-prob error over the tokens (``fused_linear_logprobs``; issue 29's
+target: 1e-5).
+
+Per-rank TP 8 (``--tp8``, the default): each shape again at ``V_local = V / 8`` rows, TP 1
+(this rank's work of a TP 8 call, collectives excluded), for ``ours_default``,
+``ours_invariant`` and ``liger``.
+
     python bench/gpu/speed.py --out OUT/speed.md --json OUT/speed.json --budget 240
+
+CPU smoke (the triton engine under Triton's interpreter, set below before ``triton`` is
+first imported)::
+
+    python bench/gpu/speed.py --device cpu --n 96 --hidden 64 --vocab 2048 --dtype float32 \
+        --methods materialized ours_default ours_invariant torch_default --rounds 1 --out /tmp/s.md
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -40,17 +60,27 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from mp_bridge.layers import fused_linear_cross_entropy
+if not torch.cuda.is_available():  # the triton engine's kernels on CPU: the interpreter
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from mp_bridge.layers import (  # noqa: E402 - after TRITON_INTERPRET
+    fused_linear_cross_entropy,
+    fused_linear_logprobs,
+)
 
 METHODS = (
     "materialized",
     "megatron",
     "ours_default",
     "ours_invariant",
+    "torch_default",
+    "torch_invariant",
     "ours_input",
     "liger",
     "cce",
 )
+#: The methods of the per-rank TP 8 table.
+TP8_METHODS = ("ours_default", "ours_invariant", "liger")
 
 
 def _megatron(h, w, t):
@@ -80,12 +110,25 @@ def _cce(h, w, t):
     return linear_cross_entropy(h, w, t)
 
 
+#: Our fused methods and their keyword arguments (the log-prob precision column runs the
+#: same on ``fused_linear_logprobs``).
+FUSED_KW = {
+    "ours_default": dict(engine="triton"),
+    "ours_invariant": dict(engine="triton", invariant=True),
+    "torch_default": dict(engine="torch"),
+    "torch_invariant": dict(engine="torch", invariant=True),
+    "ours_input": dict(engine="torch", logits_precision="input"),
+}
+
+
+def _fused(kw: dict, h, w, t):
+    return fused_linear_cross_entropy(h, w, t, **kw)
+
+
 LOSSES = {
     "materialized": lambda h, w, t: F.cross_entropy(F.linear(h, w).float(), t),
     "megatron": _megatron,
-    "ours_default": lambda h, w, t: fused_linear_cross_entropy(h, w, t),
-    "ours_invariant": lambda h, w, t: fused_linear_cross_entropy(h, w, t, invariant=True),
-    "ours_input": lambda h, w, t: fused_linear_cross_entropy(h, w, t, logits_precision="input"),
+    **{m: functools.partial(_fused, kw) for m, kw in FUSED_KW.items()},
     "liger": _liger,
     "cce": _cce,
 }
@@ -126,6 +169,54 @@ def _error(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}".splitlines()[0][:160]
 
 
+def _reference(h, w, t, chunk: int = 1024):
+    """fp64 ``(mean loss, d hidden, d weight, target log-probs [N])`` of the mean
+    cross-entropy of ``h @ w.T`` on the same inputs, tokens in chunks (``[chunk, V]`` fp64
+    logits at a time)."""
+    w64 = w.detach().double()
+    lp = torch.empty(h.shape[0], dtype=torch.float64, device=h.device)
+    gh = torch.empty(h.shape, dtype=torch.float64, device=h.device)
+    gw = torch.zeros_like(w64)
+    n = h.shape[0]
+    for s in range(0, n, chunk):
+        hc, tc = h.detach()[s : s + chunk].double(), t[s : s + chunk]
+        z = hc @ w64.t()
+        lp[s : s + chunk] = z.gather(1, tc[:, None])[:, 0] - torch.logsumexp(z, dim=1)
+        p = torch.softmax(z, dim=1)
+        del z
+        p.scatter_add_(1, tc[:, None], p.new_full((tc.shape[0], 1), -1.0)).div_(n)
+        gh[s : s + chunk] = p @ w64
+        gw.addmm_(p.t(), hc)
+        del p
+    return -lp.mean(), gh, gw, lp
+
+
+def _rel(a: torch.Tensor | None, ref: torch.Tensor) -> float | None:
+    if a is None:
+        return None
+    return ((a.double() - ref).norm() / ref.norm()).item()
+
+
+def precision(method: str, h, w, t, ref) -> dict:
+    """``{"loss_err", "dh_rel", "dw_rel"}`` of one call of ``method`` against ``ref``, and
+    for our fused methods ``"lp_err"``: the largest ``|log-prob - fp64|`` over the tokens
+    (``fused_linear_logprobs`` with the same options)."""
+    h.grad = w.grad = None
+    loss = LOSSES[method](h, w, t)
+    loss.backward()
+    out = {
+        "loss_err": abs(loss.item() - ref[0].item()),
+        "dh_rel": _rel(h.grad, ref[1]),
+        "dw_rel": _rel(w.grad, ref[2]),
+    }
+    h.grad = w.grad = None
+    if method in FUSED_KW:
+        with torch.no_grad():
+            lp = fused_linear_logprobs(h, w, t, **FUSED_KW[method])
+        out["lp_err"] = (lp.double() - ref[3]).abs().max().item()
+    return out
+
+
 def bench_shape(args, vocab: int, methods, deadline: float) -> dict:
     """``{method: {"seconds", "peak", "runs", "error"}}`` for one vocab size."""
     dev = torch.device(args.device)
@@ -135,7 +226,10 @@ def bench_shape(args, vocab: int, methods, deadline: float) -> dict:
     w = (torch.randn(vocab, args.hidden, generator=g) * args.hidden**-0.5).to(dev, dtype)
     w.requires_grad_()
     t = torch.randint(0, vocab, (args.n,), generator=g).to(dev)
-    res = {m: {"seconds": None, "peak": None, "runs": 0, "error": None} for m in methods}
+    res = {
+        m: {"seconds": None, "peak": None, "runs": 0, "error": None, "precision": None}
+        for m in methods
+    }
     warm = {}
     for m in methods:  # warm-up: compile / autotune, and the cost of one round
         try:
@@ -162,6 +256,14 @@ def bench_shape(args, vocab: int, methods, deadline: float) -> dict:
             if peak is not None:
                 cur["peak"] = peak if cur["peak"] is None else max(cur["peak"], peak)
             cur["runs"] += 1
+    if args.precision and live:
+        ref = _reference(h, w, t)
+        for m in live:
+            try:
+                res[m]["precision"] = precision(m, h, w, t, ref)
+            except Exception as exc:  # noqa: BLE001 - reported in the table
+                res[m]["error"] = res[m]["error"] or _error(exc)
+        del ref
     del h, w, t
     if dev.type == "cuda":
         torch.cuda.empty_cache()
@@ -175,34 +277,44 @@ def _version(dist_name: str) -> str:
         return "not installed"
 
 
-def shape_report(args, vocab: int, res: dict) -> str:
+def _fmt(x: float | None, spec: str) -> str | None:
+    return None if x is None else format(x, spec)
+
+
+def shape_report(args, vocab: int, res: dict, title: str | None = None) -> str:
     from report import Measure, markdown_table, speed_verdicts, verdict_lines
 
     base = res.get("ours_default", {})
     rows = []
     for m, r in res.items():
-        s, peak = r["seconds"], r["peak"]
+        s, peak, prec = r["seconds"], r["peak"], r.get("precision") or {}
         rel_t = s / base["seconds"] if s and base.get("seconds") else None
         rel_m = peak / base["peak"] if peak and base.get("peak") else None
         rows.append(
             (
                 m,
-                None if s is None else f"{s * 1e3:.1f}",
-                None if rel_t is None else f"{rel_t:.2f}",
-                None if peak is None else f"{peak / 2**30:.2f}",
-                None if rel_m is None else f"{rel_m:.2f}",
+                _fmt(None if s is None else s * 1e3, ".1f"),
+                _fmt(rel_t, ".2f"),
+                _fmt(None if peak is None else peak / 2**30, ".2f"),
+                _fmt(rel_m, ".2f"),
+                _fmt(prec.get("loss_err"), ".2e"),
+                _fmt(prec.get("lp_err"), ".2e"),
+                _fmt(prec.get("dh_rel"), ".2e"),
+                _fmt(prec.get("dw_rel"), ".2e"),
                 r["runs"],
                 r["error"] or "",
             )
         )
     header = ("method", "fwd+bwd ms", "x ours_default", "peak GiB", "x ours_default")
-    table = markdown_table((*header, "timed runs", "error"), rows)
+    precision_cols = ("loss - fp64", "log-prob max err", "d hidden rel err", "d weight rel err")
+    table = markdown_table((*header, *precision_cols, "timed runs", "error"), rows)
     measured = {
         m: Measure(r["seconds"], r["peak"] or 0) for m, r in res.items() if r["seconds"] is not None
     }
+    title = title or f"N x H x V = {args.n} x {args.hidden} x {vocab}, {args.dtype}, TP 1"
     return (
-        f"#### N x H x V = {args.n} x {args.hidden} x {vocab}, {args.dtype}, TP 1\n\n"
-        f"{table}\n\nTargets (issue 24):\n\n{verdict_lines(speed_verdicts(measured))}\n"
+        f"#### {title}\n\n{table}\n\nTargets (as in report.py):\n\n"
+        f"{verdict_lines(speed_verdicts(measured))}\n"
     )
 
 
@@ -219,6 +331,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budget", type=float, default=240.0, help="seconds for every shape")
     p.add_argument("--out", required=True, help="markdown file to write")
     p.add_argument("--json", help="raw results as JSON")
+    p.add_argument("--precision", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--tp8", action=argparse.BooleanOptionalAction, default=True)
     args = p.parse_args(argv)
     os.environ.setdefault("MP_BRIDGE_CHECK", "0")  # time the losses, not the debug checks
     start = time.perf_counter()
@@ -236,14 +350,25 @@ def main(argv: list[str] | None = None) -> int:
         f"{name}; {versions}. Time: best of the timed runs (methods in turn, first method "
         "rotating); peak: worst extra bytes over the call, gradients included.\n"
     )
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        head += "\nTRITON_INTERPRET=1: the triton engine's times are the interpreter's (a smoke).\n"
     print(head, flush=True)
     parts, raw = [head], {}
-    for i, vocab in enumerate(args.vocab):
+    # (vocab, methods, title): the TP 1 shapes, then this rank's share of a TP 8 call
+    runs = [(v, args.methods, None) for v in args.vocab]
+    if args.tp8:
+        tp8 = [m for m in TP8_METHODS if m in args.methods]
+        runs += [
+            (v // 8, tp8, f"per-rank TP 8: N x H x V_local = {args.n} x {args.hidden} x "
+             f"{v // 8} (V = {v}), {args.dtype}, collectives excluded")
+            for v in args.vocab
+        ]  # fmt: skip
+    for i, (vocab, methods, title) in enumerate(runs):
         left = args.budget - (time.perf_counter() - start)
-        deadline = time.perf_counter() + left / (len(args.vocab) - i)
-        res = bench_shape(args, vocab, args.methods, deadline)
-        raw[vocab] = res
-        parts.append(shape_report(args, vocab, res))
+        deadline = time.perf_counter() + left / (len(runs) - i)
+        res = bench_shape(args, vocab, methods, deadline)
+        raw[f"{vocab}" if title is None else f"tp8_{vocab}"] = res
+        parts.append(shape_report(args, vocab, res, title))
         print(parts[-1], flush=True)
         with open(args.out, "w") as f:  # after each shape: a killed stage keeps the first
             f.write("\n".join(parts))

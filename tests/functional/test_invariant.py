@@ -17,11 +17,11 @@ from mp_bridge.layers import (
     fused_linear_cross_entropy,
     fused_linear_logprobs,
     vocab_parallel_cross_entropy,
+    vocab_parallel_logprobs,
     vocab_shard_ranges,
     vocab_shard_size,
 )
 from mp_bridge.layers.loss.blocks import TOKEN_TILE
-from mp_bridge.layers.loss.vocab_parallel import invariant_cross_entropy, invariant_logprobs
 from mp_bridge.testing import CollectiveCounter, DistributedWorld, current_device
 from tests.loss_refs import Checks
 from tests.oracles import gather_rows, rank_in, tp_group, tp_member, vocab_cut
@@ -53,12 +53,23 @@ def _same_cols(checks, grad, base_grad, start, what):
 def _call(kind, logits, target, group):
     x = logits.clone().requires_grad_(True)
     if kind == "ce":
-        out = invariant_cross_entropy(
-            x, target, tp_group=group, vocab_size=VOCAB, ignore_index=-100, label_smoothing=0.1
+        out = vocab_parallel_cross_entropy(
+            x,
+            target,
+            tp_group=group,
+            vocab_size=VOCAB,
+            ignore_index=-100,
+            label_smoothing=0.1,
+            invariant=True,
         )
     else:
-        out = invariant_logprobs(
-            x, target.clamp(min=0), tp_group=group, vocab_size=VOCAB, temperature=0.8
+        out = vocab_parallel_logprobs(
+            x,
+            target.clamp(min=0),
+            tp_group=group,
+            vocab_size=VOCAB,
+            temperature=0.8,
+            invariant=True,
         )
     up = torch.linspace(0.5, 1.5, out.shape[0], device=out.device)
     out.backward(up)
@@ -129,8 +140,8 @@ def test_batch_invariance_with_unrelated_tokens():
         (torch.cat([extra, full]), torch.cat([extra_t, target]), slice(90, 190)),
     ):
         x = _local(logits, 4, rank)[0].requires_grad_(True)
-        out = invariant_logprobs(
-            x, t.clamp(min=0), tp_group=group, vocab_size=VOCAB, temperature=0.8
+        out = vocab_parallel_logprobs(
+            x, t.clamp(min=0), tp_group=group, vocab_size=VOCAB, temperature=0.8, invariant=True
         )
         up = torch.zeros(out.shape[0], device=out.device)
         up[base] = torch.linspace(0.5, 1.5, 100, device=out.device)
@@ -146,8 +157,8 @@ def test_one_all_gather_forward_none_backward():
     inside, group, rank = tp_member(8)
     x = _local(full, 8, rank)[0].requires_grad_(True)
     with CollectiveCounter() as fwd:
-        out = invariant_cross_entropy(
-            x, target, tp_group=group, vocab_size=VOCAB, ignore_index=-100, label_smoothing=0.0
+        out = vocab_parallel_cross_entropy(
+            x, target, tp_group=group, vocab_size=VOCAB, ignore_index=-100, invariant=True
         )
     with CollectiveCounter() as bwd:
         out.sum().backward()
@@ -168,12 +179,13 @@ def test_unaligned_shard_is_a_clear_error():
         match=r"multiple of 256 rows, got 1250 rows.*"
         r"vocab_shard_ranges\(vocab_size, tp_size, multiple=256\)",
     ):
-        invariant_logprobs(
+        vocab_parallel_logprobs(
             full[:, start:end],
             target.clamp(min=0),
             tp_group=group,
             vocab_size=VOCAB,
             temperature=1.0,
+            invariant=True,
         )
 
 

@@ -1,5 +1,7 @@
 """Losses over vocab-sharded logits: materialized and fused (hidden @ weight in chunks),
-default and TP-invariant engines, with their option checks and shared formulas."""
+default and TP-invariant. The five doors parse into one ``LossOptions`` (``options``, its
+checks in ``arguments``); the fused ones run an engine of ``engines`` (``"torch"``,
+``"triton"``) over the shared formulas (``formulas``, ``grad``, ``blocks``, ``reduce``)."""
 
 from .fused import fused_linear_cross_entropy, fused_linear_logprobs
 from .vocab_parallel import (

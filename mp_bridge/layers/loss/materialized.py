@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import torch
 
+from mp_bridge.layers.loss.arguments import forbid_double_backward
 from mp_bridge.layers.loss.blocks import (
     TOKEN_TILE,
     BlockLayout,
@@ -34,7 +35,6 @@ from mp_bridge.layers.loss.blocks import (
     shard_columns,
     target_slots,
 )
-from mp_bridge.layers.loss.checks import forbid_double_backward
 from mp_bridge.layers.loss.formulas import (
     LossSpec,
     block_stats_,

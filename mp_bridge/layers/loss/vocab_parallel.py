@@ -24,8 +24,8 @@ the order logprobs, entropy, sum_pi_squared. ``-inf`` logits (vocabulary masks, 
 blocks or shards) give finite values and gradients in every mode.
 
 ``invariant=False``: two forward collectives (MAX, then one batched SUM), none in backward
-(``materialized``, ``reduce``). ``invariant=True`` (``invariant_cross_entropy`` /
-``invariant_logprobs``): bitwise identical for every TP size whose shard is a whole
+(``materialized.ShardLoss``, ``reduce``). ``invariant=True``
+(``materialized.InvariantLoss``): bitwise identical for every TP size whose shard is a whole
 number of ``VOCAB_BLOCK`` rows (``blocks``), and for any batch composition; one forward
 all-gather, none in backward.
 
@@ -43,48 +43,37 @@ import torch.distributed as dist
 
 from mp_bridge.checks import agreed
 from mp_bridge.layers.loss.blocks import BlockLayout, pad_single_shard
-from mp_bridge.layers.loss.call_spec import LossCall, parse_loss_call
-from mp_bridge.layers.loss.checks import check_ignore_index, check_shard, check_tp_agreement
 from mp_bridge.layers.loss.materialized import InvariantLoss, ShardLoss
+from mp_bridge.layers.loss.options import LossOptions, parse_loss_options
 
 __all__ = [
-    "invariant_cross_entropy",
-    "invariant_logprobs",
     "vocab_parallel_cross_entropy",
     "vocab_parallel_entropy",
     "vocab_parallel_logprobs",
 ]
 
 
-def _run(where: str, logits: torch.Tensor, call: LossCall):
-    """The parsed ``call`` on the default (``ShardLoss``) or TP-invariant engine; its
-    returned outputs. No target (entropy): ids -1, which own no column."""
-    target = call.target
+def _run(where: str, logits: torch.Tensor, options: LossOptions):
+    """The parsed call, agreed over TP, on the default (``ShardLoss``) or TP-invariant
+    (``InvariantLoss``) Function; its returned outputs. No target (entropy): ids -1, which
+    own no column."""
+    options.agree(where, device=logits.device)
+    target = options.target
     if target is None:
         target = torch.full(logits.shape[:-1], -1, dtype=torch.long, device=logits.device)
-    if call.flag("invariant"):
-        out = _invariant(logits, target, call)
+    temp = options.token_temperature
+    if options.invariant:
+        layout = BlockLayout.of_shard(options.shard)
+        logits = pad_single_shard(logits, -1, layout)
+        temp = None if temp is None else temp.to(torch.float32).reshape(-1)
+        out = InvariantLoss.apply(logits, target, options.tp_group, layout, options.spec, temp)
     else:
-        spec = call.spec()
-        _agree(where, logits, target, call.tp_group, spec, call.token_temperature)
-        temp_rows = _rows_of(call.token_temperature, logits.dtype)
-        out = ShardLoss.apply(logits, target, call.tp_group, call.shard, spec, temp_rows)
-    return call.returned(*out)
-
-
-def _agree(where: str, logits, target, tp_group, spec, token_temperature) -> None:
-    """One agreement check over TP (``MP_BRIDGE_CHECK``): shapes, dtype, spec, and the
-    bits of the target and the per-token temperature."""
-    identical = {"target": target, "temperature": token_temperature}
-    check_tp_agreement(where, tp_group, {"logits": logits}, {"spec": spec}, identical)
-
-
-def _rows_of(token_temperature, dtype: torch.dtype) -> torch.Tensor | None:
-    """The per-token temperature of ``ShardLoss``: flat ``[N]`` in the accumulation dtype
-    of ``dtype`` logits (fp64 for fp64), or ``None``."""
-    if token_temperature is None:
-        return None
-    return token_temperature.to(torch.promote_types(dtype, torch.float32)).reshape(-1)
+        # flat [N] in the accumulation dtype of the logits (fp64 for fp64)
+        if temp is not None:
+            temp = temp.to(torch.promote_types(logits.dtype, torch.float32)).reshape(-1)
+        group, shard, spec = options.tp_group, options.shard, options.spec
+        out = ShardLoss.apply(logits, target, group, shard, spec, temp)
+    return options.returned(*out)
 
 
 @agreed("mp_bridge.layers.vocab_parallel_cross_entropy")
@@ -117,11 +106,11 @@ def vocab_parallel_cross_entropy(
     (over tokens not at ``ignore_index``), applied to both outputs. ``vocab_size=None``
     means every row of the padded vocab is real. ``target`` must be identical on all TP
     ranks, with ids in ``[0, vocab_size)`` or ``ignore_index``. Collectives: all-reduce
-    MAX then one batched all-reduce SUM over ``tp_group`` (fwd only). ``invariant=True``
-    delegates to ``invariant_cross_entropy`` (bitwise TP-invariant).
+    MAX then one batched all-reduce SUM over ``tp_group`` (fwd only). ``invariant=True``:
+    bitwise TP-invariant, one forward all-gather (module docstring).
     """
-    call = parse_loss_call("ce", locals())
-    return _run("vocab_parallel_cross_entropy", logits, call)
+    options = parse_loss_options("ce", locals())
+    return _run("vocab_parallel_cross_entropy", logits, options)
 
 
 @agreed("mp_bridge.layers.vocab_parallel_logprobs")
@@ -154,10 +143,10 @@ def vocab_parallel_logprobs(
     (default), "sum" or "mean" over counted tokens, applied to every output. Same two
     forward collectives as the cross-entropy, none backward; the gradient w.r.t. the local
     logits is ``g * (onehot - softmax) / T`` (times the soft-cap derivative).
-    ``invariant=True`` delegates to ``invariant_logprobs``.
+    ``invariant=True``: bitwise TP-invariant, one forward all-gather.
     """
-    call = parse_loss_call("logprob", locals())
-    return _run("vocab_parallel_logprobs", logits, call)
+    options = parse_loss_options("logprob", locals())
+    return _run("vocab_parallel_logprobs", logits, options)
 
 
 @agreed("mp_bridge.layers.vocab_parallel_entropy")
@@ -181,107 +170,8 @@ def vocab_parallel_entropy(
     counted by ``reduction="mean"``; without it every token counts. ``temperature``: a
     float or a tensor broadcastable to ``logits.shape[:-1]`` (no gradient). Two forward
     collectives over ``tp_group`` (MAX, then a batched SUM), none backward.
-    ``invariant=True``: the entropy of ``invariant_logprobs(..., return_entropy=True)``
-    (one all-gather, bitwise TP-invariant).
+    ``invariant=True``: the entropy of ``vocab_parallel_logprobs(..., invariant=True,
+    return_entropy=True)`` (one all-gather, bitwise TP-invariant).
     """
-    call = parse_loss_call("entropy", locals())
-    return _run("vocab_parallel_entropy", logits, call)
-
-
-def _invariant(logits, target, call: LossCall):
-    """``(value, extra, sq)`` of ``InvariantLoss`` (see ``ShardLoss``)."""
-    layout = BlockLayout.of_shard(call.shard)
-    spec = call.spec(layout.vocab_size)
-    _agree("invariant loss", logits, target, call.tp_group, spec, call.token_temperature)
-    logits = pad_single_shard(logits, -1, layout)
-    temp = None
-    if call.token_temperature is not None:
-        temp = call.token_temperature.to(torch.float32).reshape(-1)
-    return InvariantLoss.apply(logits, target, call.tp_group, layout, spec, temp)
-
-
-def _split(temperature) -> tuple[float, torch.Tensor | None]:
-    """A validated temperature as ``(float for the spec, per-token tensor or None)``."""
-    if isinstance(temperature, torch.Tensor):
-        return 1.0, temperature
-    return float(temperature), None
-
-
-def invariant_cross_entropy(
-    logits: torch.Tensor,
-    target: torch.Tensor,
-    *,
-    tp_group: dist.ProcessGroup | None,
-    vocab_size: int | None,
-    ignore_index: int | None,
-    label_smoothing: float,
-    temperature: float | torch.Tensor = 1.0,
-    softcap: float | None = None,
-    z_loss_weight: float = 0.0,
-    return_z_loss: bool = False,
-    reduction: str = "none",
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Per-token cross-entropy ``[...]`` (fp32) of vocab-parallel ``logits [..., V_local]``.
-
-    Same semantics and options as ``vocab_parallel_cross_entropy`` (ignored tokens: 0 and
-    grad 0; smoothing over the true vocab); bitwise identical across block-aligned TP
-    sizes and batch compositions. ``target`` and the options are validated by the caller
-    (a temperature tensor: already broadcast to ``target.shape``).
-    """
-    temp, token_temp = _split(temperature)
-    shard = check_shard(logits.shape[-1], vocab_size, tp_group)
-    flags = (("return_z_loss", bool(return_z_loss)),)
-    call = LossCall(
-        "ce",
-        shard,
-        target,
-        reduction,
-        ignore_index,
-        label_smoothing,
-        softcap,
-        z_loss_weight,
-        temp,
-        token_temp,
-        flags,
-        tp_group,
-    )
-    return call.returned(*_invariant(logits, target, call))
-
-
-def invariant_logprobs(
-    logits: torch.Tensor,
-    target: torch.Tensor,
-    *,
-    tp_group: dist.ProcessGroup | None,
-    vocab_size: int | None,
-    temperature: float | torch.Tensor,
-    ignore_index: int | None = -100,
-    softcap: float | None = None,
-    return_entropy: bool = False,
-    return_sum_pi_squared: bool = False,
-    reduction: str = "none",
-) -> torch.Tensor | tuple[torch.Tensor, ...]:
-    """``log_softmax(softcap(logits) / temperature)[target]`` ``[...]`` (fp32), bitwise
-    TP-invariant; options as ``vocab_parallel_logprobs`` (validated by the caller)."""
-    temp, token_temp = _split(temperature)
-    shard = check_shard(logits.shape[-1], vocab_size, tp_group)
-    flags = (
-        ("return_entropy", bool(return_entropy)),
-        ("return_sum_pi_squared", bool(return_sum_pi_squared)),
-    )
-    ignore_index = check_ignore_index(ignore_index)
-    call = LossCall(
-        "logprob",
-        shard,
-        target,
-        reduction,
-        ignore_index,
-        0.0,
-        softcap,
-        0.0,
-        temp,
-        token_temp,
-        flags,
-        tp_group,
-    )
-    return call.returned(*_invariant(logits, target, call))
+    options = parse_loss_options("entropy", locals())
+    return _run("vocab_parallel_entropy", logits, options)

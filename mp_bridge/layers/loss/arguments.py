@@ -1,21 +1,19 @@
-"""Input validation of every loss (materialized and fused), run before any collective.
+"""The argument checks of the five loss doors (materialized and fused), run before any
+collective by ``options.parse_loss_options``.
 
 Each check raises ``TypeError`` / ``ValueError`` naming the argument, the value and the
 fix, built on the validators of ``mp_bridge.checks`` (``check_bool`` and ``check_float``
 are theirs, re-exported); ``forbid_double_backward`` is the one refusal of
-``create_graph=True`` the losses' autograd Functions share.
+``create_graph=True`` the losses' autograd Functions share. What the TP ranks agree on
+is the parsed ``LossOptions`` (``options``), not anything here.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from mp_bridge.checks import (
-    FrozenSpec,
-    agree,
     check_bool,
     check_choice,
     check_float,
@@ -30,15 +28,13 @@ from mp_bridge.layers.vocab_shards import VocabShard
 
 __all__ = [
     "REDUCTIONS",
-    "TPLossSpec",
     "check_bool",
-    "check_tp_agreement",
     "check_chunk_size",
     "check_float",
     "check_fused_inputs",
+    "check_has_values",
     "check_ignore_index",
     "check_logits",
-    "check_loss_args",
     "check_reduction",
     "check_options",
     "check_shard",
@@ -81,6 +77,7 @@ def check_logits(
         raise TypeError(f"logits must be a torch.Tensor, got {type(logits).__name__}")
     if not logits.is_floating_point():
         raise TypeError(f"logits must be a floating tensor, got dtype={logits.dtype}")
+    check_has_values("logits", logits)
     if logits.dim() < 1 or logits.shape[-1] < 1:
         raise ValueError(
             f"logits must be [..., V_local] with V_local >= 1, got {tuple(logits.shape)}"
@@ -93,10 +90,17 @@ def check_fused_inputs(hidden: object, weight: object, chunk_size: object) -> No
     for name, x in (("hidden", hidden), ("weight", weight)):
         if not isinstance(x, torch.Tensor) or not x.is_floating_point():
             raise TypeError(f"{name} must be a floating torch.Tensor, got {type(x).__name__}")
+        check_has_values(name, x)
     if hidden.dim() < 1 or weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
         raise ValueError(
             f"need hidden [..., H] and weight [V_local, H] with the same H, got hidden "
             f"{tuple(hidden.shape)} and weight {tuple(weight.shape)}"
+        )
+    if weight.shape[0] < 1:  # else the empty shard would surface as a target out of range
+        raise ValueError(
+            f"weight must be this rank's vocab shard [V_local, H] with V_local >= 1, got "
+            f"{tuple(weight.shape)}; pass the LM head's local rows (every TP rank holds "
+            "V_local >= 1 rows: shard with vocab_shard_ranges(vocab_size, tp_size))"
         )
     if hidden.dtype != weight.dtype or hidden.device != weight.device:
         raise TypeError(
@@ -105,6 +109,17 @@ def check_fused_inputs(hidden: object, weight: object, chunk_size: object) -> No
             "hidden.to(weight.dtype) (the loss accumulates in fp32 either way)"
         )
     check_chunk_size(chunk_size)
+
+
+def check_has_values(name: str, x: torch.Tensor) -> None:
+    """``x`` holds values: not a ``meta`` tensor (shape and dtype only), which would fail
+    later inside a kernel or a host sync with a bare ``RuntimeError``."""
+    if x.device.type == "meta":
+        raise ValueError(
+            f"{name} is a meta tensor (device='meta', shape {tuple(x.shape)}: no values), so "
+            f"no loss can be computed from it; pass {name} on a real device (a model built "
+            "on meta needs module.to_empty(device=...) and its weights loaded first)"
+        )
 
 
 def check_chunk_size(chunk_size: object) -> None:
@@ -139,6 +154,7 @@ def check_target(
             f"target must hold integer class ids, got dtype={target.dtype}; "
             "pass class indices (e.g. target.long()), not probabilities or a mask"
         )
+    check_has_values("target", target)
     if tuple(target.shape) != tuple(shape):
         raise ValueError(f"target shape {tuple(target.shape)} must equal {shape_of}{tuple(shape)}")
     target = target.long()
@@ -162,12 +178,6 @@ def check_ignore_index(ignore_index: object) -> int | None:
             f"got {ignore_index!r}"
         )
     return ignore_index
-
-
-def check_loss_args(ignore_index: object, label_smoothing: object) -> tuple[int | None, float]:
-    """``ignore_index`` an int or None, ``label_smoothing`` a float in ``[0, 1]``."""
-    eps = check_float("label_smoothing", label_smoothing, low=0.0, high=1.0, open_low=False)
-    return check_ignore_index(ignore_index), eps
 
 
 def check_temperature(
@@ -246,44 +256,6 @@ def check_options(
     for name, flag in (flags or {}).items():
         check_bool(name, flag)
     return softcap, float(z_loss_weight), ignore_index
-
-
-@dataclass(frozen=True)
-class TPLossSpec(FrozenSpec):
-    """What the TP ranks of one loss call compare: each input's ``(name, shape, dtype)``
-    and the call's ``(name, value)`` settings (chunking, vocab, the ``LossSpec``)."""
-
-    inputs: tuple[tuple[str, tuple[int, ...], torch.dtype], ...]
-    settings: tuple[tuple[str, object], ...]
-
-    @classmethod
-    def of(cls, inputs: dict[str, torch.Tensor], settings: dict[str, object]) -> TPLossSpec:
-        shapes = tuple((name, tuple(t.shape), t.dtype) for name, t in inputs.items())
-        return cls(shapes, tuple(settings.items()))
-
-    def fields(self) -> dict[str, object]:
-        out: dict[str, object] = {}
-        for name, shape, dtype in self.inputs:
-            out[f"{name}.shape"], out[f"{name}.dtype"] = shape, dtype
-        out.update(self.settings)
-        return out
-
-
-def check_tp_agreement(
-    where: str,
-    tp_group: dist.ProcessGroup | None,
-    inputs: dict[str, torch.Tensor],
-    settings: dict[str, object],
-    identical: dict[str, torch.Tensor | None],
-) -> None:
-    """The TP ranks agree on the inputs' shapes and dtypes, the ``settings`` (chunking,
-    vocab, loss spec), and hold bit-identical ``identical`` tensors (targets, fused hidden
-    states); else the same ``AgreementError`` on every rank. One tiny all-gather over
-    ``tp_group`` under ``MP_BRIDGE_CHECK=1`` (:func:`mp_bridge.checks.agree` with a
-    :class:`TPLossSpec`)."""
-    device = next(iter(inputs.values())).device
-    same = {k: t for k, t in identical.items() if t is not None}
-    agree(where, tp_group, TPLossSpec.of(inputs, settings), identical=same, device=device)
 
 
 def forbid_double_backward(name: str) -> None:

@@ -1,4 +1,4 @@
-"""Per-chunk kernels of the fused LM-head loss: the ``ChunkEngine`` protocol and two engines.
+"""The torch engine's per-chunk kernels: the ``ChunkEngine`` protocol and two of them.
 
 An engine turns one token chunk ``h [C, H]`` of the TP-replicated hidden states and the
 local weight shard ``W [V_local, H]`` into per-token ``(value, lse)`` (``forward_chunk``),
@@ -29,6 +29,7 @@ from mp_bridge.layers.loss.blocks import (
     shard_columns,
     target_slots,
 )
+from mp_bridge.layers.loss.engines.torch.group_steps import add_, add_weight_grad, settle
 from mp_bridge.layers.loss.formulas import (
     LossSpec,
     block_stats_,
@@ -38,7 +39,6 @@ from mp_bridge.layers.loss.formulas import (
     transform_logits_,
 )
 from mp_bridge.layers.loss.grad import softmax_grad_blocks_, softmax_grad_rows_
-from mp_bridge.layers.loss.group_steps import add_, add_weight_grad, settle
 from mp_bridge.layers.loss.reduce import all_reduce_sum_, gather_fold, gather_merge_stats
 from mp_bridge.layers.loss.tree import StreamFold
 from mp_bridge.layers.vocab_shards import VocabShard
@@ -69,7 +69,7 @@ class ChunkResult(NamedTuple):
 
 
 class ChunkEngine(Protocol):
-    """What the chunk driver (``fused``) needs from an engine."""
+    """What the chunk driver (``driver.FusedLinearLoss``) needs from a chunk engine."""
 
     def forward_chunk(
         self, h: torch.Tensor, t: torch.Tensor, temp: torch.Tensor | None = None

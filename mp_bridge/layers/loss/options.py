@@ -1,0 +1,241 @@
+"""One loss call parsed at the door into one frozen :class:`LossOptions`.
+
+The five loss doors (``vocab_parallel_cross_entropy`` / ``_logprobs`` / ``_entropy`` over
+logits ``[..., V_local]``; ``fused_linear_cross_entropy`` / ``_logprobs`` over ``hidden
+[..., H]`` and ``weight [V_local, H]``) each call ``parse_loss_options(kind, locals())``:
+input tensors, then the scalar options, then the shard (``tp_group``, ``vocab_size``),
+``target [...]``, ``temperature`` and (fused) the engine; each check (``arguments``)
+raises ``TypeError`` / ``ValueError`` naming the argument before any collective. The
+result is the one object the TP ranks agree on (:meth:`LossOptions.agree`), the one an
+engine receives (``engines/protocol.py``), and it assembles the returned outputs.
+
+A new loss option ``foo`` touches the options, the formulas and the kernels, nothing else:
+
+1. here: the doors gain the keyword (they pass ``locals()``), ``parse_loss_options``
+   checks it, and it lands in a field: of ``LossSpec`` (``formulas``) when the math reads
+   it, so every engine sees it as ``options.spec.foo``, else of ``LossOptions``. Either way
+   :meth:`LossOptions.fields` puts it in the agreement by itself (the spec is one field; a
+   new ``LossOptions`` field is one more of the agreement row's 16, of which the fused
+   cross-entropy with a per-token temperature uses 15);
+2. ``formulas`` / ``grad``: its math on the shared statistics;
+3. the kernels of each engine, or the engine's ``unsupported(options)`` names ``"foo"``
+   and the door runs the ``"torch"`` engine instead (one warning).
+
+The agreement, the engine dispatch and the doors' bodies stay as they are.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from mp_bridge.checks import FrozenSpec, agree, check_choice, check_float
+from mp_bridge.layers.loss.arguments import (
+    check_fused_inputs,
+    check_logits,
+    check_options,
+    check_reduction,
+    check_shard,
+    check_target,
+    check_temperature,
+)
+from mp_bridge.layers.loss.engines.registry import ENGINES, resolve_engine
+from mp_bridge.layers.loss.formulas import LossSpec
+from mp_bridge.layers.loss.outputs import counted_tokens, returned
+from mp_bridge.layers.vocab_shards import VocabShard
+
+__all__ = ["KINDS", "PRECISIONS", "LossOptions", "parse_loss_options"]
+
+#: ``"ce"``: cross-entropy (+ z-loss); ``"logprob"``: selected-token log-probs (+ entropy,
+#: ``sum_pi_squared``); ``"entropy"``: the entropy alone (``target`` optional).
+KINDS = ("ce", "logprob", "entropy")
+PRECISIONS = ("fp32", "input")
+
+#: Fields the ranks do not compare by value: ``inputs`` is spelled out per tensor, the
+#: shard holds this rank's offset (its rank-independent part is in the shapes and the
+#: spec), tensors are compared by their bits, and the group is what they compare over.
+_NOT_BY_VALUE = ("inputs", "shard", "target", "token_temperature", "tp_group")
+_AGREED_AS = {"chunk_size": "chunk"}
+
+
+@dataclass(frozen=True, eq=False)
+class LossOptions(FrozenSpec):
+    """The validated options of one loss call: what the ranks agree on and an engine reads.
+
+    ``kind``: one of ``KINDS``. ``spec``: the formula constants (``LossSpec``: vocab size,
+    ``ignore_index``, label smoothing, the float temperature, soft-cap, z-loss weight,
+    entropy, ``sum_pi_squared``). ``inputs``: ``(name, shape, dtype)`` of ``logits``, or of
+    ``hidden`` and ``weight``. ``shard``: this rank's ``VocabShard`` (``start`` offset,
+    ``num_real`` rows, true ``vocab_size``). ``target``: ``torch.long`` ids of the token
+    shape (``None`` only for an entropy without targets). ``token_temperature``: the
+    per-token temperature broadcast (a view) to the token shape, or ``None`` (then
+    ``spec.temperature``). ``engine``: the engine that runs, ``"torch"`` or ``"triton"``
+    (``"auto"`` resolved at the door; always ``"torch"`` on the materialized doors).
+    ``chunk_size`` (``None``: the engine's default) and ``logits_precision`` are the fused
+    doors' options.
+    """
+
+    kind: str
+    spec: LossSpec
+    inputs: tuple[tuple[str, tuple[int, ...], torch.dtype], ...]
+    shard: VocabShard
+    target: torch.Tensor | None
+    token_temperature: torch.Tensor | None
+    reduction: str
+    invariant: bool = False
+    return_z_loss: bool = False
+    tp_group: dist.ProcessGroup | None = None
+    engine: str = "torch"
+    chunk_size: int | None = None
+    logits_precision: str = "fp32"
+
+    @property
+    def engine_reduction(self) -> str:
+        """The reduction a fused engine applies: the call's own on the cross-entropy (under
+        "sum" / "mean" the gradients can be made in forward), "none" on log-probs (the door
+        reduces them with their extras, ``returned``)."""
+        return self.reduction if self.kind == "ce" else "none"
+
+    def fields(self) -> dict[str, object]:
+        """What the ranks compare by value: each input's shape and dtype, then every field
+        but those of ``_NOT_BY_VALUE`` (a new field joins by itself), ``chunk_size`` as
+        ``chunk``."""
+        out: dict[str, object] = {}
+        for name, shape, dtype in self.inputs:
+            out[f"{name}.shape"], out[f"{name}.dtype"] = shape, dtype
+        for f in dataclasses.fields(self):
+            if f.name not in _NOT_BY_VALUE:
+                out[_AGREED_AS.get(f.name, f.name)] = getattr(self, f.name)
+        return out
+
+    def agree(
+        self,
+        where: str,
+        *,
+        device: torch.device,
+        replicated: Mapping[str, torch.Tensor] | None = None,
+    ) -> None:
+        """The TP ranks agree on this call, else the same ``AgreementError`` on every rank:
+        :meth:`fields` equal, and ``target``, the per-token temperature and the
+        ``replicated`` tensors (fused: ``hidden``) bit-identical. Under ``MP_BRIDGE_CHECK``,
+        one tiny all-gather over ``tp_group`` (:func:`mp_bridge.checks.agree`); a rank that
+        disagrees would otherwise hang or silently compute a wrong loss."""
+        identical = {**(replicated or {}), "target": self.target}
+        identical["temperature"] = self.token_temperature
+        same = {k: t for k, t in identical.items() if t is not None}
+        agree(where, self.tp_group, self, identical=same, device=device)
+
+    def returned(self, values: torch.Tensor, extra: torch.Tensor, sq: torch.Tensor):
+        """The requested per-token outputs ``[...]`` of an engine's ``(values, extra, sq)``,
+        reduced by ``reduction``: one tensor or a tuple (see ``outputs``)."""
+        counted = counted_tokens(self.target, self.spec.ignore_index)
+        if self.kind == "entropy":
+            return returned([extra], counted, self.reduction)
+        if self.kind == "logprob":
+            outputs = [
+                values,
+                extra if self.spec.entropy else None,
+                sq if self.spec.sum_pi_squared else None,
+            ]
+            return returned(outputs, counted, self.reduction)
+        z_loss = None
+        if self.return_z_loss:
+            z_loss = (
+                extra.view(values.shape) if extra.numel() else torch.zeros_like(values.detach())
+            )
+        return returned([values, z_loss], counted, self.reduction)
+
+
+def _check_precision(logits_precision: object) -> str:
+    return check_choice(
+        "logits_precision",
+        logits_precision,
+        PRECISIONS,
+        fix="'fp32': exact fp32-accumulated logits; 'input': logits rounded to the input dtype",
+    )
+
+
+def _spec(kind: str, vocab: int, target, args: Mapping[str, object], scalars) -> LossSpec:
+    """The ``LossSpec`` of a ``kind`` call over ``vocab`` true classes."""
+    softcap, zw, ignore_index, eps, temp = scalars
+    if kind == "ce":
+        return LossSpec.cross_entropy(
+            vocab, ignore_index, eps, temperature=temp, softcap=softcap, z_loss_weight=zw
+        )
+    entropy = kind == "entropy"
+    return LossSpec.logprob(
+        vocab,
+        temp,
+        # no target: no id is ignored (the engine's placeholder ids own no column)
+        ignore_index=None if target is None else ignore_index,
+        softcap=softcap,
+        entropy=entropy or bool(args.get("return_entropy", False)),
+        sum_pi_squared=not entropy and bool(args.get("return_sum_pi_squared", False)),
+    )
+
+
+def parse_loss_options(kind: str, args: Mapping[str, object]) -> LossOptions:
+    """Validate one call of a ``kind`` loss (``KINDS``); return its options.
+
+    ``args``: the door's arguments by name (its ``locals()``): either ``logits``, or (fused)
+    ``hidden``, ``weight``, ``chunk_size``, ``logits_precision`` and ``engine``; ``target``,
+    ``tp_group``, ``vocab_size``, ``reduction``, ``ignore_index``, ``softcap``,
+    ``temperature``, on the cross-entropy ``label_smoothing`` and ``z_loss_weight``; the
+    bool options ``invariant`` and ``return_*``. ``engine="auto"`` resolves here
+    (``engines.registry.resolve_engine``), so a missing ``triton`` raises before any
+    collective.
+    """
+    tp_group, vocab_size = args["tp_group"], args["vocab_size"]
+    fused = "hidden" in args
+    if fused:
+        like, weight = args["hidden"], args["weight"]
+        check_fused_inputs(like, weight, args["chunk_size"])
+        _check_precision(args["logits_precision"])
+        check_choice("engine", args["engine"], ENGINES, fix="'auto': 'triton' on CUDA")
+        shard = check_shard(weight.shape[0], vocab_size, tp_group)
+        inputs = (("hidden", like), ("weight", weight))
+        shape_of = f"the leading dims of hidden {tuple(like.shape)}: "
+    else:
+        like = args["logits"]
+        shard = check_logits(like, tp_group, vocab_size)
+        inputs = (("logits", like),)
+        shape_of = f"logits shape {tuple(like.shape)} without the vocab dim "
+    tokens = tuple(like.shape[:-1])
+    eps = 0.0
+    if kind == "ce":
+        eps = check_float(
+            "label_smoothing", args["label_smoothing"], low=0.0, high=1.0, open_low=False
+        )
+    flags = {k: v for k, v in args.items() if k == "invariant" or k.startswith("return_")}
+    softcap, zw, ignore_index = check_options(
+        softcap=args["softcap"],
+        z_loss_weight=args.get("z_loss_weight", 0.0),
+        ignore_index=args["ignore_index"],
+        flags=flags,
+    )
+    reduction = check_reduction(args["reduction"])
+    target = args["target"]
+    if target is not None:
+        target = check_target(target, tokens, shard.vocab_size, ignore_index, shape_of=shape_of)
+    temp = check_temperature(args["temperature"], tokens, like, shape_of=shape_of)
+    token_temp = temp if isinstance(temp, torch.Tensor) else None
+    scalars = (softcap, zw, ignore_index, eps, 1.0 if token_temp is not None else temp)
+    return LossOptions(
+        kind,
+        _spec(kind, shard.vocab_size, target, args, scalars),
+        tuple((name, tuple(t.shape), t.dtype) for name, t in inputs),
+        shard,
+        target,
+        token_temp,
+        reduction,
+        invariant=bool(flags["invariant"]),
+        return_z_loss=bool(flags.get("return_z_loss", False)),
+        tp_group=tp_group,
+        engine=resolve_engine(args["engine"], like.device) if fused else "torch",
+        chunk_size=args["chunk_size"] if fused else None,
+        logits_precision=args["logits_precision"] if fused else "fp32",
+    )

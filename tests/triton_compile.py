@@ -1,0 +1,106 @@
+"""Compile every kernel of the ``"triton"`` loss engine for an H100 / H200 (sm_90) on a
+machine without a GPU: the code path the interpreter does not run (``tl.dot`` on bf16 and
+on fp32 in ``"ieee"`` precision, the loop-carried counters of the ``d h`` tree fold).
+
+``python -m tests.triton_compile`` prints one line per kernel: registers, stack and local
+bytes per thread (``cuobjdump -res-usage`` of the cubin). Run in a process without
+``TRITON_INTERPRET`` (``tests/unit/test_triton_compile.py`` does), since under it the
+kernels are interpreted functions with nothing to compile.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from mp_bridge.layers.loss.blocks import VOCAB_BLOCK
+from mp_bridge.layers.loss.engines.triton import (
+    block_dhidden,
+    block_dweight,
+    block_grad,
+    block_stats,
+    row_grad,
+    row_stats,
+)
+
+TARGET = GPUTarget("cuda", 90, 32)
+#: Per-token fp32 vectors (``w_ptr`` is one in ``row_grad``, the weight in the block kernels).
+ROW = ("temp_ptr", "lse_ptr", "w_tok_ptr", "went_ptr", "ent_ptr")
+FLOATS = ("cap", "coef_a", "coef_b", "coef_c", "zw2")
+ALL_ON = dict(HAS_CAP=True, HAS_Z=True, HAS_ENT=True, WITH_ENT=True, WITH_SQ=True)
+BLOCK = dict(TILE_M=block_stats.TILE_M, BLOCK=VOCAB_BLOCK, BK=block_stats.BK, INTERPRET=False)
+
+
+def _kernels(dt: str):
+    """``(kernel, pointer dtypes by name, constexprs)``; other pointers hold ``dt``."""
+    yield (
+        row_stats._row_stats_kernel,
+        {"z_ptr": "fp32", "stats_ptr": "fp32"},
+        dict(FIRST=False, ROWS=row_stats.ROWS, COLS=row_stats.COLS),
+    )
+    yield (
+        row_grad._row_grad_kernel,
+        {"z_ptr": "fp32", "w_ptr": "fp32"},
+        dict(ROWS=row_grad.ROWS, COLS=row_grad.COLS, INTERPRET=False),
+    )
+    yield block_stats._block_stats_kernel, {"stats_ptr": "fp32"}, BLOCK
+    yield block_grad._block_grad_kernel, {}, BLOCK
+    fold = dict(TILE_M=block_stats.TILE_M, BLOCK=VOCAB_BLOCK, BH=block_dhidden.BH)
+    yield (
+        block_dhidden._block_dhidden_kernel,
+        {"scratch_ptr": "fp32"},
+        dict(fold, BKV=block_dhidden.BKV, INTERPRET=False),
+    )
+    yield (
+        block_dweight._block_dweight_kernel,
+        {"acc_ptr": "fp32"},
+        dict(
+            TILE_M=block_stats.TILE_M, BVW=block_dweight.BVW, BH=block_dhidden.BH, INTERPRET=False
+        ),
+    )
+
+
+def _signature(fn, pointers: dict[str, str], consts: dict, dt: str) -> dict[str, str]:
+    sig = {}
+    for name in fn.arg_names:
+        if name in consts:
+            sig[name] = "constexpr"
+        elif name == "tcol_ptr":
+            sig[name] = "*i64"
+        elif name in ROW:
+            sig[name] = "*fp32"
+        elif name.endswith("_ptr"):
+            sig[name] = "*" + pointers.get(name, dt)
+        else:
+            sig[name] = "fp32" if name in FLOATS else "i32"
+    return sig
+
+
+def compile_all(dtypes=("bf16", "fp32")) -> list[str]:
+    """One ``"name dtype: REG:.. STACK:.. LOCAL:.."`` line per compiled kernel."""
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    lines = []
+    for dt in dtypes:
+        for fn, pointers, consts in _kernels(dt):
+            consts = {k: v for k, v in {**ALL_ON, **consts}.items() if k in fn.arg_names}
+            src = ASTSource(fn, _signature(fn, pointers, consts, dt), consts)
+            kernel = triton.compile(src, target=TARGET, options={"num_warps": 8})
+            with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+                f.write(kernel.asm["cubin"])
+                f.flush()
+                out = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True)
+            usage = [w for w in out.stdout.split() if w.split(":")[0] in ("REG", "STACK", "LOCAL")]
+            lines.append(f"{fn.__name__} {dt}: {' '.join(usage)}")
+    return lines
+
+
+if __name__ == "__main__":
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        sys.exit("unset TRITON_INTERPRET: interpreted kernels do not compile")
+    print("\n".join(compile_all()))
