@@ -25,7 +25,7 @@ is killed keeps everything it measured:
    and the torch engine's cross-entropy, one call per input dtype).
 5. ``speed`` (110 s): ``bench/gpu/speed.py``, the LM-head speed / memory / precision
    table (every method, losses and gradients against float64 on the same inputs) at
-   8192 x 4096 x 131072, at 262144, and the per-rank TP-8 figure (``V_local`` = 16384).
+   8192 x 4096 x 131072 with the per-rank TP-8 figure (``V_local`` = 16384), then 262144.
 6. ``mimo`` (30 s): ``mp-bridge demo`` in the one-GPU mode: colocated MIMO training
    steps (encoder tp=2,dp=4 -> LLM tp=2,cp=2,dp=2) with their oracle parity table and
    per-step time.
@@ -192,6 +192,9 @@ def _steps(stage: str, args, py: str) -> list[Step]:
         inv = [py, str(HERE / "invariance.py"), "--timeout", "200"]
         if args.smoke:
             small = ["--device", "cpu", "--n", "150", "--hidden", "32", "--vocab", "3000"]
+            # the torch engine only: 8 ranks of interpreted triton kernels take minutes here
+            # (their TP bits are CI's tests/functional/test_triton_engine_tp.py)
+            small += ["--checks", "fused_ce_none", "fused_lp", "mat_lp"]
             prod = []  # the production-like calls are GPU-only
         else:
             small = ["--n", "1000", "--hidden", "512", "--vocab", "50000"]
@@ -207,19 +210,21 @@ def _steps(stage: str, args, py: str) -> list[Step]:
         return steps
     if stage == "speed":
         sp = [py, str(HERE / "speed.py")]
-        if args.smoke:
-            sp += ["--device", "cpu", "--dtype", "float32", "--n", "256", "--hidden", "64"]
-            shapes = [("4096", 1.0, "V=4096")]
-        else:
+        if args.smoke:  # the triton engine runs under the interpreter here: tiny and once
+            sp += ["--device", "cpu", "--dtype", "float32", "--n", "96", "--hidden", "64"]
+            sp += ["--methods", "materialized", "ours_default", "ours_invariant", "torch_default"]
+            sp += ["--rounds", "1", "--no-tp8"]
+            shapes = [("2048", 1.0, "V=2048")]
+        else:  # the first shape also measures one rank's work at TP 8 (V_local = V / 8)
             shapes = [
-                ("131072", 0.4, "8192 x 4096 x 131072"),
-                ("262144", 0.65, "8192 x 4096 x 262144"),
-                ("16384", 1.0, "per rank at TP 8: V_local = 131072 / 8"),
+                ("131072", 0.55, "8192 x 4096 x 131072 (and per rank at TP 8)"),
+                ("262144", 1.0, "8192 x 4096 x 262144"),
             ]
         steps = []
         for i, (vocab, share, label) in enumerate(shapes):
             table = str(out / f"speed_part{i}.tmp")
             argv = [*sp, "--vocab", vocab, "--out", table, "--json", str(out / "speed.json")]
+            argv += ["--no-tp8"] if vocab == "262144" else []
             steps.append(Step(argv, share=share, label=label, table=table))
         return steps
     device = {} if args.smoke else {"MP_BRIDGE_TEST_DEVICE": "cuda"}

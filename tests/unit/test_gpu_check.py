@@ -161,7 +161,7 @@ def test_smoke_path_runs_the_stages_on_cpu_and_writes_each_table(tmp_path):
     proc = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = (out / "gpu_check.md").read_text()
-    for stage, step in (("unit", "unit (all)"), ("invariance", "small"), ("speed", "V=4096")):
+    for stage, step in (("unit", "unit (all)"), ("invariance", "small"), ("speed", "V=2048")):
         assert re.search(rf"^\| {stage} \| {re.escape(step)}[^|]* \| ok \|", summary, re.M), summary
     tests = (out / "tests.md").read_text()
     assert re.search(r"\| unit \(all\) \| [1-9]\d* \| 0 \| 0 \|", tests), tests

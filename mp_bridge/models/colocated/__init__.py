@@ -7,7 +7,7 @@ from .gather import GatherFlow
 from .local import LocalBridge
 from .mimo import ColocatedMimoModel
 from .mimo_groups import MimoGroups, check_members, grid_group, groups_of_bridge, make_mimo_groups
-from .options import MimoOptions
+from .mimo_options import MimoOptions
 from .parts import MimoFlow, StepParts, shard_loss
 from .routed import RoutedFlow, place_local_rows
 from .step_agreement import ReplicaDocsSpec, StepSpec, agree_image_counts, agree_step_inputs

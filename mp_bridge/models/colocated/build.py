@@ -23,7 +23,7 @@ from mp_bridge.checks import FrozenSpec, agree, agreed
 from mp_bridge.grid import GridLayout, destroy_grid
 from mp_bridge.models.colocated.mimo import ColocatedMimoModel
 from mp_bridge.models.colocated.mimo_groups import GridsSpec
-from mp_bridge.models.colocated.options import MimoOptions
+from mp_bridge.models.colocated.mimo_options import MimoOptions
 from mp_bridge.models.reference.model import ReferenceMimo
 
 __all__ = ["MimoBuildSpec", "build_colocated_mimo", "destroy_colocated_mimo"]

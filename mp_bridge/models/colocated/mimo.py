@@ -39,7 +39,7 @@ from mp_bridge.grid import GridLayout
 from mp_bridge.models.colocated.flows import parse_flow
 from mp_bridge.models.colocated.legacy import DP_NAMES, legacy_groups
 from mp_bridge.models.colocated.mimo_groups import MimoGroups, check_members, make_mimo_groups
-from mp_bridge.models.colocated.options import MimoOptions
+from mp_bridge.models.colocated.mimo_options import MimoOptions
 from mp_bridge.models.colocated.parts import MimoFlow, StepParts
 from mp_bridge.models.colocated.pipelined import pipelined_step
 from mp_bridge.models.colocated.step_agreement import agree_step_inputs
