@@ -111,6 +111,12 @@ def device_under_test() -> torch.device:
     return device
 
 
+def rank_device_type(backend: str) -> str:
+    """The device type a world's ranks compute on: ``"cuda"`` under NCCL, else that of
+    :func:`device_under_test` (what decides the start method)."""
+    return "cuda" if backend == "nccl" else device_under_test().type
+
+
 def current_device() -> torch.device:
     """The device this rank's tensors belong on: ``cuda:<local rank>`` under NCCL, else
     :func:`device_under_test` (``MP_BRIDGE_TEST_DEVICE``: CPU by default, or one GPU shared by
@@ -282,8 +288,7 @@ def _context(fn: Callable[..., Any], backend: str, start_method: str | None) -> 
     that cannot travel is a ``TypeError`` here rather than a confusing one in ``start``."""
     if start_method is not None:
         check_choice("start_method", start_method, START_METHODS)
-    device = "cuda" if backend == "nccl" else device_under_test().type
-    ctx = rank_context(device, start_method)
+    ctx = rank_context(rank_device_type(backend), start_method)
     if ctx.get_start_method() != "fork":
         try:
             pickle.dumps(fn)

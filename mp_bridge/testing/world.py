@@ -37,9 +37,8 @@ skipped with its reason, e.g. on 8 GPUs::
 
     MP_BRIDGE_BACKEND=nccl torchrun --nproc-per-node 8 -m pytest tests/functional
 
-Start methods (:mod:`~mp_bridge.testing.start_method`): under ``fork`` the ranks inherit
-the world; under ``forkserver`` / ``spawn`` it travels as a reference to the module that
-built it at top level (:mod:`~mp_bridge.testing.world_registry`).
+Start methods (``start_method``): under fork the ranks inherit the world; under forkserver /
+spawn it travels as a reference to the module that built it (``world_registry``).
 """
 
 from __future__ import annotations
@@ -64,6 +63,7 @@ from mp_bridge.testing.launcher import (
     DistributedError,
     device_under_test,
     failure_severity,
+    rank_device_type,
     run_distributed,
     under_torchrun,
 )
@@ -273,7 +273,7 @@ class DistributedWorld:
 
     def _run_world(self, size: int, todo: list[str]) -> dict[str, list[Outcome]]:
         """Run the cases ``todo`` in one world; outcomes of those that ended (>= 1)."""
-        ctx = rank_context("cuda" if world_backend() == "nccl" else device_under_test().type)
+        ctx = rank_context(rank_device_type(world_backend()))
         # A SimpleQueue writes synchronously (no feeder thread), so nothing is lost when a
         # rank exits right after reporting.
         self._queue = ctx.SimpleQueue()
