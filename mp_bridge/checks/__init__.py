@@ -3,12 +3,13 @@
 Imports torch and ``mp_bridge.deprecations`` (floor 0 too) only, never another
 ``mp_bridge`` package. ``check_group_arg`` is a deprecated alias of ``check_group``."""
 
-from .agree_spec import AgreementSpec, FrozenSpec, agree
-from .agreement_check import (
+from .agreement import (
     MAX_FIELDS,
     AgreementError,
+    AgreementSpec,
+    FrozenSpec,
+    agree,
     check_agreement,
-    check_group_arg,
     checks_enabled,
     fingerprint,
     in_agreement_check,
@@ -24,6 +25,7 @@ from .validate import (
     check_dtype,
     check_float,
     check_group,
+    check_group_arg,
     check_groups,
     check_int,
     check_ints,

@@ -19,6 +19,8 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from mp_bridge.deprecations import warn_deprecated
+
 __all__ = [
     "as_int",
     "check_bool",
@@ -27,6 +29,7 @@ __all__ = [
     "check_dtype",
     "check_float",
     "check_group",
+    "check_group_arg",
     "check_groups",
     "check_int",
     "check_ints",
@@ -191,6 +194,12 @@ def check_group(name: str, group: object, *, fix: str = "") -> dist.ProcessGroup
             f"process); pass e.g. grid.get_pg('tp'), not a size or a rank{_hint(fix)}"
         )
     return group
+
+
+def check_group_arg(name: str, group: object) -> None:
+    """Deprecated alias of :func:`check_group`."""
+    warn_deprecated("mp_bridge.checks.check_group_arg")
+    check_group(name, group)
 
 
 def check_groups(

@@ -7,7 +7,7 @@ communicator, ragged and routed variants, the per-sample count check) and ``sequ
 packages use is exported here: import from ``mp_bridge.comm``, not from its modules.
 """
 
-from mp_bridge.checks.agreement_check import (
+from mp_bridge.checks import (
     AgreementError,
     check_agreement,
     check_group_arg,
@@ -117,7 +117,7 @@ __all__ = [
     "pad_layout",
     "sample_sums",
     "deterministic_all_reduce",
-    # agreement checks (checks/agreement_check.py)
+    # agreement checks (checks/agreement.py)
     "AgreementError",
     "check_agreement",
     "check_group_arg",

@@ -192,6 +192,18 @@ def test_a_local_error_on_one_rank_is_raised_on_every_rank():
         check_agreement("where", group, {"n": 1}, error=error)
 
 
+@world.case
+def test_a_field_past_the_rows_slots_is_still_compared():
+    # 20 fields on a 16-slot row: fields 15..19 share the last slot (checks.agreement)
+    group = _world_group()
+    fields = {f"f{i}": i for i in range(20)}
+    with CollectiveCounter() as counter:
+        check_agreement("where", group, fields)  # equal: passes, one row of 4 + 16
+    assert counter.check_calls == [CollectiveCall("all_gather", 2, 160)]
+    with _raises(r"ranks disagree on f18 (.|\n)*ranks \[0\] have 18; ranks \[1\] have -1"):
+        check_agreement("where", group, {**fields, "f18": -1 if _odd() else 18})
+
+
 def _mean_with_group_on_rank_0_only():
     os.environ["MP_BRIDGE_CHECK_TIMEOUT"] = "3"
     group = dist.new_group([0, 1])

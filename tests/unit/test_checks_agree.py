@@ -1,18 +1,22 @@
-"""agree() takes frozen specs; the agreement flag tools read; the deprecated group check."""
+"""agree() takes frozen specs; the row's slots; the agreement flag tools read; the deprecated
+group check."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import pytest
+import torch
 
 from mp_bridge.checks import (
+    MAX_FIELDS,
     FrozenSpec,
     agree,
     check_group,
     check_group_arg,
     in_agreement_check,
 )
+from mp_bridge.checks.agreement import pack_row
 
 
 @dataclass(frozen=True)
@@ -48,3 +52,19 @@ def test_check_group_arg_is_a_deprecated_alias_of_check_group():
             check_group_arg("tp_group", 2)
     with pytest.raises(TypeError, match=r"tp_group=2 must be a torch.distributed"):
         check_group("tp_group", 2)
+
+
+def test_the_row_pads_a_short_spec_with_zeros():
+    row = pack_row(torch.tensor([1, 2, 3]))
+    assert row.tolist() == [1, 2, 3] + [0] * 13
+    assert MAX_FIELDS == 16  # the literal rows here are written for 16 slots
+
+
+def test_the_row_folds_fields_past_its_slots_into_the_last_one():
+    # 18 codes: 1..15 as they are, then 16*1 + 17*2 + 18*3 + 3 (fingerprint of 16, 17, 18)
+    assert pack_row(torch.arange(1, 19)).tolist() == list(range(1, 16)) + [107]
+    # the folded fields in another order: 17*1 + 16*2 + 18*3 + 3
+    swapped = torch.tensor([*range(1, 16), 17, 16, 18])
+    assert pack_row(swapped).tolist() == list(range(1, 16)) + [106]
+    # exactly 16 codes fill the row as they are
+    assert pack_row(torch.arange(1, 17)).tolist() == list(range(1, 17))

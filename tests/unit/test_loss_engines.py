@@ -16,7 +16,7 @@ import types
 import pytest
 import torch
 
-from mp_bridge.checks.agreement_check import MAX_FIELDS
+from mp_bridge.checks import MAX_FIELDS
 from mp_bridge.layers import (
     fused_linear_cross_entropy,
     fused_linear_logprobs,

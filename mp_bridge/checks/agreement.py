@@ -1,18 +1,30 @@
-"""Agreement checks: ranks of a group that disagree get the same clear error on every rank.
-
-This module is the mechanism; entry points call it through ``agree(where, group, spec)``
-(:mod:`mp_bridge.checks.agree_spec`), listed in :mod:`mp_bridge.checks.entry_points`.
+"""Agreement: ranks of a group that disagree get the same clear error on every rank.
 
 A collective whose ranks disagree (one rank sends ``[2, 8, 4]``, the others
 ``[2, 4, 8]``; fp64 on one rank; 5 tokens versus 4; a target that differs across TP)
-aborts inside gloo, hangs, or silently returns garbage. :func:`check_agreement` runs
-first, at the top of every collective entry point of the library: each rank packs what
-its group must agree on into one fixed-size int64 row (the call site, a hash of each
-field, an exact fingerprint of each tensor that must be identical), the rows are
-all-gathered (**one** small collective per group, ``8 * (4 + 16)`` bytes per rank), and
-on any difference every rank raises the same :class:`AgreementError` (a ``ValueError``)
-naming the argument, the ranks and their values. Only then (the error path) a second
-exchange, ``all_gather_object``, fetches the readable values for the message.
+aborts inside gloo, hangs, or silently returns garbage. So every public entry point that
+runs a collective (the table in :mod:`mp_bridge.checks.entry_points`) parses its
+arguments once into a frozen spec (a dataclass with a ``fields()`` method: name -> small
+value that every rank of the group must hold equal, e.g. shapes, dtypes, options) and
+calls :func:`agree` before its first collective. :class:`FrozenSpec` gives a frozen
+dataclass that ``fields()``::
+
+    @dataclass(frozen=True)
+    class ReduceSpec(FrozenSpec):
+        op: str
+        shape: tuple[int, ...]
+
+    agree("deterministic_all_reduce", group, ReduceSpec("sum", (4,)))
+
+The exchange (:func:`check_agreement`, which ``agree`` runs on the spec's fields): each
+rank packs what its group must agree on into one fixed-size int64 row (the call site, a
+hash of each field, an exact fingerprint of each tensor that must be identical), the rows
+are all-gathered (**one** small collective per group, ``8 * (4 + 16)`` bytes per rank),
+and on any difference every rank raises the same :class:`AgreementError` (a
+``ValueError``) naming the argument, the ranks and their values. Only then (the error
+path) a second exchange, ``all_gather_object``, fetches the readable values for the
+message. The row holds :data:`MAX_FIELDS` slots; a spec with more fields folds the rest
+into the last slot (:func:`pack_row`), so a spec may grow without the row growing.
 
 When: ``MP_BRIDGE_CHECK=1`` in the environment (``mp_bridge.testing`` sets it in the
 ranks it starts unless the caller set it). Off by default: each check is a host sync
@@ -42,33 +54,33 @@ cannot know. (Otherwise they wait like any collective: up to the group's timeout
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import math
 import os
 import threading
 import zlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
 
-from mp_bridge.deprecations import warn_deprecated
-
-from .validate import check_group
-
 __all__ = [
     "MAX_FIELDS",
     "AgreementError",
+    "AgreementSpec",
+    "FrozenSpec",
+    "agree",
     "check_agreement",
-    "check_group_arg",
     "checks_enabled",
     "fingerprint",
     "in_agreement_check",
+    "pack_row",
     "run_checked",
 ]
 
-#: Fields (plus fingerprints) one check may compare; the row is fixed-size.
+#: Slots of the row for fields (plus fingerprints); more fields fold into the last slot.
 MAX_FIELDS = 16
 _HEADER = 4  # [global rank, call-site hash, has local error, number of fields]
 _running = threading.local()
@@ -78,6 +90,52 @@ class AgreementError(ValueError):
     """The ranks of a group disagree on an argument (or one rank rejected its input)."""
 
 
+# ------------------------------------------------------------------------ the spec
+@runtime_checkable
+class AgreementSpec(Protocol):
+    """A parsed, frozen argument set; ``fields()`` is what the ranks compare."""
+
+    def fields(self) -> Mapping[str, object]: ...
+
+
+class FrozenSpec:
+    """Mixin for a ``@dataclass(frozen=True)`` spec: ``fields()`` are its fields, in order."""
+
+    def fields(self) -> dict[str, object]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+
+def agree(
+    where: str,
+    group: Any,
+    spec: AgreementSpec,
+    *,
+    identical: Mapping[str, torch.Tensor] | None = None,
+    device: torch.device | str | None = None,
+    error: BaseException | None = None,
+    always: bool = False,
+) -> None:
+    """Raise the same :class:`AgreementError` on every rank of ``group`` unless they agree.
+
+    ``spec.fields()`` must be equal on every rank; ``identical`` tensors must be equal
+    bit for bit; ``error`` is this rank's own validation error (every rank then raises,
+    naming this rank). Collectives and the on/off switch: see :func:`check_agreement`.
+    """
+    params = getattr(spec, "__dataclass_params__", None)
+    if params is not None and not params.frozen:
+        raise TypeError(
+            f"{where}: {type(spec).__name__} must be a frozen dataclass (frozen=True): ranks "
+            "compare what the entry point parsed, which nothing may change afterwards"
+        )
+    fields = spec.fields()
+    if not isinstance(fields, Mapping):
+        raise TypeError(f"{type(spec).__name__}.fields() must return a mapping, got {fields!r}")
+    check_agreement(
+        where, group, fields, identical=identical, device=device, error=error, always=always
+    )
+
+
+# ------------------------------------------------------------------- the switches
 def checks_enabled() -> bool:
     """Whether ``MP_BRIDGE_CHECK`` turns the agreement checks on (``1``/``true``/``on``)."""
     value = os.environ.get("MP_BRIDGE_CHECK", "0").strip().lower()
@@ -93,12 +151,6 @@ def _timeout_s() -> float:
     if not value > 0 or math.isinf(value):
         raise ValueError(f"MP_BRIDGE_CHECK_TIMEOUT={raw!r} must be a positive number of seconds")
     return value
-
-
-def check_group_arg(name: str, group: object) -> None:
-    """Deprecated alias of :func:`mp_bridge.checks.check_group`."""
-    warn_deprecated("mp_bridge.checks.check_group_arg")
-    check_group(name, group)
 
 
 def in_agreement_check() -> bool:
@@ -119,12 +171,7 @@ def _checking() -> Iterator[None]:
         _running.depth -= 1
 
 
-def _all_gather_into(out: torch.Tensor, inp: torch.Tensor, group: Any) -> Any:
-    # torch >= 2.13 spells it all_gather_single (the old name warns FutureWarning).
-    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    return fn(out, inp, group=group, async_op=True)
-
-
+# ------------------------------------------------------------------------- the row
 def fingerprint(t: torch.Tensor) -> torch.Tensor:
     """An exact int64 fingerprint (0-dim, on ``t.device``) of ``t``'s bits and order.
 
@@ -146,8 +193,31 @@ def fingerprint(t: torch.Tensor) -> torch.Tensor:
     return (v * w).sum() + v.numel()
 
 
+def pack_row(codes: torch.Tensor) -> torch.Tensor:
+    """The row's :data:`MAX_FIELDS` slots from one int64 code per field, in order.
+
+    Fewer codes are padded with zeros; more keep the first ``MAX_FIELDS - 1`` as they are
+    and fold the rest into the last slot by :func:`fingerprint` (order-sensitive, so a
+    change in any folded field still changes the row; the message names fields from the
+    readable values, not from the row). With ``MAX_FIELDS = 16``: codes ``[1, 2, 3]`` give
+    ``[1, 2, 3, 0, ..., 0]``; codes ``1..18`` give ``[1, ..., 15, 107]``
+    (``16*1 + 17*2 + 18*3 + 3``).
+    """
+    if codes.numel() <= MAX_FIELDS:
+        return torch.cat([codes, codes.new_zeros(MAX_FIELDS - codes.numel())])
+    keep = MAX_FIELDS - 1
+    return torch.cat([codes[:keep], fingerprint(codes[keep:]).reshape(1)])
+
+
 def _code(value: object) -> int:
     return zlib.crc32(repr(value).encode())
+
+
+# -------------------------------------------------------------------- the exchange
+def _all_gather_into(out: torch.Tensor, inp: torch.Tensor, group: Any) -> Any:
+    # torch >= 2.13 spells it all_gather_single (the old name warns FutureWarning).
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return fn(out, inp, group=group, async_op=True)
 
 
 def _groups(group: Any) -> list[dist.ProcessGroup]:
@@ -239,8 +309,9 @@ def check_agreement(
     a sequence of groups (one all-gather each, rows gathered over their product); groups
     of size 1 and ``None`` are skipped. ``device``: where the int64 row lives (default:
     this rank's GPU under NCCL, else CPU). No-op unless :func:`checks_enabled` or ``always``.
-    Collectives: one all-gather of ``[n, 20]`` int64 per group; on a mismatch, one
-    ``all_gather_object`` per group for the message.
+    Collectives: one all-gather of ``[n, 4 + MAX_FIELDS]`` int64 per group, however many
+    fields (:func:`pack_row`); on a mismatch, one ``all_gather_object`` per group for the
+    message.
     """
     groups = _groups(group)
     if not groups or not (always or checks_enabled()):
@@ -248,17 +319,15 @@ def check_agreement(
             raise error
         return
     names = list(fields) + [f"{k} (fingerprint)" for k in identical or {}]
-    assert len(names) <= MAX_FIELDS, f"{where}: too many agreement fields {names}"
     if device is None:  # the group's device: NCCL rows must live on this rank's GPU
         nccl = dist.get_backend(groups[0]) == "nccl"
         device = torch.device("cuda", torch.cuda.current_device()) if nccl else "cpu"
     device = torch.device(device)
     header = [dist.get_rank(), _code(where), int(error is not None), len(names)]
-    codes = [_code(v) for v in fields.values()]
-    row = torch.tensor(header + codes, dtype=torch.int64, device=device)
+    codes = torch.tensor([_code(v) for v in fields.values()], dtype=torch.int64, device=device)
     prints = [fingerprint(t).to(device).reshape(1) for t in (identical or {}).values()]
-    pad = torch.zeros(MAX_FIELDS - len(names), dtype=torch.int64, device=device)
-    row = torch.cat([row, *prints, pad]).reshape(1, -1)
+    head = torch.tensor(header, dtype=torch.int64, device=device)
+    row = torch.cat([head, pack_row(torch.cat([codes, *prints]))]).reshape(1, -1)
     with _checking():
         rows = _gather_rows(row, groups, where)
     if all(r[1:] == rows[0][1:] for r in rows) and not any(r[2] for r in rows):
