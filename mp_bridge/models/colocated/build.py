@@ -50,7 +50,7 @@ def build_colocated_mimo(
 ) -> ColocatedMimoModel:
     """Shard ``reference`` into encoder (``tp``/``dp``) and LLM (``tp``/``cp``/``dp``) grids.
 
-    ``options``: the build options of :class:`~.options.MimoOptions` (``sequence_parallel``,
+    ``options``: the build options of :class:`~.mimo_options.MimoOptions` (``sequence_parallel``,
     ``fused_loss``, ``device``, ``flow``, ``microbatches``, ``schedule``, ``balance``).
     Every group comes from ``make_mimo_groups(encoder_grid, llm_grid)`` (groups the grids
     lack are created on them; one bridge). Release them with :func:`destroy_colocated_mimo`.

@@ -257,7 +257,7 @@ class ColocatedMimoModel(nn.Module):
     def from_groups(cls, reference, groups: MimoGroups, **options) -> ColocatedMimoModel:
         """This rank's shards of ``reference`` on ``groups`` (no collective; the model
         keeps ``groups``, which :func:`destroy_colocated_mimo` frees). ``options``: the
-        build options of :class:`~.options.MimoOptions` (``flow``, ``microbatches``,
+        build options of :class:`~.mimo_options.MimoOptions` (``flow``, ``microbatches``,
         ``schedule``, ``balance``: see the class); with ``groups.llm_pp`` (LLM pp > 1) the
         LLM is this rank's :class:`TPLLMStage`. The one builder: ``from_full`` and
         ``build_colocated_mimo`` end here."""

@@ -13,12 +13,13 @@ Replica ``e`` holds a union of image ranges of ``g``, ascending (the balance pla
 kept and received images in (source replica, source index) order, which is ``g`` order);
 every TP rank of ``e`` holds the same ranges. Because an image may be encoded outside the
 LLM DP replica that consumes it, the route group is **every rank of the grids** (the
-bridge's world group). :func:`~.route_plan.plan_route` makes the plan from the held
+bridge's world group). :func:`~mp_bridge.comm.bridge.plans.route_plan.plan_route`
+makes the plan from the held
 ranges and each shard's needed ``g`` with the usual choices (receiver ``q`` takes ``g``
 from holder ``p(q) mod |holders|``; backward every holder gets every gradient, so the TP
 peers of an encoding replica end equal).
 
-Collectives, forward: the count check (:func:`~.counts.check_sample_counts`) over the world
+Collectives, forward: the count check (:func:`~.sample_counts.check_sample_counts`) over the world
 group on the **pre-balance** ``tokens_per_sample`` (fixed 56-byte row); one all-gather over
 the world group of every rank's LLM batch's image-token shard ids (``8·max_n_image``
 bytes per rank, skipped when no rank has an image token); one ``all_to_all_single`` of

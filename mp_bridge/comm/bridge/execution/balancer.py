@@ -1,6 +1,7 @@
 """Balanced encoders, execution: share the image counts, plan, move whole images once.
 
-One rank's :meth:`ImageBalancer.balance` (the plan is :mod:`.balance_plan`):
+One rank's :meth:`ImageBalancer.balance` (the plan is
+:mod:`~mp_bridge.comm.bridge.plans.balance_plan`):
 
 1. Local validation (``TypeError``/``ValueError`` before any collective).
 2. **One** all-gather over ``count_group`` (every encoder rank, TP × DP) of a fixed-size
