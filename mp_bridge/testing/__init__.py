@@ -12,9 +12,11 @@ Three ways to run a functional suite, one code path:
 
 Start methods: ranks are forked on a machine without CUDA (fast: ``torch`` is already
 imported) and started by ``forkserver`` wherever CUDA is (fork after CUDA or after a
-backward pass on a GPU machine kills the child); ``MP_BRIDGE_START_METHOD`` overrides
-(:mod:`mp_bridge.testing.start_method`). The contract that makes every suite run under
-both:
+backward pass on a GPU machine kills the child); ``MP_BRIDGE_START_METHOD`` overrides.
+These four choices (backend, device, start method, torchrun or not) are resolved once per
+world into one frozen :class:`RankSetup` (:func:`rank_setup`,
+:mod:`mp_bridge.testing.rank_setup`), which the launcher hands to every rank. The contract
+that makes every suite run under both:
 
 - a :class:`DistributedWorld` is built at a module's top level and its cases are
   registered at import (decorators at module level): ranks started by forkserver import
@@ -26,21 +28,25 @@ both:
 """
 
 from mp_bridge.testing.collectives import CollectiveCall, CollectiveCounter
-from mp_bridge.testing.launcher import (
-    DistributedError,
+from mp_bridge.testing.launcher import DistributedError, run_distributed
+from mp_bridge.testing.rank_setup import (
+    RankSetup,
     current_device,
     device_under_test,
-    run_distributed,
+    rank_setup,
     under_torchrun,
+    world_backend,
 )
-from mp_bridge.testing.world import DistributedWorld, world_backend
+from mp_bridge.testing.world import DistributedWorld
 
 __all__ = [
     "CollectiveCall",
     "CollectiveCounter",
     "DistributedError",
     "DistributedWorld",
+    "RankSetup",
     "current_device",
+    "rank_setup",
     "run_distributed",
     "device_under_test",
     "under_torchrun",

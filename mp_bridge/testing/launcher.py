@@ -1,11 +1,12 @@
 """``run_distributed``: run a function on N local processes with an initialized world.
 
 Processes start by ``fork`` where that is safe and by ``forkserver`` where CUDA makes
-fork unsafe (the rule: :mod:`mp_bridge.testing.start_method`), rendezvous through a
+fork unsafe (the rule: :mod:`mp_bridge.testing.rank_setup`), rendezvous through a
 ``file://`` store in a fresh temp dir (no ports), and send their return value back
 pickled. Every rank gets the caller's environment as it is at the call (a forkserver
 started earlier would otherwise hand out its own) and, with ``MP_BRIDGE_TEST_DEVICE``
-naming a CUDA device, that device as its current one (:func:`current_device`). Any
+naming a CUDA device, that device as its current one
+(:func:`~mp_bridge.testing.rank_setup.current_device`). Any
 failing rank raises in the caller with that rank's traceback; a rank that hangs or dies
 fails the call within ``timeout_s`` and every child is killed, so no process is left
 behind.
@@ -44,16 +45,10 @@ import torch
 import torch.distributed as dist
 
 from mp_bridge.checks import check_choice, check_int, check_positive_float
+from mp_bridge.testing.rank_setup import START_METHODS, RankSetup, rank_setup
 from mp_bridge.testing.stacks import collect_stacks, culprit, describe, stack_path
-from mp_bridge.testing.start_method import START_METHODS, rank_context
 
-__all__ = [
-    "DistributedError",
-    "current_device",
-    "run_distributed",
-    "device_under_test",
-    "under_torchrun",
-]
+__all__ = ["DistributedError", "launch", "run_distributed"]
 
 DEFAULT_TIMEOUT_S = 300.0
 #: Seconds the parent keeps collecting failures after the first, to find the first cause.
@@ -80,58 +75,12 @@ class DistributedError(RuntimeError):
         self.hanging = hanging
 
 
-def under_torchrun() -> bool:
-    """Whether this process is a worker started by ``torchrun`` (torch elastic).
-
-    The test is ``TORCHELASTIC_RUN_ID`` (what ``torch.distributed.is_torchelastic_launched``
-    checks: torchrun's agent sets it for every worker, nothing else does) plus the ``RANK``
-    and ``WORLD_SIZE`` the callers read. ``RANK``/``WORLD_SIZE`` alone are not enough:
-    :func:`run_distributed` sets them in its forked ranks (megatron reads them) and users
-    set them for ``env://`` initialization, neither of which is a torchrun launch.
-    """
-    return all(k in os.environ for k in ("TORCHELASTIC_RUN_ID", "RANK", "WORLD_SIZE"))
-
-
-def device_under_test() -> torch.device:
-    """The device named by ``MP_BRIDGE_TEST_DEVICE`` (default ``cpu``): ``cuda`` means
-    ``cuda:0``, ``cuda:N`` that GPU. This is the one-GPU mode: every gloo rank of a test
-    world holds its tensors on that one device while gloo carries the collectives."""
-    name = os.environ.get("MP_BRIDGE_TEST_DEVICE", "").strip().lower() or "cpu"
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        device = None
-    if device is None or device.type not in ("cpu", "cuda"):
-        raise ValueError(
-            f"MP_BRIDGE_TEST_DEVICE={name!r} is not a test device; use 'cpu', 'cuda' or "
-            "'cuda:N' (the one-GPU mode: every gloo rank's tensors on that GPU)"
-        )
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", 0)
-    return device
-
-
-def rank_device_type(backend: str) -> str:
-    """The device type a world's ranks compute on: ``"cuda"`` under NCCL, else that of
-    :func:`device_under_test` (what decides the start method)."""
-    return "cuda" if backend == "nccl" else device_under_test().type
-
-
-def current_device() -> torch.device:
-    """The device this rank's tensors belong on: ``cuda:<local rank>`` under NCCL, else
-    :func:`device_under_test` (``MP_BRIDGE_TEST_DEVICE``: CPU by default, or one GPU shared by
-    every gloo rank), under any start method and under torchrun."""
-    if dist.is_initialized() and dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return device_under_test()
-
-
 def _child(
     fn: Callable[..., Any],
     args: tuple,
     rank: int,
     world_size: int,
-    backend: str,
+    setup: RankSetup,
     init_file: str,
     timeout_s: float,
     conn: Any,
@@ -150,12 +99,9 @@ def _child(
     os.environ.update(WORLD_SIZE=str(world_size), RANK=str(rank), LOCAL_RANK=str(rank))
     payload: tuple[str, Any]
     try:
-        if backend == "nccl":
-            torch.cuda.set_device(rank % torch.cuda.device_count())
-        elif device_under_test().type == "cuda":
-            torch.cuda.set_device(device_under_test())
+        setup.bind_device(rank)
         dist.init_process_group(
-            backend,
+            setup.backend,
             init_method=f"file://{init_file}",
             rank=rank,
             world_size=world_size,
@@ -242,22 +188,39 @@ def run_distributed(
     """Run ``fn(*args)`` on ``world_size`` new ranks; return the per-rank results.
 
     Each rank has ``torch.distributed`` initialized (``backend``: ``"gloo"``, its tensors
-    on :func:`current_device`; ``"nccl"`` with rank r on ``cuda:r``). ``start_method``:
-    ``None`` picks by :func:`~mp_bridge.testing.start_method.rank_start_method` (``fork``
-    on a machine without CUDA, else ``forkserver``); under ``forkserver`` / ``spawn``,
-    ``fn`` and ``args`` travel pickled, so ``fn`` must be a module-level function of an
-    importable module. Return values must be picklable. Raises :class:`DistributedError` naming the
-    first failing rank with its traceback, or after ``timeout_s`` seconds naming the ranks
-    that had not finished; all children are killed before it returns or raises.
-    ``should_abort`` is polled while waiting (every ~10 ms); when it returns a message the
-    world is killed and :class:`DistributedError` carries that message.
+    on :func:`~mp_bridge.testing.current_device`; ``"nccl"`` with rank r on ``cuda:r``).
+    ``start_method``: ``None`` picks by the rule of :mod:`~mp_bridge.testing.rank_setup`
+    (``fork`` on a machine without CUDA, else ``forkserver``); under ``forkserver`` /
+    ``spawn``, ``fn`` and ``args`` travel pickled, so ``fn`` must be a module-level function
+    of an importable module. Return values must be picklable. Raises
+    :class:`DistributedError` naming the first failing rank with its traceback, or after
+    ``timeout_s`` seconds naming the ranks that had not finished; all children are killed
+    before it returns or raises. ``should_abort`` is polled while waiting (every ~10 ms);
+    when it returns a message the world is killed and :class:`DistributedError` carries
+    that message.
     """
-    check_int("world_size", world_size, low=1, fix="the number of ranks")
     check_choice("backend", backend, ("gloo", "nccl"))
-    if backend == "nccl" and torch.cuda.device_count() < 1:
+    if start_method is not None:
+        check_choice("start_method", start_method, START_METHODS)
+    setup = rank_setup(backend=backend, start_method=start_method)
+    return launch(setup, fn, world_size, *args, timeout_s=timeout_s, should_abort=should_abort)
+
+
+def launch(
+    setup: RankSetup,
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    should_abort: Callable[[], str | None] | None = None,
+) -> list[Any]:
+    """:func:`run_distributed` on a resolved :class:`~mp_bridge.testing.rank_setup.RankSetup`
+    (a ``DistributedWorld`` passes the one it resolved for the world); every rank gets it."""
+    check_int("world_size", world_size, low=1, fix="the number of ranks")
+    if setup.backend == "nccl" and torch.cuda.device_count() < 1:
         raise ValueError("backend='nccl' needs CUDA devices; use backend='gloo' on CPU")
     timeout_s = check_positive_float("timeout_s", timeout_s, fix="seconds, e.g. timeout_s=60")
-    ctx = _context(fn, backend, start_method)
+    ctx = _context(fn, setup)
     tmpdir = tempfile.mkdtemp(prefix="mp_bridge_rdzv_")
     init_file = os.path.join(tmpdir, "store")
     procs: list[mp.Process] = []
@@ -268,7 +231,7 @@ def run_distributed(
             parent_end, child_end = ctx.Pipe(duplex=False)
             proc = ctx.Process(
                 target=_child,
-                args=(fn, args, rank, world_size, backend, init_file, timeout_s, child_end, env),
+                args=(fn, args, rank, world_size, setup, init_file, timeout_s, child_end, env),
                 daemon=True,
             )
             proc.start()
@@ -283,19 +246,17 @@ def run_distributed(
         shutil.rmtree(tmpdir, ignore_errors=True)
 
 
-def _context(fn: Callable[..., Any], backend: str, start_method: str | None) -> Any:
+def _context(fn: Callable[..., Any], setup: RankSetup) -> Any:
     """The multiprocessing context for this world; under a pickling start method, a ``fn``
     that cannot travel is a ``TypeError`` here rather than a confusing one in ``start``."""
-    if start_method is not None:
-        check_choice("start_method", start_method, START_METHODS)
-    ctx = rank_context(rank_device_type(backend), start_method)
-    if ctx.get_start_method() != "fork":
+    ctx = setup.context()
+    if setup.start_method != "fork":
         try:
             pickle.dumps(fn)
         except Exception as exc:  # noqa: BLE001 - any pickling failure means the same fix
             raise TypeError(
                 f"fn={fn!r} cannot be pickled ({exc}), and ranks started by "
-                f"{ctx.get_start_method()!r} receive it pickled; pass a module-level "
+                f"{setup.start_method!r} receive it pickled; pass a module-level "
                 "function of an importable module (or MP_BRIDGE_START_METHOD=fork on a "
                 "machine without CUDA)"
             ) from exc

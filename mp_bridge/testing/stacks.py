@@ -18,8 +18,9 @@ import time
 __all__ = ["Stack", "collect_stacks", "stack_path"]
 
 _FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+) in (?P<fn>\S+)')
-# Test-kit frames where a rank that finished its work waits for its peers.
-_WAITING = ("_meet_after", "_child")
+# Test-kit frames where a rank that finished its work waits for its peers
+# (world_runner._Meeting.meet_after, launcher._child).
+_WAITING = ("meet_after", "_child")
 
 
 def stack_path(init_file: str, rank: int) -> str:

@@ -31,60 +31,35 @@ outcomes; each test then reports its own case. Per case:
   the remaining cases, so a rank that failed before a collective cannot misalign the
   collectives of later cases.
 
-Backend: ``MP_BRIDGE_BACKEND`` (default ``gloo``). Under ``torchrun`` the cases run in
-the launched processes themselves, and a world of another size than the launched one is
-skipped with its reason, e.g. on 8 GPUs::
+Where the ranks run (backend: ``MP_BRIDGE_BACKEND``, default ``gloo``; device; start
+method; torchrun or not) is one :class:`~mp_bridge.testing.rank_setup.RankSetup`, resolved
+when a world size first runs and used for every world started for it. Under ``torchrun``
+the cases run in the launched processes themselves, and a world of another size than the
+launched one is skipped with its reason, e.g. on 8 GPUs::
 
     MP_BRIDGE_BACKEND=nccl torchrun --nproc-per-node 8 -m pytest tests/functional
 
-Start methods (``start_method``): under fork the ranks inherit the world; under forkserver /
-spawn it travels as a reference to the module that built it (``world_registry``).
+This module is the pytest face (registration, one test per case, outcomes as pytest
+results); :mod:`~mp_bridge.testing.world_runner` runs the cases. Under fork the ranks
+inherit the world; under forkserver / spawn it travels as a reference to the module that
+built it (:mod:`~mp_bridge.testing.world_registry`).
 """
 
 from __future__ import annotations
 
-import datetime
 import functools
-import os
-import pickle
 import sys
-import time
-import traceback
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-import torch
-import torch.distributed as dist
-
 from mp_bridge.checks import check_int, check_positive_float
-from mp_bridge.testing.case_progress import CaseProgress, Outcome
-from mp_bridge.testing.launcher import (
-    DEFAULT_TIMEOUT_S,
-    DistributedError,
-    device_under_test,
-    failure_severity,
-    rank_device_type,
-    run_distributed,
-    under_torchrun,
-)
-from mp_bridge.testing.start_method import rank_context
+from mp_bridge.testing.case_progress import Outcome
+from mp_bridge.testing.launcher import DEFAULT_TIMEOUT_S, DistributedError, failure_severity
+from mp_bridge.testing.rank_setup import rank_setup
 from mp_bridge.testing.world_registry import find_world, module_reference
+from mp_bridge.testing.world_runner import run_in_process, run_started
 
-__all__ = ["DistributedWorld", "world_backend"]
-
-
-def _run_world_cases(world: DistributedWorld, size: int, todo: list[str], queue, meet):
-    """The function every rank of a world runs (module level, so it pickles)."""
-    world._queue, world._meet = queue, meet
-    return world._run_cases(size, todo)
-
-
-def world_backend() -> str:
-    """The backend tests use: ``MP_BRIDGE_BACKEND`` (``gloo`` or ``nccl``), default gloo."""
-    backend = os.environ.get("MP_BRIDGE_BACKEND", "gloo").lower()
-    if backend not in ("gloo", "nccl"):
-        raise ValueError(f"MP_BRIDGE_BACKEND={backend!r}; use 'gloo' or 'nccl'")
-    return backend
+__all__ = ["DistributedWorld"]
 
 
 def _check_size(size: Any, name: str) -> int:
@@ -118,8 +93,6 @@ class DistributedWorld:
         self._size_of: dict[str, int] = {}
         self._outcomes: dict[int, dict[str, list[Outcome]]] = {}
         self._failure: dict[int, BaseException] = {}
-        self._queue: Any = None
-        self._meet: Any = None
         # Built on import: ranks started by forkserver/spawn find it by this reference.
         self._ref = module_reference(self, sys._getframe(1))
 
@@ -136,6 +109,10 @@ class DistributedWorld:
     def sizes(self) -> tuple[int, ...]:
         """The world sizes that have registered cases, in registration order."""
         return tuple(self._cases)
+
+    def cases_at(self, size: int) -> dict[str, Callable[[], Any]]:
+        """The cases registered at world size ``size``: name -> function, in order."""
+        return dict(self._cases[size])
 
     def case(self, fn: Callable[[], Any] | None = None, *, world_size: int | None = None) -> Any:
         """Register ``fn`` (no arguments) to run on every rank; return a pytest test.
@@ -234,167 +211,31 @@ class DistributedWorld:
 
     # ----------------------------------------------------------------- running
     def _run(self, size: int) -> dict[str, list[Outcome]]:
+        """Every case of ``size``, run once on one set-up resolved for this world."""
         if size in self._failure:
             raise DistributedError(
                 f"the shared {size}-rank world failed earlier: {self._failure[size]}"
             )
-        if under_torchrun() and int(os.environ["WORLD_SIZE"]) != size:
-            import pytest
-
-            pytest.skip(f"needs {size} ranks, torchrun launched {os.environ['WORLD_SIZE']}")
         if size not in self._outcomes:
+            setup = rank_setup()
+            if setup.under_torchrun and setup.torchrun_world != size:
+                import pytest
+
+                pytest.skip(f"needs {size} ranks, torchrun launched {setup.torchrun_world}")
             try:
-                if under_torchrun():
-                    self._outcomes[size] = self._run_in_process(size)
+                if setup.under_torchrun:
+                    self._outcomes[size] = run_in_process(
+                        self, size, setup, timeout_s=self.timeout_s
+                    )
                 else:
-                    self._outcomes[size] = self._run_forked(size)
+                    self._outcomes[size] = run_started(
+                        self,
+                        size,
+                        setup,
+                        timeout_s=self.timeout_s,
+                        abort_grace_s=self.abort_grace_s,
+                    )
             except BaseException as exc:
                 self._failure[size] = exc
                 raise
         return self._outcomes[size]
-
-    def _run_forked(self, size: int) -> dict[str, list[Outcome]]:
-        """Run every case of ``size``; after a failed case, a new world runs the rest.
-
-        A rank that failed a case may have skipped collectives its peers are waiting in
-        (or would pair with the next case's): so the ranks meet after every case, and
-        a failed case ends the world; the cases after it run in a fresh one. Each world
-        runs at least one case, so at most one world per case is started.
-        """
-        names = [name for name, _ in self._cases[size]]
-        out: dict[str, list[Outcome]] = {}
-        while len(out) < len(names):
-            todo = [n for n in names if n not in out]
-            ended = self._run_world(size, todo)
-            if not ended:  # cannot happen (a world ends its first case), but never loop
-                raise DistributedError(f"a {size}-rank world ended none of {todo}")
-            out.update(ended)
-        return out
-
-    def _run_world(self, size: int, todo: list[str]) -> dict[str, list[Outcome]]:
-        """Run the cases ``todo`` in one world; outcomes of those that ended (>= 1)."""
-        ctx = rank_context(rank_device_type(world_backend()))
-        # A SimpleQueue writes synchronously (no feeder thread), so nothing is lost when a
-        # rank exits right after reporting.
-        self._queue = ctx.SimpleQueue()
-        self._meet = ctx.Array("i", 2 * len(todo))  # per case: ranks ended, ranks failed
-        progress = CaseProgress(self._queue, size, self.abort_grace_s)
-        try:
-            per_rank = run_distributed(
-                _run_world_cases,
-                size,
-                self,
-                size,
-                todo,
-                self._queue,
-                self._meet,
-                backend=world_backend(),
-                timeout_s=self.timeout_s,
-                should_abort=progress.abort_reason,
-                start_method=ctx.get_start_method(),
-            )
-        except DistributedError as exc:
-            progress.drain()
-            return self._partial_outcomes(size, todo, progress, exc)
-        finally:
-            self._queue = self._meet = None
-        out = {}
-        for name in todo:
-            if all(name in rank_result for rank_result in per_rank):
-                out[name] = [rank_result[name] for rank_result in per_rank]
-        return out
-
-    def _partial_outcomes(
-        self, size: int, todo: list[str], progress: CaseProgress, exc: DistributedError
-    ) -> dict[str, list[Outcome]]:
-        """After a world was stopped: the cases that ended as reported, then the case it
-        stopped in (the dead or failing rank named, the stuck ranks with ``exc``)."""
-        out: dict[str, list[Outcome]] = {}
-        for name in todo:
-            reports = progress.done.get(name, {})
-            if len(reports) == size:
-                out[name] = [reports[r] for r in range(size)]
-                continue
-            started = name in progress.started.values() or bool(reports)
-            if not started and out == {} and not progress.started:
-                started = True  # the world never reached a case: report it on the first
-            if not started:
-                break
-            dead = exc.rank
-            outcomes: list[Outcome] = []
-            for r in range(size):
-                if r in reports:
-                    outcomes.append(reports[r])
-                elif r == dead and exc.hanging:
-                    outcomes.append(("hung", str(exc)))
-                elif r == dead:
-                    outcomes.append(("died", f"rank {r} during case {name!r}: {exc}"))
-                else:
-                    outcomes.append(("not_run", str(exc)))
-            out[name] = outcomes
-            break
-        return out
-
-    def _run_cases(self, size: int, todo: list[str]) -> dict[str, Outcome]:
-        import pytest
-
-        results: dict[str, Outcome] = {}
-        rank = dist.get_rank() if dist.is_initialized() else 0
-        cases = dict(self._cases[size])
-        for i, name in enumerate(todo):
-            self._report(rank, name, "start", "")
-            torch.manual_seed(1234)
-            try:
-                results[name] = ("ok", cases[name]())
-            except pytest.skip.Exception as skip:
-                results[name] = ("skip", str(skip.msg))
-            except Exception:  # noqa: BLE001 - reported per case
-                results[name] = ("error", traceback.format_exc())
-            self._report(rank, name, *results[name])
-            failed = results[name][0] == "error"
-            if self._meet is not None and self._meet_after(i, size, failed):
-                break  # a rank failed this case: the remaining cases run in a new world
-        return results
-
-    def _report(self, rank: int, name: str, status: str, value: Any) -> None:
-        """Stream a case's outcome to the parent (a result only when it pickles on CPU)."""
-        if self._queue is None:
-            return
-        try:
-            blob = pickle.dumps(value) if status == "ok" else value
-            if status == "ok" and isinstance(value, torch.Tensor) and value.device.type != "cpu":
-                blob = pickle.dumps(None)
-        except Exception:  # noqa: BLE001 - the result comes back with the world's, if it ends
-            blob = pickle.dumps(None)
-        self._queue.put((rank, name, status, blob))
-
-    def _meet_after(self, i: int, size: int, failed: bool) -> bool:
-        """Wait until every rank ended case ``i``; True when one of them failed it."""
-        with self._meet.get_lock():
-            self._meet[2 * i] += 1
-            self._meet[2 * i + 1] += int(failed)
-        while self._meet[2 * i] < size:  # a rank stuck in the case: the parent stops us
-            time.sleep(0.001)
-        return self._meet[2 * i + 1] > 0
-
-    def _run_in_process(self, size: int) -> dict[str, list[Outcome]]:
-
-        world = int(os.environ["WORLD_SIZE"])
-        if not dist.is_initialized():
-            backend = world_backend()
-            if backend == "nccl":
-                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-            elif device_under_test().type == "cuda":  # the one-GPU mode under torchrun
-                torch.cuda.set_device(device_under_test())
-            dist.init_process_group(backend, timeout=datetime.timedelta(seconds=self.timeout_s))
-        mine = self._run_cases(size, [name for name, _ in self._cases[size]])
-        gathered: list[dict[str, Outcome] | None] = [None] * world
-        # Only statuses travel: results may hold device tensors.
-        statuses = {n: (s, v if s != "ok" else None) for n, (s, v) in mine.items()}
-        dist.all_gather_object(gathered, statuses)
-        out = {}
-        for name, _ in self._cases[size]:
-            per_rank = [g[name] for g in gathered]  # type: ignore[index]
-            per_rank[dist.get_rank()] = mine[name]
-            out[name] = per_rank
-        return out

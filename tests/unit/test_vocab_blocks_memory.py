@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from mp_bridge.layers import fused_linear_cross_entropy
-from mp_bridge.testing.start_method import rank_context
+from mp_bridge.testing import rank_setup
 
 N, H, V = 4096, 64, 8192
 LOGITS_BYTES = N * V * 4  # 128 MiB of fp32 logits
@@ -65,7 +65,7 @@ def _measure(kind: str, conn) -> None:
 
 
 def _peak_extra(kind: str) -> int:
-    ctx = rank_context()  # fork on a CPU machine; forkserver where CUDA makes fork unsafe
+    ctx = rank_setup().context()  # fork on a CPU machine; forkserver where CUDA is
     parent, child = ctx.Pipe(duplex=False)
     proc = ctx.Process(target=_measure, args=(kind, child))
     proc.start()

@@ -1,4 +1,5 @@
-"""The rank start-method rule, the test device, and torchrun's size skip (no process group)."""
+"""The rank set-up (backend, device, start method, torchrun), the test device, and
+torchrun's size skip (no process group)."""
 
 from __future__ import annotations
 
@@ -7,8 +8,8 @@ import pickle
 import pytest
 import torch
 
-from mp_bridge.testing import DistributedWorld, current_device, device_under_test
-from mp_bridge.testing.start_method import choose_start_method, rank_start_method
+from mp_bridge.testing import DistributedWorld, current_device, device_under_test, rank_setup
+from mp_bridge.testing.rank_setup import choose_start_method, resolve_setup
 
 # (override, rank device, CUDA initialized here, CUDA available) -> method
 RULE = [
@@ -42,13 +43,76 @@ def test_bad_override_names_the_variable_and_the_choices():
         )
 
 
+def _resolve(env, **kw):
+    return resolve_setup(env, cuda_initialized=False, cuda_available=False, **kw)
+
+
+def test_the_default_setup_is_cpu_gloo_fork_outside_torchrun():
+    setup = _resolve({})
+    assert (setup.backend, setup.device, setup.start_method) == (
+        "gloo",
+        torch.device("cpu"),
+        "fork",
+    )
+    assert (setup.torchrun_world, setup.local_rank, setup.under_torchrun) == (None, 0, False)
+    assert setup.device_type == "cpu"
+
+
+def test_the_setup_reads_the_four_variables():
+    env = {
+        "MP_BRIDGE_BACKEND": "NCCL",
+        "MP_BRIDGE_TEST_DEVICE": "cuda:1",
+        "MP_BRIDGE_START_METHOD": "spawn",
+        "TORCHELASTIC_RUN_ID": "7",
+        "RANK": "5",
+        "WORLD_SIZE": "8",
+        "LOCAL_RANK": "5",
+    }
+    setup = _resolve(env)
+    assert (setup.backend, setup.device, setup.start_method) == (
+        "nccl",
+        torch.device("cuda", 1),
+        "spawn",
+    )
+    assert (setup.torchrun_world, setup.local_rank, setup.under_torchrun) == (8, 5, True)
+    assert setup.device_type == "cuda"
+    # without the override: NCCL ranks compute on CUDA, so no fork
+    del env["MP_BRIDGE_START_METHOD"]
+    assert _resolve(env).start_method == "forkserver"
+    # RANK / WORLD_SIZE without torchrun's run id (run_distributed's own ranks): not torchrun
+    del env["TORCHELASTIC_RUN_ID"]
+    assert (_resolve(env).torchrun_world, _resolve(env).local_rank) == (None, 0)
+
+
+def test_a_callers_choice_wins_over_the_variables():
+    env = {"MP_BRIDGE_BACKEND": "nccl", "MP_BRIDGE_START_METHOD": "spawn"}
+    setup = _resolve(env, backend="gloo", start_method="fork")
+    assert (setup.backend, setup.start_method, setup.device_type) == ("gloo", "fork", "cpu")
+
+
+def test_the_setup_names_a_bad_variable():
+    with pytest.raises(ValueError, match=r"MP_BRIDGE_BACKEND='mpi'; use 'gloo' or 'nccl'"):
+        _resolve({"MP_BRIDGE_BACKEND": "mpi"})
+    with pytest.raises(ValueError, match=r"MP_BRIDGE_TEST_DEVICE='gpu' is not a test device"):
+        _resolve({"MP_BRIDGE_TEST_DEVICE": "gpu"})
+
+
+def test_the_setup_is_frozen_and_travels():
+    setup = _resolve({"MP_BRIDGE_TEST_DEVICE": "cuda"})
+    with pytest.raises(AttributeError):
+        setup.backend = "nccl"
+    assert pickle.loads(pickle.dumps(setup)) == setup
+
+
 def test_this_machine(monkeypatch):
     monkeypatch.delenv("MP_BRIDGE_START_METHOD", raising=False)
+    monkeypatch.delenv("MP_BRIDGE_TEST_DEVICE", raising=False)
     want = "forkserver" if torch.cuda.is_available() else "fork"
-    assert rank_start_method() == want
-    assert rank_start_method("cuda") == "forkserver"
+    assert rank_setup().start_method == want
+    assert rank_setup(backend="nccl").start_method == "forkserver"
+    assert rank_setup().context().get_start_method() == want
     monkeypatch.setenv("MP_BRIDGE_START_METHOD", "spawn")
-    assert rank_start_method() == "spawn"
+    assert rank_setup().start_method == "spawn"
 
 
 @pytest.mark.parametrize(
