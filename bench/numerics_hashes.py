@@ -129,6 +129,7 @@ REFERENCE = pathlib.Path(__file__).with_name("numerics_hashes.txt")
 
 def main() -> None:
     lines = [f"tp={tp} {line}" for tp in (1, 2, 4) for line in run_distributed(_rank_hashes, tp)[0]]
+    lines += mimo_step_lines()
     print("\n".join(lines))
     if "--check" in sys.argv[1:]:
         want = REFERENCE.read_text().splitlines()
@@ -137,6 +138,103 @@ def main() -> None:
             print(f"differs from {REFERENCE.name}:\n" + "\n".join(moved))
             sys.exit(1)
         print(f"identical to {REFERENCE.name}")
+
+
+# ---------------------------------------------------------------- colocated MIMO step
+#: ``(name, world, encoder sizes, LLM sizes, build options, batch)`` of each hashed MIMO
+#: step: the gather and routed flows on a FAN_IN bridge with CP and SP, balanced encoders,
+#: the pipelined LLM (PP 2, two microbatches) in both flows, packed text, uniform images,
+#: and one process (``LocalBridge``). ``batch``: ``synthetic_batch`` keywords (4 samples).
+RAGGED = dict(images_per_sample=(0, 3))
+PACKED = dict(images_per_sample=(0, 2), doc_lengths=(14, 9, 16, 11))
+UNIFORM: dict = {}
+ENC_TP2 = dict(tp=2, dp=2)  # encoder layouts
+ENC_DP4 = dict(tp=1, dp=4)
+TP_CP = dict(tp=2, cp=2)  # LLM layouts
+CP_DP = dict(cp=2, dp=2)
+TP_PP = dict(tp=2, pp=2)
+CP_PP = dict(cp=2, pp=2)
+GATHER, ROUTED = dict(flow="gather"), dict(flow="routed")
+GATHER_M2, ROUTED_M2 = dict(flow="gather", microbatches=2), dict(flow="routed", microbatches=2)
+MIMO_CASES = (
+    ("gather", 4, ENC_TP2, TP_CP, GATHER, RAGGED),
+    ("routed sp", 4, ENC_TP2, TP_CP, dict(ROUTED, sequence_parallel=True), RAGGED),
+    ("routed uniform", 4, ENC_TP2, TP_CP, ROUTED, UNIFORM),
+    ("gather packed", 4, ENC_TP2, TP_CP, GATHER, PACKED),
+    ("routed balance", 4, ENC_DP4, CP_DP, dict(ROUTED, balance=True), RAGGED),
+    ("gather balance", 4, ENC_DP4, CP_DP, dict(GATHER, balance=True), RAGGED),
+    ("gather pp", 4, ENC_TP2, TP_PP, GATHER_M2, RAGGED),
+    ("routed pp", 4, ENC_TP2, CP_PP, ROUTED_M2, RAGGED),
+    ("routed pp uniform", 4, ENC_TP2, CP_PP, ROUTED_M2, UNIFORM),
+    ("gather pp packed", 4, ENC_TP2, TP_PP, GATHER_M2, PACKED),
+    ("routed pp packed", 4, ENC_TP2, CP_PP, ROUTED_M2, PACKED),
+    ("local gather", 1, None, None, GATHER, RAGGED),
+    ("local routed", 1, None, None, ROUTED, RAGGED),
+    ("local routed uniform", 1, None, None, ROUTED, UNIFORM),
+)
+
+
+def _mimo_step_digest(case: str) -> str:
+    """One colocated MIMO training step on this rank: ``train_step`` (ragged images, the
+    encoder input a leaf), ``sync_gradients``, one Adam step; the digest of the loss, the
+    encoder input gradient, every synced parameter gradient and every weight after the
+    step (this rank's shards, sorted by name)."""
+    from mp_bridge.grid import GridLayout, make_grid
+    from mp_bridge.models import (
+        ColocatedMimoModel,
+        MimoConfig,
+        MimoGroups,
+        ReferenceMimo,
+        build_colocated_mimo,
+        destroy_colocated_mimo,
+        synthetic_batch,
+    )
+    from mp_bridge.models.data.images import RaggedImages
+
+    _, _, enc, llm, options, kind = next(c for c in MIMO_CASES if c[0] == case)
+    cfg = MimoConfig()
+    torch.manual_seed(0)
+    reference = ReferenceMimo(cfg)
+    batch = synthetic_batch(cfg, 4, seed=7, **kind)
+    if enc is None:
+        model = ColocatedMimoModel.from_groups(reference, MimoGroups.local(), **options)
+        images, text, grids = batch.images, batch, ()
+    else:
+        grids = (
+            make_grid(**enc, create=("tp", "dp")),
+            make_grid(**llm, create=("tp", "cp", "dp", ("dp", "cp"), *(("pp",) * ("pp" in llm)))),
+        )
+        model = build_colocated_mimo(reference, *grids, **options)
+        rank = dist.get_rank()
+        enc_dp, llm_dp = (GridLayout.from_grid(g).coords(rank)["dp"] for g in grids)
+        images = batch.encoder_shard(enc_dp, enc.get("dp", 1))
+        text = batch.llm_shard(llm_dp, llm.get("dp", 1))
+    ragged = isinstance(images, RaggedImages)
+    x = (images.tokens if ragged else images).clone().requires_grad_(True)
+    optim = torch.optim.Adam(model.parameters(), lr=1e-2)
+    loss = model.train_step(
+        text.input_ids, text.labels, text.loss_mask, images.with_tokens(x) if ragged else x,
+        cu_seqlens=text.cu_seqlens,
+    )  # fmt: skip
+    model.sync_gradients()
+    params = sorted(model.named_parameters())
+    grads = [torch.zeros_like(p) if p.grad is None else p.grad for _, p in params]
+    optim.step()
+    digest = _digest(loss, x.grad, *grads, *(p for _, p in params))
+    if grids:
+        destroy_colocated_mimo(model, *grids)
+    return digest
+
+
+def mimo_step_lines() -> list[str]:
+    """``mimo <case> <digest>`` per case of :data:`MIMO_CASES`: every rank's digest, in
+    rank order, hashed together."""
+    out = []
+    for case, world, *_ in MIMO_CASES:
+        ranks = run_distributed(_mimo_step_digest, world, case)
+        whole = hashlib.sha256("".join(ranks).encode()).hexdigest()[:16]
+        out.append(f"mimo {case:<21}{whole}")
+    return out
 
 
 if __name__ == "__main__":

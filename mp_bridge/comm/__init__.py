@@ -15,11 +15,13 @@ from mp_bridge.checks import (
     fingerprint,
     run_checked,
 )
+from mp_bridge.comm.bridge.bridge_protocol import Bridge
 from mp_bridge.comm.bridge.execution.balancer import ImageBalancer
 from mp_bridge.comm.bridge.execution.bridge_groups import BridgeGroups, make_bridge_groups
 from mp_bridge.comm.bridge.execution.communicator import ColocatedBridgeCommunicator
 from mp_bridge.comm.bridge.execution.ragged import exchange_rows
 from mp_bridge.comm.bridge.execution.sample_counts import check_sample_counts
+from mp_bridge.comm.bridge.local_bridge import LocalBridge
 from mp_bridge.comm.bridge.plans.balance_plan import BalancePlan, plan_balance
 from mp_bridge.comm.bridge.plans.bridge_plan import BridgePlan, plan_bridge
 from mp_bridge.comm.bridge.plans.count_rows import CountRow
@@ -83,6 +85,8 @@ __all__ = [
     "BridgePlan",
     "BridgeDirection",
     "ColocatedBridgeCommunicator",
+    "Bridge",
+    "LocalBridge",
     "BridgeGroups",
     "make_bridge_groups",
     "RaggedRoute",

@@ -5,10 +5,13 @@
   grid layouts with no process group.
 - :mod:`~mp_bridge.comm.bridge.execution`: the communicator that runs them with process
   groups and autograd-aware collectives, the image balancer, and the count check.
+- :class:`Bridge` (:mod:`.bridge_protocol`): what a model asks of a bridge; the
+  communicator and :class:`LocalBridge` (:mod:`.local_bridge`, one process) are its two.
 
 Every name is re-exported here (and the public ones again from :mod:`mp_bridge.comm`).
 """
 
+from .bridge_protocol import Bridge
 from .execution import (
     BridgeGroups,
     ColocatedBridgeCommunicator,
@@ -23,6 +26,7 @@ from .execution import (
     parse_route,
     run_route,
 )
+from .local_bridge import LocalBridge
 from .plans import (
     ROW_SIZE,
     BalancePlan,
@@ -53,6 +57,8 @@ from .plans import (
 )
 
 __all__ = [
+    "Bridge",
+    "LocalBridge",
     "BalancePlan",
     "ImageBalancer",
     "plan_balance",
