@@ -23,12 +23,12 @@ from mp_bridge.comm.bridge.execution.sample_counts import check_sample_counts
 from mp_bridge.comm.bridge.plans.balance_plan import BalancePlan, plan_balance
 from mp_bridge.comm.bridge.plans.bridge_plan import BridgePlan, plan_bridge
 from mp_bridge.comm.bridge.plans.count_rows import CountRow
-from mp_bridge.comm.bridge.plans.dense_plan import format_rank_table
 from mp_bridge.comm.bridge.plans.layouts import BridgeDirection
+from mp_bridge.comm.bridge.plans.plan_cache import PlanCache, RouteCache
+from mp_bridge.comm.bridge.plans.plan_groups import format_rank_table
 from mp_bridge.comm.bridge.plans.ragged_plan import RaggedRoute, route_ragged
 from mp_bridge.comm.bridge.plans.route_plan import (
     RankRoute,
-    RouteCache,
     image_token_shards,
     plan_route,
     route_groups,
@@ -93,6 +93,7 @@ __all__ = [
     "plan_route",
     "route_groups",
     "route_needs",
+    "PlanCache",
     "RouteCache",
     "ImageBalancer",
     "BalancePlan",

@@ -14,7 +14,7 @@ One rank's :meth:`ImageBalancer.balance` (the plan is :mod:`.balance_plan`):
    dtype), make every rank raise the same ``ValueError`` (the spec case through
    :func:`mp_bridge.checks.agree`, which names the field, ranks and values).
 3. :func:`plan_balance` on the gathered counts: identical on every rank, cached
-   (:class:`RouteCache`, keyed by the counts and costs).
+   (:class:`PlanCache`, keyed by the counts and costs).
 4. **One** ``all_to_all_single`` over ``dp_group`` (the encoder DP group of this TP rank,
    group rank = replica index): each image's ``[t, *rest]`` rows go from their replica to
    the one that encodes them, TP rank ``t`` to TP rank ``t``, so the TP peers of a
@@ -49,9 +49,10 @@ from mp_bridge.checks import (
     check_tensor,
     fingerprint,
 )
+from mp_bridge.comm.bridge.execution.headers import gather_headers
 from mp_bridge.comm.bridge.plans.balance_plan import BalancePlan, image_costs, plan_balance
-from mp_bridge.comm.bridge.plans.route_plan import RouteCache
-from mp_bridge.comm.collectives.primitives import all_gather_tensor, group_rank, group_size
+from mp_bridge.comm.bridge.plans.plan_cache import PlanCache
+from mp_bridge.comm.collectives.primitives import group_rank, group_size
 
 __all__ = ["BalanceSpec", "ImageBalancer", "RestoreSpec", "move_images", "return_images"]
 
@@ -136,11 +137,6 @@ def _padded(values: torch.Tensor, width: int) -> list[int]:
     return out + [-1] * (width - len(out))
 
 
-def _gather(row: list[int], group, device) -> list[list[int]]:
-    local = torch.tensor([row], dtype=torch.int64, device=device)
-    return all_gather_tensor(local, group, 0).cpu().tolist()
-
-
 def _mismatch(rows: list[list[int]], cap: int) -> str | None:
     """The first replica whose TP ranks passed different counts, as a sentence."""
     by_replica: dict[int, list[list[int]]] = {}
@@ -180,7 +176,7 @@ def gather_counts(
     """Every replica's token counts (and, with ``costs``, the ``[N]`` replica-major costs),
     checked on every rank of ``group`` (steps 2 of the module docstring)."""
     rank = dist.get_rank() if dist.is_initialized() else 0
-    rows = _gather(count_row(rank, replica, counts, costs, spec), group, device)
+    rows = gather_headers(count_row(rank, replica, counts, costs, spec), group, device=device)
     if len({r[5] for r in rows}) > 1:
         agree(_WHERE, group, spec, device=device, always=True)
         raise ValueError(f"{_WHERE}: the ranks' balance specs differ; {spec.fields()}")
@@ -197,7 +193,7 @@ def gather_counts(
     if widest > spec.cap:  # the rows hold the first cap counts only: fetch the rest
         c = torch.tensor(counts, dtype=torch.int64)
         full = _padded(c, widest) + (_padded(costs.view(torch.int64), widest) if measured else [])
-        rep = {r[1]: r[:n] + f for r, f in zip(rows, _gather(full, group, device))}
+        rep = {r[1]: r[:n] + f for r, f in zip(rows, gather_headers(full, group, device=device))}
     width = max(widest, spec.cap)
     tokens = tuple(tuple(rep[d][n : n + rep[d][2]]) for d in range(replicas))
     if not measured:
@@ -301,7 +297,7 @@ class ImageBalancer:
         if cost is not None and not callable(cost):
             raise TypeError(f"cost must be None or a callable on token counts, got {cost!r}")
         self.cost, self.cap = cost, check_int("cap", cap, low=1)
-        self.cache = RouteCache(check_int("cache_size", cache_size, low=1))
+        self.cache = PlanCache(check_int("cache_size", cache_size, low=1))
         self.replica, self.replicas = group_rank(dp_group), group_size(dp_group)
 
     def spec(self, x: torch.Tensor) -> BalanceSpec:

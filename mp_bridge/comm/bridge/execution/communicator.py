@@ -40,7 +40,7 @@ from mp_bridge.comm.bridge.execution.stage import deliver_rows, ragged_dest_coun
 from mp_bridge.comm.bridge.plans.balance_plan import BalancePlan
 from mp_bridge.comm.bridge.plans.bridge_plan import BridgePlan, plan_bridge
 from mp_bridge.comm.bridge.plans.layouts import BridgeDirection
-from mp_bridge.comm.bridge.plans.route_plan import RouteCache
+from mp_bridge.comm.bridge.plans.plan_cache import PlanCache
 from mp_bridge.comm.bridge.plans.stage_plan import StageDelivery, plan_stage_delivery
 from mp_bridge.comm.bridge.plans.token_counts import check_tokens_per_sample
 from mp_bridge.comm.sequence.padding import PaddedLayout
@@ -125,7 +125,7 @@ class ColocatedBridgeCommunicator:
             )
         self._rank = dist.get_rank()
         self.src_grid, self.dest_grid = src_grid, dest_grid
-        self._route_cache = RouteCache(maxsize=8)
+        self._route_cache = PlanCache(maxsize=8)
         self._destroyed = False
         spec = CommunicatorSpec(
             layout_key(src), layout_key(dest), tuple(sorted(self._dim_mapping.items()))

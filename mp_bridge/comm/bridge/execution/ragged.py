@@ -42,15 +42,11 @@ import torch
 import torch.distributed as dist
 
 from mp_bridge.checks import FrozenSpec, agree, agreed
+from mp_bridge.comm.bridge.execution.headers import differing_field, gather_headers, show_field
 from mp_bridge.comm.bridge.plans.bridge_plan import BridgePlan
 from mp_bridge.comm.bridge.plans.layouts import BridgeDirection
 from mp_bridge.comm.bridge.plans.ragged_plan import check_member_headers, ragged_route_of
-from mp_bridge.comm.collectives.primitives import (
-    all_gather_tensor,
-    copy_to_group,
-    group_rank,
-    group_size,
-)
+from mp_bridge.comm.collectives.primitives import copy_to_group, group_rank, group_size
 
 __all__ = ["bridge_ragged", "exchange_rows"]
 
@@ -141,16 +137,12 @@ def _as_bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 def _exchange_headers(
-    x: torch.Tensor, n_samples: int, group: dist.ProcessGroup | None, k: int
+    x: torch.Tensor, n_samples: int, group: dist.ProcessGroup | None
 ) -> list[list[int]]:
-    """All-gather one fixed-size int64 header per member (``HEADER_FIELDS``; the row code
-    is a CRC of the row shape and dtype, so the header is the call's whole agreement)."""
-    header = torch.tensor(
-        [n_samples, x.shape[0], math.prod(x.shape[1:]), _row_code(x)],
-        dtype=torch.int64,
-        device=x.device,
-    )
-    return all_gather_tensor(header, group, 0).reshape(k, len(HEADER_FIELDS)).tolist()
+    """One fixed-size int64 header per member (``HEADER_FIELDS``; the row code is a CRC
+    of the row shape and dtype, so the header is the call's whole agreement)."""
+    header = [n_samples, x.shape[0], math.prod(x.shape[1:]), _row_code(x)]
+    return gather_headers(header, group, device=x.device)
 
 
 def _row_code(x: torch.Tensor) -> int:
@@ -158,12 +150,11 @@ def _row_code(x: torch.Tensor) -> int:
 
 
 def _check_rows(members: Sequence[int], headers: list[list[int]]) -> None:
-    if len({h[2] for h in headers}) > 1:
-        what = "sizes"
-        per_rank = ", ".join(f"rank {r}: {h[2]} elements" for r, h in zip(members, headers))
-    elif len({h[3] for h in headers}) > 1:
-        what = "shapes or dtypes"
-        per_rank = ", ".join(f"rank {r}: code {h[3]:#x}" for r, h in zip(members, headers))
+    what = differing_field(headers, {"sizes": 2, "shapes or dtypes": 3})
+    if what == "sizes":
+        per_rank = show_field(members, headers, 2, lambda n: f"{n} elements")
+    elif what is not None:
+        per_rank = show_field(members, headers, 3, lambda c: f"code {c:#x}")
     else:
         return
     raise ValueError(
@@ -230,7 +221,7 @@ def bridge_ragged(
     k, slot, direction = plan.scale, plan.slot_of(rank), plan.direction
     if direction is BridgeDirection.FAN_IN:
         members = plan.gather_group_of(rank)
-        headers = _exchange_headers(x, len(counts), gather_group, k)
+        headers = _exchange_headers(x, len(counts), gather_group)
         # The header is the call's one agreement: every member sees the same headers, so
         # every member raises the same error; after it nothing is checked again.
         check_member_headers(members, [h[0] for h in headers])

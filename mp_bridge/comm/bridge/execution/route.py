@@ -28,7 +28,7 @@ One rank's step (the plan is :mod:`mp_bridge.comm.bridge.plans.route_plan`):
    (it fans each gradient out to every encoder TP replica).
 
 The plan depends only on each member's token total, the shard ids of the LLM batches and
-the SP pieces: the communicator keeps the last 8 plans (:class:`RouteCache`), so steps
+the SP pieces: the communicator keeps the last 8 plans (:class:`PlanCache`), so steps
 with a repeated layout skip planning.
 """
 
@@ -44,9 +44,9 @@ from mp_bridge.checks import forbid_double_backward
 from mp_bridge.comm.bridge.execution.sample_counts import check_sample_counts
 from mp_bridge.comm.bridge.plans.bridge_plan import BridgePlan
 from mp_bridge.comm.bridge.plans.layouts import BridgeDirection
+from mp_bridge.comm.bridge.plans.plan_cache import PlanCache
 from mp_bridge.comm.bridge.plans.route_plan import (
     RankRoute,
-    RouteCache,
     image_token_shards,
     plan_route,
     route_needs,
@@ -236,7 +236,7 @@ def run_route(
     group: dist.ProcessGroup | None,
     members: tuple[int, ...],
     world_group: dist.ProcessGroup | None,
-    cache: RouteCache | None = None,
+    cache: PlanCache | None = None,
 ) -> torch.Tensor:
     """The collectives of one rank's ``route`` on parsed arguments (module docstring)."""
     x, layout, mask, pieces = call.x, call.layout, call.mask, call.pieces

@@ -36,8 +36,9 @@ import torch
 import torch.distributed as dist
 
 from mp_bridge.checks import forbid_double_backward
+from mp_bridge.comm.bridge.execution.headers import differing_field, gather_headers, show_field
 from mp_bridge.comm.bridge.plans.stage_plan import StageDelivery
-from mp_bridge.comm.collectives.primitives import all_gather_tensor, all_reduce_sum, group_size
+from mp_bridge.comm.collectives.primitives import all_reduce_sum, group_size
 
 __all__ = ["StageRows", "deliver_rows", "ragged_dest_counts", "stage_rows"]
 
@@ -188,19 +189,16 @@ def ragged_dest_counts(
     rank), then, when some piece moves, one ``all_to_all_single`` of the moved pieces'
     counts (``8·n`` bytes per piece). Every rank passes the same number of samples and
     row shape, or every rank raises the same ``ValueError``."""
-    header = torch.tensor(
-        [len(counts), x.shape[0], math.prod(x.shape[1:]), x.element_size()],
-        dtype=torch.int64, device=x.device,
-    )  # fmt: skip
-    got = all_gather_tensor(header, group, 0).reshape(-1, len(HEADER_FIELDS)).tolist()
-    for field, i in (("samples", 0), ("row numel", 2), ("element size", 3)):
-        if len({h[i] for h in got}) > 1:
-            per = ", ".join(f"rank {r}: {h[i]}" for r, h in zip(ranks, got))
-            raise ValueError(
-                f"the bridge's ranks passed different {field} to communicate_ragged with a "
-                f"pipelined LLM ({per}); every rank's encoder batch must have the same number "
-                f"of samples and the same row shape and dtype"
-            )
+    header = [len(counts), x.shape[0], math.prod(x.shape[1:]), x.element_size()]
+    got = gather_headers(header, group, device=x.device)
+    field = differing_field(got, {"samples": 0, "row numel": 2, "element size": 3})
+    if field is not None:
+        per = show_field(ranks, got, HEADER_FIELDS.index(field))
+        raise ValueError(
+            f"the bridge's ranks passed different {field} to communicate_ragged with a "
+            f"pipelined LLM ({per}); every rank's encoder batch must have the same number "
+            f"of samples and the same row shape and dtype"
+        )
     n, pieces = len(counts), delivery.src_pieces(rank)
     if n % len(pieces):  # n and len(pieces) are the same on every rank: same error
         raise ValueError(

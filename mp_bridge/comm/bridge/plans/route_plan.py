@@ -29,8 +29,7 @@ agree without exchanging indices.
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -41,7 +40,6 @@ from mp_bridge.comm.sequence.padding import PaddedLayout
 
 __all__ = [
     "RankRoute",
-    "RouteCache",
     "image_token_shards",
     "plan_route",
     "route_groups",
@@ -274,27 +272,3 @@ def plan_route(
         bwd_send_y=tuple(bwd_send_y),
         bwd_recv_x=tuple(bwd_recv_x),
     )
-
-
-class RouteCache:
-    """A small LRU of :class:`RankRoute` (the communicator's: repeated steps with the same
-    layout skip planning). ``get(key, make)``: the cached route, else ``make()`` stored."""
-
-    def __init__(self, maxsize: int = 8) -> None:
-        self.maxsize = maxsize
-        self._routes: OrderedDict[object, RankRoute] = OrderedDict()
-
-    def get(self, key: object, make: Callable[[], RankRoute]) -> RankRoute:
-        route = self._routes.get(key)
-        if route is None:
-            route = self._routes[key] = make()
-            while len(self._routes) > self.maxsize:
-                self._routes.popitem(last=False)
-        self._routes.move_to_end(key)
-        return route
-
-    def __len__(self) -> int:
-        return len(self._routes)
-
-    def clear(self) -> None:
-        self._routes.clear()
