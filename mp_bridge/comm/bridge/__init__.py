@@ -6,6 +6,11 @@
 - :mod:`~mp_bridge.comm.bridge.execution`: the communicator that runs them with process
   groups and autograd-aware collectives, the image balancer, and the count check.
 
+Checked and trusted entries are spelled one way: ``f`` validates its arguments and
+``f_trusted`` is the same step on arguments its caller already checked (the communicator's
+path: :func:`parse_route` / ``parse_route_trusted``, :func:`route_ragged` /
+``route_ragged_trusted``, :func:`exchange_rows` / ``exchange_rows_trusted``).
+
 Every name is re-exported here (and the public ones again from :mod:`mp_bridge.comm`).
 """
 

@@ -4,7 +4,7 @@ One rank's :meth:`ImageBalancer.balance` (the plan is :mod:`.balance_plan`):
 
 1. Local validation (``TypeError``/``ValueError`` before any collective).
 2. **One** all-gather over ``count_group`` (every encoder rank, TP × DP) of a fixed-size
-   int64 row per rank (:func:`count_row`, ``8·(HEADER + cap)`` bytes, ``8·(HEADER + 2·cap)``
+   int64 row per rank (:func:`balance_row`, ``8·(HEADER + cap)`` bytes, ``8·(HEADER + 2·cap)``
    with measured costs): the replica, its number of images and tokens, a fingerprint of
    its counts (and costs), a code of its :class:`BalanceSpec`, then its first ``cap``
    token counts (and cost bits). A second all-gather, of the exact ``max_images`` width,
@@ -122,7 +122,7 @@ class RestoreSpec(FrozenSpec):
     dest: tuple[tuple[int, ...], ...]
 
 
-def count_row(rank, replica, counts, costs, spec: BalanceSpec) -> list[int]:
+def balance_row(rank, replica, counts, costs, spec: BalanceSpec) -> list[int]:
     """This rank's fixed-size row: ``HEADER`` then ``cap`` counts (-1 padded) and, with
     measured costs, ``cap`` cost bits (float64 viewed as int64)."""
     c = torch.tensor(counts, dtype=torch.int64)
@@ -176,7 +176,7 @@ def gather_counts(
     """Every replica's token counts (and, with ``costs``, the ``[N]`` replica-major costs),
     checked on every rank of ``group`` (steps 2 of the module docstring)."""
     rank = dist.get_rank() if dist.is_initialized() else 0
-    rows = gather_headers(count_row(rank, replica, counts, costs, spec), group, device=device)
+    rows = gather_headers(balance_row(rank, replica, counts, costs, spec), group, device=device)
     if len({r[5] for r in rows}) > 1:
         agree(_WHERE, group, spec, device=device, always=True)
         raise ValueError(f"{_WHERE}: the ranks' balance specs differ; {spec.fields()}")

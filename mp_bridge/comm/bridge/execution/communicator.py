@@ -35,7 +35,7 @@ from mp_bridge.comm.bridge.execution.call_specs import (
 from mp_bridge.comm.bridge.execution.dense import bridge_dense, check_dim_mapping
 from mp_bridge.comm.bridge.execution.names import bridge_names
 from mp_bridge.comm.bridge.execution.ragged import bridge_ragged
-from mp_bridge.comm.bridge.execution.route import read_route_args, run_route
+from mp_bridge.comm.bridge.execution.route import parse_route_trusted, run_route
 from mp_bridge.comm.bridge.execution.stage import deliver_rows, ragged_dest_counts, stage_rows
 from mp_bridge.comm.bridge.plans.balance_plan import BalancePlan
 from mp_bridge.comm.bridge.plans.bridge_plan import BridgePlan, plan_bridge
@@ -355,7 +355,7 @@ class ColocatedBridgeCommunicator:
         source_rows = None
         if balance is not None:
             source_rows = check_balance(balance, x, self._plan, self._rank)
-        call = read_route_args(
+        call = parse_route_trusted(
             x, tokens_per_sample, image_mask, partition, cu_seqlens=cu_seqlens, layout=layout,
             plan=self._plan, rank=self._rank, source_rows=source_rows,
         )  # fmt: skip

@@ -45,10 +45,10 @@ from mp_bridge.checks import FrozenSpec, agree, agreed
 from mp_bridge.comm.bridge.execution.headers import differing_field, gather_headers, show_field
 from mp_bridge.comm.bridge.plans.bridge_plan import BridgePlan
 from mp_bridge.comm.bridge.plans.layouts import BridgeDirection
-from mp_bridge.comm.bridge.plans.ragged_plan import check_member_headers, ragged_route_of
+from mp_bridge.comm.bridge.plans.ragged_plan import check_member_headers, route_ragged_trusted
 from mp_bridge.comm.collectives.primitives import copy_to_group, group_rank, group_size
 
-__all__ = ["bridge_ragged", "exchange_rows"]
+__all__ = ["bridge_ragged", "exchange_rows", "exchange_rows_trusted"]
 
 HEADER_FIELDS = ("samples", "tokens", "row numel", "row code")
 
@@ -90,10 +90,10 @@ def exchange_rows(
     n = None if counts is None else counts.numel()
     spec = _ExchangeSpec(tuple(slot_rows), tuple(x.shape[1:]), x.dtype, n)
     agree("exchange_rows", group, spec, device=x.device)
-    return _exchange(x, group, slot_rows, counts)
+    return exchange_rows_trusted(x, group, slot_rows, counts)
 
 
-def _exchange(
+def exchange_rows_trusted(
     x: torch.Tensor,
     group: dist.ProcessGroup | None,
     slot_rows: Sequence[int],
@@ -172,7 +172,7 @@ class _GatherRows(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group, slot, slot_rows, counts):
         ctx.group, ctx.slot, ctx.slot_rows = group, slot, slot_rows
-        y, received = _exchange(x, group, slot_rows, counts)
+        y, received = exchange_rows_trusted(x, group, slot_rows, counts)
         if received is None:
             received = torch.empty(0, dtype=torch.int64, device=x.device)
         ctx.mark_non_differentiable(received)
@@ -229,11 +229,11 @@ def bridge_ragged(
         slot_tokens = tuple(h[1] for h in headers)
         own = torch.tensor(counts, dtype=torch.int64)
         y, received = _GatherRows.apply(x, gather_group, slot, slot_tokens, own)
-        route = ragged_route_of(plan, rank, [tuple(c) for c in received.tolist()])
+        route = route_ragged_trusted(plan, rank, [tuple(c) for c in received.tolist()])
         assert route.slot_tokens == slot_tokens, (route, slot_tokens)
     else:
         # FAN_OUT members are one src DP replica: they all hold these counts.
-        route = ragged_route_of(plan, rank, [counts] * k)
+        route = route_ragged_trusted(plan, rank, [counts] * k)
         if direction is BridgeDirection.FAN_OUT:
             y = _NarrowRows.apply(x, gather_group, slot, route.slot_tokens)
         else:

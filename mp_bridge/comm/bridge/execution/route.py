@@ -57,7 +57,7 @@ from mp_bridge.comm.sequence.padding import PaddedLayout
 from mp_bridge.comm.sequence.partition import PartitionAdapter
 from mp_bridge.comm.sequence.samples import sample_sums
 
-__all__ = ["RouteCall", "apply_route", "parse_route", "read_route_args", "run_route"]
+__all__ = ["RouteCall", "apply_route", "parse_route", "parse_route_trusted", "run_route"]
 
 
 def _exchange(rows: torch.Tensor, send: Sequence[torch.Tensor], recv: Sequence[int], group):
@@ -142,18 +142,18 @@ def parse_route(
     rank: int,
     **options: object,
 ) -> RouteCall:
-    """:func:`read_route_args` (``options``: its ``cu_seqlens``, ``layout``,
+    """:func:`parse_route_trusted` (``options``: its ``cu_seqlens``, ``layout``,
     ``source_rows``) behind the membership check, for a caller that plans and runs
     ``route`` itself (``parse_route`` then :func:`run_route`): ``ValueError`` unless
     ``rank`` is one of the bridged ranks. The communicator's entry guard checks that once
-    and calls :func:`read_route_args` directly."""
+    and calls :func:`parse_route_trusted` directly."""
     plan.check_member(rank, "route()")
-    return read_route_args(
+    return parse_route_trusted(
         x, tokens_per_sample, image_mask, partition, plan=plan, rank=rank, **options
     )
 
 
-def read_route_args(
+def parse_route_trusted(
     x: object,
     tokens_per_sample: object,
     image_mask: object,
