@@ -34,6 +34,7 @@ from mp_bridge.comm.bridge.plans.route_plan import (
     route_groups,
     route_needs,
 )
+from mp_bridge.comm.bridge.plans.row_move import MoveLeg, RowMove
 from mp_bridge.comm.collectives.deterministic import deterministic_all_reduce
 from mp_bridge.comm.collectives.kv_gather import GatherKV, ReduceScatterKV, gather_kv
 from mp_bridge.comm.collectives.primitives import (
@@ -94,6 +95,8 @@ __all__ = [
     "route_groups",
     "route_needs",
     "PlanCache",
+    "MoveLeg",
+    "RowMove",
     "RouteCache",
     "ImageBalancer",
     "BalancePlan",

@@ -22,9 +22,11 @@ One rank's :meth:`ImageBalancer.balance` (the plan is :mod:`.balance_plan`):
    the images moved to it (its kept rows stay local); nothing runs when no image moves.
 
 Adjoint: moving rows by the plan is a permutation of rows across ranks, so its adjoint is
-the inverse move: :class:`_MoveImages` backward applies :class:`_ReturnImages` (the same
-``all_to_all_single`` with the splits swapped, rows put back in source order) and vice
-versa, so ``backward(create_graph=True)`` records the collective too.
+the inverse move: :meth:`BalancePlan.row_move` is a
+:class:`~mp_bridge.comm.bridge.plans.row_move.RowMove` whose backward is its forward
+reversed, run by :func:`~mp_bridge.comm.bridge.execution.row_moves.adjoint_move` (backward
+applies the inverse move: the same ``all_to_all_single`` with the splits swapped, rows put
+back in source order), so ``backward(create_graph=True)`` records the collective too.
 :meth:`ImageBalancer.restore` is the inverse move of any per-row result (e.g. the encoded
 features ``[T_after, h]``) back to the source replica's order.
 """
@@ -32,7 +34,7 @@ features ``[T_after, h]``) back to the source replica's order.
 from __future__ import annotations
 
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -50,6 +52,7 @@ from mp_bridge.checks import (
     fingerprint,
 )
 from mp_bridge.comm.bridge.execution.headers import gather_headers
+from mp_bridge.comm.bridge.execution.row_moves import adjoint_move
 from mp_bridge.comm.bridge.plans.balance_plan import BalancePlan, image_costs, plan_balance
 from mp_bridge.comm.bridge.plans.plan_cache import PlanCache
 from mp_bridge.comm.collectives.primitives import group_rank, group_size
@@ -202,44 +205,6 @@ def gather_counts(
     return tokens, torch.tensor(bits, dtype=torch.int64).view(torch.float64)
 
 
-# ----------------------------------------------------------------- autograd ops
-def _all_to_all(rows: torch.Tensor, send: Sequence[int], recv: Sequence[int], group):
-    out = rows.new_empty((sum(recv), *rows.shape[1:]))
-    dist.all_to_all_single(out, rows.contiguous(), list(recv), list(send), group=group)
-    return out
-
-
-class _MoveImages(torch.autograd.Function):
-    """Forward: ``x[order]`` sent in ``send`` splits, ``recv`` splits received (source
-    order). Backward: :class:`_ReturnImages` (the inverse move)."""
-
-    @staticmethod
-    def forward(ctx, x, order, send, recv, group):
-        ctx.args = (order, send, recv, group)
-        return _all_to_all(x[order.to(x.device)], send, recv, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _ReturnImages.apply(grad, *ctx.args), None, None, None, None
-
-
-class _ReturnImages(torch.autograd.Function):
-    """Forward: the inverse move (``recv`` splits sent back, rows put at ``order``).
-    Backward: :class:`_MoveImages`."""
-
-    @staticmethod
-    def forward(ctx, y, order, send, recv, group):
-        ctx.args = (order, send, recv, group)
-        got = _all_to_all(y, recv, send, group)
-        out = torch.empty_like(got)
-        out[order.to(y.device)] = got
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _MoveImages.apply(grad, *ctx.args), None, None, None, None
-
-
 def _check_rows(name: str, t: object, rows: int, what: str) -> torch.Tensor:
     check_tensor(name, t)
     if t.dim() < 1 or t.shape[0] != rows:
@@ -257,8 +222,7 @@ def move_images(x: torch.Tensor, plan: BalancePlan, replica: int, group) -> torc
     _check_rows("x", x, sum(plan.tokens[replica]), "the source")
     if plan.moved_images == 0:
         return x
-    send, recv = plan.send_rows(replica), plan.recv_rows(replica)
-    return _MoveImages.apply(x, plan.send_order(replica), send, recv, group)
+    return adjoint_move(x, plan.row_move(replica), group)
 
 
 def return_images(y: torch.Tensor, plan: BalancePlan, replica: int, group) -> torch.Tensor:
@@ -266,8 +230,7 @@ def return_images(y: torch.Tensor, plan: BalancePlan, replica: int, group) -> to
     _check_rows("y", y, sum(plan.tokens_after(replica)), "the encoded")
     if plan.moved_images == 0:
         return y
-    send, recv = plan.send_rows(replica), plan.recv_rows(replica)
-    return _ReturnImages.apply(y, plan.send_order(replica), send, recv, group)
+    return adjoint_move(y, plan.row_move(replica).inverse(), group)
 
 
 class ImageBalancer:

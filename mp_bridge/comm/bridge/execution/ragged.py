@@ -5,8 +5,8 @@
 =========  ==============================================  ===================================
 direction  forward                                         backward (adjoint)
 =========  ==============================================  ===================================
-FAN_IN     header all-gather, then ``_GatherRows``         [CP all-reduce] ``_NarrowRows``
-FAN_OUT    ``_NarrowRows`` (local copy of own slot)        [CP all-reduce] ``_GatherRows``
+FAN_IN     header all-gather, then the counted gather      [CP all-reduce] narrow
+FAN_OUT    narrow (local copy of own slot)                 [CP all-reduce] gather
 EQUAL      copy                                            [CP all-reduce]
 =========  ==============================================  ===================================
 
@@ -27,8 +27,13 @@ size from its local counts: no forward collective, one exchange backward.
 
 The CP all-reduce (dest CP > 1) is ``copy_to_group`` applied after the direction step, so
 backward sums the incoming gradient over the dest CP group first (see ``dense.py``).
-Each Function's backward applies its adjoint Function (gather-keep <-> narrow), so
-``backward(create_graph=True)`` records the backward collective too.
+The gather and the narrow are one :class:`~mp_bridge.comm.bridge.plans.row_move.RowMove`
+and its inverse (:func:`~mp_bridge.comm.bridge.plans.row_move.gather_move`), run by
+:func:`~mp_bridge.comm.bridge.execution.row_moves.adjoint_move`, whose backward applies
+the inverse move, so ``backward(create_graph=True)`` records the backward collective too.
+FAN_IN's forward keeps its own Function (``_GatherCounted``) only because it carries the
+counts in the byte message: folding them into the row move would cost a second
+collective (another dtype, sizes the receiver learns from them), or a padded count row.
 """
 
 from __future__ import annotations
@@ -43,9 +48,11 @@ import torch.distributed as dist
 
 from mp_bridge.checks import FrozenSpec, agree, agreed
 from mp_bridge.comm.bridge.execution.headers import differing_field, gather_headers, show_field
+from mp_bridge.comm.bridge.execution.row_moves import adjoint_move, run_leg
 from mp_bridge.comm.bridge.plans.bridge_plan import BridgePlan
 from mp_bridge.comm.bridge.plans.layouts import BridgeDirection
 from mp_bridge.comm.bridge.plans.ragged_plan import check_member_headers, route_ragged_trusted
+from mp_bridge.comm.bridge.plans.row_move import gather_move
 from mp_bridge.comm.collectives.primitives import copy_to_group, group_rank, group_size
 
 __all__ = ["bridge_ragged", "exchange_rows", "exchange_rows_trusted"]
@@ -103,13 +110,10 @@ def exchange_rows_trusted(
     k = len(slot_rows)
     if k == 1:  # a single process (group None or of size 1): nothing to exchange
         return x.clone(), None if counts is None else counts.reshape(1, -1).clone()
+    if counts is None:  # the plain gather: a RowMove, run by row_moves
+        return run_leg(x, gather_move(slot_rows, group_rank(group)).forward, group), None
     rest = tuple(x.shape[1:])
     y = x.new_empty((sum(slot_rows), *rest))
-    if counts is None:
-        dist.all_to_all_single(
-            y, torch.cat([x] * k), list(slot_rows), [x.shape[0]] * k, group=group
-        )
-        return y, None
     # Counts and tokens in one message of bytes: [counts (8n bytes) | tokens], written
     # once per member straight into the send buffer (no intermediate message copy).
     row_bytes = math.prod(rest) * x.element_size()
@@ -165,40 +169,23 @@ def _check_rows(members: Sequence[int], headers: list[list[int]]) -> None:
 
 
 # ----------------------------------------------------------------- autograd ops
-class _GatherRows(torch.autograd.Function):
-    """Forward: ``exchange_rows`` (every member's rows, slot order; optional counts).
-    Backward: ``_NarrowRows`` — keep this rank's slot of the (group-replicated) gradient."""
+class _GatherCounted(torch.autograd.Function):
+    """Forward: :func:`exchange_rows_trusted` with the counts in the byte message (every
+    member's rows, slot order, and its counts). Backward: the narrow to this rank's slot
+    (``adjoint_move`` of ``gather_move(...).inverse()``, whose own backward is the gather:
+    double-differentiable like every ragged step)."""
 
     @staticmethod
     def forward(ctx, x, group, slot, slot_rows, counts):
         ctx.group, ctx.slot, ctx.slot_rows = group, slot, slot_rows
         y, received = exchange_rows_trusted(x, group, slot_rows, counts)
-        if received is None:
-            received = torch.empty(0, dtype=torch.int64, device=x.device)
         ctx.mark_non_differentiable(received)
         return y, received
 
     @staticmethod
     def backward(ctx, grad, _grad_counts):
-        grad_x = _NarrowRows.apply(grad, ctx.group, ctx.slot, ctx.slot_rows)
-        return grad_x, None, None, None, None
-
-
-class _NarrowRows(torch.autograd.Function):
-    """Forward: a copy of this rank's slot rows of ``x`` (no communication).
-    Backward: ``_GatherRows`` — every member's slot gradient, slot order."""
-
-    @staticmethod
-    def forward(ctx, x, group, slot, slot_rows):
-        ctx.group, ctx.slot, ctx.slot_rows = group, slot, slot_rows
-        start = sum(slot_rows[:slot])
-        # A copy, not a view: the output must not alias the caller's input.
-        return x[start : start + slot_rows[slot]].clone(memory_format=torch.contiguous_format)
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad_x, _ = _GatherRows.apply(grad, ctx.group, ctx.slot, ctx.slot_rows, None)
-        return grad_x, None, None, None
+        narrow = gather_move(ctx.slot_rows, ctx.slot).inverse()
+        return adjoint_move(grad, narrow, ctx.group), None, None, None, None
 
 
 def bridge_ragged(
@@ -228,14 +215,15 @@ def bridge_ragged(
         _check_rows(members, headers)
         slot_tokens = tuple(h[1] for h in headers)
         own = torch.tensor(counts, dtype=torch.int64)
-        y, received = _GatherRows.apply(x, gather_group, slot, slot_tokens, own)
+        y, received = _GatherCounted.apply(x, gather_group, slot, slot_tokens, own)
         route = route_ragged_trusted(plan, rank, [tuple(c) for c in received.tolist()])
         assert route.slot_tokens == slot_tokens, (route, slot_tokens)
     else:
         # FAN_OUT members are one src DP replica: they all hold these counts.
         route = route_ragged_trusted(plan, rank, [counts] * k)
         if direction is BridgeDirection.FAN_OUT:
-            y = _NarrowRows.apply(x, gather_group, slot, route.slot_tokens)
+            narrow = gather_move(route.slot_tokens, slot).inverse()
+            y = adjoint_move(x, narrow, gather_group)
         else:
             y = x.clone(memory_format=torch.contiguous_format)
     # Identity forward; backward all-reduces the gradient over dest CP (before the step).

@@ -8,7 +8,8 @@ plan's gather and CP groups and its readable table; ``ragged_plan``, ``token_cou
 ragged step and its per-sample counts; ``route_plan``: the routed rows; ``stage_plan``:
 delivery to a pipelined LLM's first stage; ``balance_plan``: the encoder image balance;
 ``count_rows``: the per-sample count rows every rank compares; ``plan_cache``: the LRU of
-route and balance plans.
+route and balance plans; ``row_move``: :class:`RowMove`, which rows go where forward and
+backward, the one type the route, stage, balance and ragged plans produce.
 """
 
 from .balance_plan import BalancePlan, ImageMove, image_costs, plan_balance
@@ -32,6 +33,7 @@ from .route_plan import (
     route_groups,
     route_needs,
 )
+from .row_move import MoveLeg, RowMove, gather_move
 from .stage_plan import Piece, StageDelivery, Transfer, plan_stage_delivery
 from .token_counts import check_tokens_per_sample
 
@@ -60,6 +62,9 @@ __all__ = [
     "plan_route",
     "route_groups",
     "route_needs",
+    "MoveLeg",
+    "RowMove",
+    "gather_move",
     "Piece",
     "StageDelivery",
     "Transfer",
