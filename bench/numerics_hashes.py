@@ -3,13 +3,15 @@
 Run before and after a change that must not move a single bit; the two outputs must be
 identical (same machine, build and thread count). Covers the materialized and fused
 paths, default and invariant, fp32 and bf16, at TP 1/2/4 (gloo ranks on CPU), and the fused
-paths at a multi-tile shape.
+paths at a multi-tile shape; then one bridge call of each kind on 8 gloo ranks
+(:func:`bridge_lines`; ``--bridge`` runs and checks that section alone).
 ``--check`` compares with the recorded reference ``bench/numerics_hashes.txt`` (torch
 2.13 CPU on the project's build machine) and exits 1 naming the lines that differ; a
 change that is allowed to move bits records the new lines there.
 
     .venv/bin/python bench/numerics_hashes.py > before.txt   # ... change ... then diff
     .venv/bin/python bench/numerics_hashes.py --check
+    .venv/bin/python bench/numerics_hashes.py --bridge --check   # the bridge lines only
 """
 
 from __future__ import annotations
@@ -128,11 +130,18 @@ REFERENCE = pathlib.Path(__file__).with_name("numerics_hashes.txt")
 
 
 def main() -> None:
-    lines = [f"tp={tp} {line}" for tp in (1, 2, 4) for line in run_distributed(_rank_hashes, tp)[0]]
-    lines += mimo_step_lines()
+    only_bridge = "--bridge" in sys.argv[1:]  # the bridge section alone (bridge_lines)
+    lines = [] if only_bridge else [
+        f"tp={tp} {line}" for tp in (1, 2, 4) for line in run_distributed(_rank_hashes, tp)[0]
+    ]  # fmt: skip
+    if not only_bridge:
+        lines += mimo_step_lines()
+    lines += bridge_lines()
     print("\n".join(lines))
     if "--check" in sys.argv[1:]:
         want = REFERENCE.read_text().splitlines()
+        if only_bridge:
+            want = [line for line in want if line.startswith("bridge ")]
         moved = [f"  now {a}\n  was {b}" for a, b in zip(lines, want) if a != b]
         if moved or len(lines) != len(want):
             print(f"differs from {REFERENCE.name}:\n" + "\n".join(moved))
@@ -235,6 +244,124 @@ def mimo_step_lines() -> list[str]:
         whole = hashlib.sha256("".join(ranks).encode()).hexdigest()[:16]
         out.append(f"mimo {case:<21}{whole}")
     return out
+
+
+# ------------------------------------------------------------------ bridge calls
+# One bridge call of each kind on 8 gloo ranks (issue 33: the bridge's row moves are
+# refactored under these hashes): dense ``communicate`` (FAN_IN into CP 2, FAN_OUT),
+# ``communicate_ragged`` (FAN_IN into CP 2, FAN_OUT; and a double backward), ``route``
+# (FAN_IN into CP 2 with SP, FAN_OUT), the stage delivery (LLM PP 2: dense and ragged), the
+# image balancer (and its double backward) and the balanced ``route``. Each line hashes
+# every rank's forward values and input gradient, rank order; the loss weights differ per
+# rank, so the CP all-reduces and the backward exchanges carry distinct values.
+BRIDGE_WORLD = 8
+_ORDER = ("tp", "cp", "pp", "dp")
+_B, _S, _H = 8, 4, 3  # samples of the global batch, sequence, hidden
+
+
+def _bridge_rank_lines() -> list[tuple[str, str]]:
+    from mp_bridge.comm import ColocatedBridgeCommunicator, ImageBalancer, PartitionAdapter
+    from mp_bridge.grid import GridLayout, make_grid
+
+    rank = dist.get_rank()
+    g = torch.Generator().manual_seed(2026)
+    dense = torch.randn(_B, _S, _H, generator=g)
+    counts = [int(c) for c in torch.randint(0, 5, (_B,), generator=g)]  # some 0
+    counts[0], counts[2] = 8, 0  # sample 0 all images (replica 0 heavy: the balancer moves)
+    tokens = torch.randn(sum(counts), _H, generator=g)
+    starts = [sum(counts[:i]) for i in range(_B + 1)]
+    mask = torch.zeros(_B, 2 * _S, dtype=torch.bool)  # route: image positions per sample
+    for i, c in enumerate(counts):
+        mask[i, torch.randperm(2 * _S, generator=g)[:c]] = True
+    weights = torch.Generator().manual_seed(100 + rank)
+    out: list[tuple[str, str]] = []
+
+    def grids(src, dest):
+        s = make_grid(**src, axis_names=_ORDER, create=("dp",))
+        d = make_grid(**dest, axis_names=_ORDER, create=("cp", "tp"))
+        return s, d, GridLayout.from_grid(s), GridLayout.from_grid(d)
+
+    def samples(layout: GridLayout) -> range:
+        per = _B // layout.axis_size("dp")
+        return range(layout.coords(rank)["dp"] * per, (layout.coords(rank)["dp"] + 1) * per)
+
+    def loss(y: torch.Tensor) -> torch.Tensor:
+        return (y * torch.randn(y.shape, generator=weights)).sum()
+
+    def token_rows(s: range) -> torch.Tensor:
+        return tokens[starts[s.start] : starts[s.stop]].clone().requires_grad_()
+
+    layouts = {
+        "fan_in_cp2": (dict(tp=2, dp=4), dict(tp=2, cp=2, dp=2)),
+        "fan_out": (dict(tp=4, dp=2), dict(tp=2, cp=2, dp=2)),
+        "stage_pp2": (dict(tp=2, dp=4), dict(tp=2, pp=2, dp=2)),
+    }
+    for name, (src, dest) in layouts.items():
+        s_grid, d_grid, s_lay, d_lay = grids(src, dest)
+        s_samples = samples(s_lay)
+        with ColocatedBridgeCommunicator(s_grid, d_grid) as bridge:
+            x = dense[s_samples.start : s_samples.stop].clone().requires_grad_()
+            y = bridge.communicate(x)
+            loss(y).backward()
+            out.append((f"dense   {name}", _digest(y, x.grad)))
+            x = token_rows(s_samples)
+            y, dest_counts = bridge.communicate_ragged(x, counts[s_samples.start : s_samples.stop])
+            loss(y).backward()
+            out.append((f"ragged  {name}", _digest(y, dest_counts, x.grad)))
+            if name != "stage_pp2":  # ragged's adjoints are double-differentiable
+                x = token_rows(s_samples)
+                y, _ = bridge.communicate_ragged(x, counts[s_samples.start : s_samples.stop])
+                (gx,) = torch.autograd.grad(loss(y * y), x, create_graph=True)
+                loss(gx).backward()
+                out.append((f"ragged  {name} double", _digest(gx, x.grad)))
+            for sp in (False, True) if name == "fan_in_cp2" else (False,):
+                partition = PartitionAdapter(
+                    cp_group=d_grid.get_pg("cp"), tp_group=d_grid.get_pg("tp"),
+                    sequence_parallel=sp,
+                )  # fmt: skip
+                x = token_rows(s_samples)
+                d_samples = samples(d_lay)
+                y = bridge.route(
+                    x, tokens_per_sample=counts[s_samples.start : s_samples.stop],
+                    image_mask=mask[d_samples.start : d_samples.stop], partition=partition,
+                )  # fmt: skip
+                loss(y).backward()
+                out.append((f"route   {name} sp={int(sp)}", _digest(y, x.grad)))
+            if name != "fan_in_cp2":
+                continue
+            # the balancer over the encoder DP replicas (replica 0 heavy: images move)
+            images = [[3] * (counts[i] // 3) + [counts[i] % 3] * bool(counts[i] % 3)
+                      for i in range(_B)]  # fmt: skip
+            per_replica = [t for i in s_samples for t in images[i]]
+            balancer = ImageBalancer(dp_group=s_grid.get_pg("dp"), count_group=bridge.world_group)
+            x = token_rows(s_samples)
+            y_enc, plan = balancer.balance(x, per_replica)
+            (gx,) = torch.autograd.grad(loss(y_enc * y_enc), x, create_graph=True)
+            loss(gx).backward()
+            out.append(("balance fan_in_cp2 double", _digest(y_enc, gx, x.grad)))
+            x = token_rows(s_samples)
+            y_enc, plan = balancer.balance(x, per_replica)
+            partition = PartitionAdapter(cp_group=d_grid.get_pg("cp"))
+            d_samples = samples(d_lay)
+            y = bridge.route(
+                y_enc, tokens_per_sample=counts[s_samples.start : s_samples.stop],
+                image_mask=mask[d_samples.start : d_samples.stop], partition=partition,
+                balance=plan,
+            )  # fmt: skip
+            loss(y).backward()
+            moved = plan.moved_images
+            out.append((f"balanced route fan_in_cp2 moved={moved}", _digest(y, x.grad)))
+    return out
+
+
+def bridge_lines() -> list[str]:
+    """One line per bridge call: the kind, then a hash over every rank's hashes."""
+    per_rank = run_distributed(_bridge_rank_lines, BRIDGE_WORLD)
+    lines = []
+    for i, (name, _) in enumerate(per_rank[0]):
+        h = hashlib.sha256("".join(r[i][1] for r in per_rank).encode()).hexdigest()[:16]
+        lines.append(f"bridge w={BRIDGE_WORLD} {name:<40}{h}")
+    return lines
 
 
 if __name__ == "__main__":

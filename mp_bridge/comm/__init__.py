@@ -25,17 +25,18 @@ from mp_bridge.comm.bridge.local_bridge import LocalBridge
 from mp_bridge.comm.bridge.plans.balance_plan import BalancePlan, plan_balance
 from mp_bridge.comm.bridge.plans.bridge_plan import BridgePlan, plan_bridge
 from mp_bridge.comm.bridge.plans.count_rows import CountRow
-from mp_bridge.comm.bridge.plans.dense_plan import format_rank_table
 from mp_bridge.comm.bridge.plans.layouts import BridgeDirection
+from mp_bridge.comm.bridge.plans.plan_cache import PlanCache, RouteCache
+from mp_bridge.comm.bridge.plans.plan_groups import format_rank_table
 from mp_bridge.comm.bridge.plans.ragged_plan import RaggedRoute, route_ragged
 from mp_bridge.comm.bridge.plans.route_plan import (
     RankRoute,
-    RouteCache,
     image_token_shards,
     plan_route,
     route_groups,
     route_needs,
 )
+from mp_bridge.comm.bridge.plans.row_move import MoveLeg, RowMove
 from mp_bridge.comm.collectives.deterministic import deterministic_all_reduce
 from mp_bridge.comm.collectives.kv_gather import GatherKV, ReduceScatterKV, gather_kv
 from mp_bridge.comm.collectives.primitives import (
@@ -97,6 +98,9 @@ __all__ = [
     "plan_route",
     "route_groups",
     "route_needs",
+    "PlanCache",
+    "MoveLeg",
+    "RowMove",
     "RouteCache",
     "ImageBalancer",
     "BalancePlan",

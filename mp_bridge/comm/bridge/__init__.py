@@ -8,6 +8,11 @@
 - :class:`Bridge` (:mod:`.bridge_protocol`): what a model asks of a bridge; the
   communicator and :class:`LocalBridge` (:mod:`.local_bridge`, one process) are its two.
 
+Checked and trusted entries are spelled one way: ``f`` validates its arguments and
+``f_trusted`` is the same step on arguments its caller already checked (the communicator's
+path: :func:`parse_route` / ``parse_route_trusted``, :func:`route_ragged` /
+``route_ragged_trusted``, :func:`exchange_rows` / ``exchange_rows_trusted``).
+
 Every name is re-exported here (and the public ones again from :mod:`mp_bridge.comm`).
 """
 
@@ -33,10 +38,13 @@ from .plans import (
     BridgeDirection,
     BridgePlan,
     CountRow,
+    MoveLeg,
     Piece,
+    PlanCache,
     RaggedRoute,
     RankRoute,
     RouteCache,
+    RowMove,
     StageDelivery,
     Transfer,
     check_member_headers,
@@ -87,11 +95,14 @@ __all__ = [
     "run_route",
     "make_route_group",
     "make_world_group",
+    "MoveLeg",
+    "RowMove",
     "Piece",
     "StageDelivery",
     "Transfer",
     "plan_stage_delivery",
     "RankRoute",
+    "PlanCache",
     "RouteCache",
     "image_token_shards",
     "plan_route",

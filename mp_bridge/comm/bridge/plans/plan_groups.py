@@ -1,6 +1,7 @@
-"""The dense bridge's groups, and the plan as a readable table: pure.
+"""The base plan's groups (gather groups, dest CP groups) and its readable table: pure.
 
-The dense bridge (``communicate``) concatenates or narrows whole batch blocks inside one
+Not a mode: every :class:`~.bridge_plan.BridgePlan` holds these groups, whichever call
+runs it. The dense bridge (``communicate``) concatenates or narrows whole batch blocks inside one
 **gather group** per destination (FAN_IN: one per (dest dp j, src tp t), the ``k`` ranks
 with src dp in ``[j·k, j·k+k)``; FAN_OUT: one per (src dp i, dest tp, cp, pp), the ``k``
 ranks with dest dp in ``[i·k, i·k+k)``; EQUAL: one single-rank group per rank), ordered
