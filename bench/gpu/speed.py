@@ -344,11 +344,14 @@ def main(argv: list[str] | None = None) -> int:
         f"{d} {_version(d)}"
         for d in ("torch", "triton", "megatron-core", "liger-kernel", "cut-cross-entropy")
     )
+    from mp_bridge.layers.loss.engines.triton.vocab_major import addmm_path
+
     head = (
         "### LM-head loss: speed and memory (stage d)\n\n"
         f"command: `{' '.join([os.path.basename(sys.executable), *sys.argv])}`\n\n"
         f"{name}; {versions}. Time: best of the timed runs (methods in turn, first method "
-        "rotating); peak: worst extra bytes over the call, gradients included.\n"
+        "rotating); peak: worst extra bytes over the call, gradients included. The default "
+        f"mode's d h product (checked once): `{addmm_path(dev.type)}`.\n"
     )
     if os.environ.get("TRITON_INTERPRET") == "1":
         head += "\nTRITON_INTERPRET=1: the triton engine's times are the interpreter's (a smoke).\n"
