@@ -76,3 +76,23 @@ def test_a_kernel_takes_the_longest_of_its_times():
     k = rl.Kernel("m", "k", "wgmma", flops=628.8e12, hbm=4.08e12 * 2, l2=7e12 * 0.5)
     assert k.times["compute"] == pytest.approx(1.0) and k.seconds == pytest.approx(2.0)
     assert k.bound == "hbm"
+
+
+def test_the_speed_table_puts_measured_next_to_predicted(monkeypatch):
+    from argparse import Namespace
+
+    monkeypatch.syspath_prepend(str(GPU))  # speed.py imports its siblings by name
+    spec = importlib.util.spec_from_file_location("gpu_speed", GPU / "speed.py")
+    speed = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(speed)
+    pred = rl.predicted_ms(8192, 4096, 131072)
+    res = {
+        m: {"seconds": sec, "peak": 2**30, "runs": 1, "error": None, "precision": None}
+        for m, sec in (("ours_default", 2 * pred["ours_default"] / 1e3), ("liger", 0.05))
+    }
+    args = Namespace(n=8192, hidden=4096, dtype="bfloat16")
+    text = speed.shape_report(args, 131072, res)
+    row = next(line for line in text.splitlines() if line.startswith("| ours_default"))
+    assert f"| {pred['ours_default']:.1f} | 2.00 |" in row
+    assert "| liger | 50.0 | n/a | n/a |" in text
+    assert "*predicted*" in text
