@@ -149,6 +149,11 @@ def _gemm_slabs(s: Shape, name: str, kind: str, extra_per_slab: float = 0.0) -> 
     return Kernel("default", name, kind, 2.0 * s.n * s.v_local * s.h, hbm, facts="cuBLAS")
 
 
+def dw_to_bf16(s: Shape, mode: str, name: str) -> Kernel:
+    """An fp32 ``[V_local, H]`` ``d W`` read and written once in bf16 (a torch copy)."""
+    return Kernel(mode, name, "memory", hbm=s.v_local * s.h * (F32 + BF16), facts="torch copy")
+
+
 def default_mode(s: Shape, facts) -> list[Kernel]:
     vs = slab_rows(s.n, s.v_local)
     z = s.n * vs * F32  # one slab's fp32 logits
@@ -167,13 +172,7 @@ def default_mode(s: Shape, facts) -> list[Kernel]:
         _gemm_slabs(
             s, "bwd: dW_s = g^T h (mm out_dtype=fp32)", "cublas_f32out", z / 2 + vs * s.h * F32
         ),
-        Kernel(
-            "default",
-            "bwd: dW_s fp32 -> bf16 copy",
-            "memory",
-            hbm=s.v_local * s.h * (F32 + BF16),
-            facts="torch copy",
-        ),
+        dw_to_bf16(s, "default", "bwd: dW_s fp32 -> bf16 copy"),
         _gemm_slabs(
             s,
             "bwd: dh += g W_s (addmm out_dtype=fp32)",
@@ -276,13 +275,7 @@ def invariant_mode(s: Shape, facts) -> list[Kernel]:
         ),
         block_dhidden_pass(s, facts),
         block_dweight_pass(s, facts),
-        Kernel(
-            "invariant",
-            "bwd: dW fp32 acc -> bf16",
-            "memory",
-            hbm=s.v_local * s.h * (F32 + BF16),
-            facts="torch copy",
-        ),
+        dw_to_bf16(s, "invariant", "bwd: dW fp32 acc -> bf16"),
     ]
 
 
