@@ -138,12 +138,15 @@ def slab_rows(n: int, v_local: int) -> int:
     return min(max(256, SLAB_ELEMENTS // max(n, 1) // 256 * 256), v_local)
 
 
-def _gemm_slabs(s: Shape, name: str, kind: str, extra_per_slab: float = 0.0) -> Kernel:
-    """A cuBLAS pass over the slabs: ``h`` (N x H) re-read per slab unless it fits in L2,
-    the weight read once, ``extra_per_slab`` bytes of fp32 output / accumulator traffic."""
+def _gemm_slabs(
+    s: Shape, name: str, kind: str, extra_per_slab: float, reads_h: bool = True
+) -> Kernel:
+    """A cuBLAS pass over the slabs: the weight read once, ``h`` (N x H, where it is an
+    operand) re-read per slab unless it fits in L2 with a slab, ``extra_per_slab`` bytes of
+    ``g`` / fp32 output / accumulator traffic."""
     vs = slab_rows(s.n, s.v_local)
     slabs = math.ceil(s.v_local / vs)
-    h_bytes = s.n * s.h * BF16
+    h_bytes = s.n * s.h * BF16 if reads_h else 0
     hbm = h_bytes * (1 if fits(h_bytes + vs * s.h * BF16) else slabs)
     hbm += s.v_local * s.h * BF16 + slabs * extra_per_slab
     return Kernel("default", name, kind, 2.0 * s.n * s.v_local * s.h, hbm, facts="cuBLAS")
@@ -177,7 +180,8 @@ def default_mode(s: Shape, facts) -> list[Kernel]:
             s,
             "bwd: dh += g W_s (addmm out_dtype=fp32)",
             "cublas_f32out",
-            z / 2 + 2 * s.n * s.h * F32,
+            z / 2 + 2 * s.n * s.h * F32,  # g in; the fp32 acc in and out
+            reads_h=False,
         ),
     ]
 
@@ -216,7 +220,7 @@ def block_dhidden_pass(s: Shape, facts) -> Kernel:
     """Grid ``(C / TILE_M, H / BH)``, token tiles fastest; each program walks all ``K``
     blocks: ``g [TILE_M, 256]`` and ``W [256, BH]`` per block, and its tree stack of fp32
     ``[TILE_M, BH]`` partial sums in global memory (one store per leaf, one load per merge:
-    ``K - 1`` merges)."""
+    ``K - 1`` merges; both counted at the L2 rate)."""
     f = _fact(facts, "_block_dhidden_kernel")
     c, k = min(CHUNK, s.n), s.v_local // VOCAB_BLOCK
     chunks = math.ceil(s.n / c)
