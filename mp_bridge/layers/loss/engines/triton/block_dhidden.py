@@ -21,8 +21,8 @@ import triton
 import triton.language as tl
 
 from mp_bridge.layers.loss.blocks import VOCAB_BLOCK
-from mp_bridge.layers.loss.engines.triton.block_stats import NUM_WARPS, TILE_M
-from mp_bridge.layers.loss.engines.triton.tiles import INTERPRET, dot_acc
+from mp_bridge.layers.loss.engines.triton.block_stats import NUM_STAGES, NUM_WARPS, TILE_M
+from mp_bridge.layers.loss.engines.triton.tiles import FP_FUSION, INTERPRET, dot_acc
 
 __all__ = ["BH", "BKV", "block_dhidden", "stack_depth"]
 
@@ -113,5 +113,7 @@ def block_dhidden(
         BKV=BKV,
         INTERPRET=INTERPRET,
         num_warps=NUM_WARPS,
+        num_stages=NUM_STAGES,
+        enable_fp_fusion=FP_FUSION,
     )
     return scratch

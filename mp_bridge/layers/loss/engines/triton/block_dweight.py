@@ -16,8 +16,8 @@ import triton
 import triton.language as tl
 
 from mp_bridge.layers.loss.engines.triton.block_dhidden import BH
-from mp_bridge.layers.loss.engines.triton.block_stats import NUM_WARPS, TILE_M
-from mp_bridge.layers.loss.engines.triton.tiles import INTERPRET, dot_acc
+from mp_bridge.layers.loss.engines.triton.block_stats import NUM_STAGES, NUM_WARPS, TILE_M
+from mp_bridge.layers.loss.engines.triton.tiles import FP_FUSION, INTERPRET, dot_acc
 
 __all__ = ["BVW", "block_dweight_"]
 
@@ -85,4 +85,6 @@ def block_dweight_(acc: torch.Tensor, g: torch.Tensor, h: torch.Tensor) -> None:
         BH=BH,
         INTERPRET=INTERPRET,
         num_warps=NUM_WARPS,
+        num_stages=NUM_STAGES,
+        enable_fp_fusion=FP_FUSION,
     )

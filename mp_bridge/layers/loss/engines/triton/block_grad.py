@@ -15,8 +15,9 @@ import triton
 import triton.language as tl
 
 from mp_bridge.layers.loss.blocks import VOCAB_BLOCK
-from mp_bridge.layers.loss.engines.triton.block_stats import BK, NUM_WARPS, TILE_M
+from mp_bridge.layers.loss.engines.triton.block_stats import BK, NUM_STAGES, NUM_WARPS, TILE_M
 from mp_bridge.layers.loss.engines.triton.tiles import (
+    FP_FUSION,
     INTERPRET,
     block_logits,
     grad_of,
@@ -86,6 +87,7 @@ def block_grad(
     _block_grad_kernel[(triton.cdiv(n, TILE_M), n_blocks)](
         h, h.stride(0), weight, weight.stride(0), out, out.stride(0), n, hd, weight.shape[0],
         num_valid, temp, tcol, lse, *args, **flags, TILE_M=TILE_M, BLOCK=VOCAB_BLOCK, BK=BK,
-        INTERPRET=INTERPRET, num_warps=NUM_WARPS,
+        INTERPRET=INTERPRET, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+        enable_fp_fusion=FP_FUSION,
     )  # fmt: skip
     return out

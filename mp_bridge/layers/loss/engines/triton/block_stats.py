@@ -19,6 +19,7 @@ import triton.language as tl
 
 from mp_bridge.layers.loss.blocks import VOCAB_BLOCK
 from mp_bridge.layers.loss.engines.triton.tiles import (
+    FP_FUSION,
     INTERPRET,
     block_logits,
     stats_of,
@@ -26,13 +27,15 @@ from mp_bridge.layers.loss.engines.triton.tiles import (
 )
 from mp_bridge.layers.loss.formulas import LossSpec
 
-__all__ = ["BK", "TILE_M", "block_stats"]
+__all__ = ["BK", "NUM_STAGES", "NUM_WARPS", "TILE_M", "block_stats"]
 
 #: Fixed tiles, never autotuned: part of the invariant bits. ``TILE_M`` tokens x one
 #: ``VOCAB_BLOCK`` of 256 ids per program, the hidden dim in steps of ``BK``.
 TILE_M = 32
 BK = 32
 NUM_WARPS = 8
+#: Software-pipelining depth of every block kernel's k-loop (pinned, never Triton's default).
+NUM_STAGES = 3
 
 
 @triton.jit
@@ -101,6 +104,7 @@ def block_stats(
     _block_stats_kernel[(triton.cdiv(n, TILE_M), n_blocks)](
         h, h.stride(0), weight, weight.stride(0), stats, temp, tcol, n, hd, weight.shape[0],
         n_blocks, num_valid, *args, **flags, TILE_M=TILE_M, BLOCK=VOCAB_BLOCK, BK=BK,
-        INTERPRET=INTERPRET, num_warps=NUM_WARPS,
+        INTERPRET=INTERPRET, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+        enable_fp_fusion=FP_FUSION,
     )  # fmt: skip
     return stats

@@ -14,7 +14,13 @@ import torch
 import triton
 import triton.language as tl
 
-from mp_bridge.layers.loss.engines.triton.tiles import INTERPRET, grad_of, grad_params, rounded
+from mp_bridge.layers.loss.engines.triton.tiles import (
+    FP_FUSION,
+    INTERPRET,
+    grad_of,
+    grad_params,
+    rounded,
+)
 from mp_bridge.layers.loss.formulas import LossSpec
 
 __all__ = ["COLS", "ROWS", "row_grad"]
@@ -24,6 +30,7 @@ __all__ = ["COLS", "ROWS", "row_grad"]
 ROWS = 8
 COLS = 512
 NUM_WARPS = 8
+NUM_STAGES = 3  # pinned (Triton's default today); no k-loop to pipeline
 
 
 @triton.jit
@@ -89,5 +96,6 @@ def row_grad(
     _row_grad_kernel[(triton.cdiv(n, ROWS), triton.cdiv(vs, COLS))](
         z, z.stride(0), out, out.stride(0), n, vs, col0, num_valid, temp, tcol, lse, *args,
         **flags, ROWS=ROWS, COLS=COLS, INTERPRET=INTERPRET, num_warps=NUM_WARPS,
+        num_stages=NUM_STAGES, enable_fp_fusion=FP_FUSION,
     )  # fmt: skip
     return out

@@ -15,7 +15,12 @@ import torch
 import triton
 import triton.language as tl
 
-from mp_bridge.layers.loss.engines.triton.tiles import merge_stats2, stats_of, stats_params
+from mp_bridge.layers.loss.engines.triton.tiles import (
+    FP_FUSION,
+    merge_stats2,
+    stats_of,
+    stats_params,
+)
 from mp_bridge.layers.loss.formulas import LossSpec
 
 __all__ = ["COLS", "ROWS", "row_stats_"]
@@ -26,6 +31,7 @@ __all__ = ["COLS", "ROWS", "row_stats_"]
 ROWS = 4
 COLS = 1024
 NUM_WARPS = 8
+NUM_STAGES = 3  # pinned (Triton's default today); no k-loop to pipeline
 
 
 @triton.jit
@@ -104,5 +110,6 @@ def row_stats_(
     args, flags = stats_params(spec)
     _row_stats_kernel[(triton.cdiv(n, ROWS),)](
         z, z.stride(0), stats, temp, tcol, n, vs, col0, num_valid, *args, **flags,
-        FIRST=first, ROWS=ROWS, COLS=COLS, num_warps=NUM_WARPS,
+        FIRST=first, ROWS=ROWS, COLS=COLS, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+        enable_fp_fusion=FP_FUSION,
     )  # fmt: skip

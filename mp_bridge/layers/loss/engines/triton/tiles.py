@@ -39,6 +39,7 @@ import triton.language as tl
 from mp_bridge.layers.loss.formulas import LossSpec
 
 __all__ = [
+    "FP_FUSION",
     "INTERPRET",
     "block_logits",
     "dot_acc",
@@ -56,6 +57,12 @@ __all__ = [
 #: Whether the kernels run under Triton's CPU interpreter (read once, at import: the
 #: interpreter itself is chosen by the same variable when the kernels are decorated).
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+#: Every launch passes ``enable_fp_fusion=FP_FUSION``: no FMA contraction of the
+#: element-wise math, whatever ``TRITON_DEFAULT_FP_FUSION`` says or Triton's default is
+#: (on in 3.9, off from 3.10). ``False``, not ``True``: ``TRITON_FORCE_DISABLE_FP_FUSION=1``
+#: overrides a pinned ``True`` but agrees with ``False``, so no variable can move a bit;
+#: and each multiply and add rounds once, as under the interpreter.
+FP_FUSION = False
 
 
 @triton.jit
@@ -65,10 +72,8 @@ def dot_acc(x, y, acc, INTERPRET: tl.constexpr):
         xf = x.to(tl.float32)
         yf = y.to(tl.float32)
         return acc + tl.sum(xf[:, :, None] * yf[None, :, :], axis=1)
-    elif x.dtype == tl.float32:
+    else:  # "ieee": fp32 operands never in TF32; bf16 / fp16 ones are exact either way
         return tl.dot(x, y, acc, input_precision="ieee")
-    else:
-        return tl.dot(x, y, acc)
 
 
 @triton.jit

@@ -28,10 +28,20 @@ most of our gap. Unmeasured on a GPU.
 fp32 accumulate and output, never rounded to the input dtype); elsewhere ``a.float() @
 b.float()`` of the same operands, the same exact products (a bf16 / fp16 product is exact
 in fp32) summed in fp32: the stand-in that lets the CPU interpreter run this code path.
+fp32 operands on CUDA go through cuBLAS inside ``exact_fp32``: never TF32, whatever the
+caller set (``allow_tf32``, ``set_float32_matmul_precision``).
+
+``addmm_path``: which product ``addmm_f32_`` uses on CUDA, checked once per process by a
+tiny call (``ADDMM_OUT_DTYPE``, or ``MM_THEN_ADD`` with a warning naming the error where
+this torch's ``addmm`` has no ``out_dtype``); the runbook prints it.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -43,15 +53,86 @@ from mp_bridge.layers.loss.formulas import LossSpec
 from mp_bridge.layers.loss.reduce import all_reduce_sum_, gather_merge_stats
 from mp_bridge.layers.vocab_shards import VocabShard
 
-__all__ = ["SLAB_ELEMENTS", "VocabMajor", "addmm_f32_", "mm_f32", "slab_rows"]
+__all__ = [
+    "ADDMM_OUT_DTYPE",
+    "MM_THEN_ADD",
+    "SLAB_ELEMENTS",
+    "VocabMajor",
+    "addmm_f32_",
+    "addmm_path",
+    "choose_addmm_path",
+    "exact_fp32",
+    "mm_f32",
+    "slab_rows",
+]
 
 #: fp32 logits per slab (64 MiB): slabs of 2048 rows at N = 8192, large enough GEMMs.
 SLAB_ELEMENTS = 1 << 24
 
 
+#: ``addmm_path`` values: cuBLAS accumulates into the fp32 ``acc`` itself, or (a torch
+#: whose ``addmm`` lacks ``out_dtype``) an fp32 ``[N, H]`` product then ``add_``: +128 MiB
+#: and about +7 ms at 8192 x 4096 x 131072 bf16 (predicted).
+ADDMM_OUT_DTYPE = "addmm(out_dtype=float32, out=acc)"
+MM_THEN_ADD = "mm(out_dtype=float32) + add_"
+
+
+@contextlib.contextmanager
+def exact_fp32():
+    """cuBLAS fp32 matmuls in IEEE fp32 (no TF32) inside, the caller's setting restored
+    after. Through ``fp32_precision`` where torch has it (the legacy ``allow_tf32`` and
+    ``set_float32_matmul_precision`` map onto it; writing the legacy flag after a user set
+    the new one is an error in torch >= 2.9), else through ``allow_tf32``."""
+    mm = torch.backends.cuda.matmul
+    name = "fp32_precision" if hasattr(mm, "fp32_precision") else "allow_tf32"
+    old = getattr(mm, name)
+    setattr(mm, name, "ieee" if name == "fp32_precision" else False)
+    try:
+        yield
+    finally:
+        setattr(mm, name, old)
+
+
+def choose_addmm_path(try_addmm: Callable[[], object]) -> str:
+    """``ADDMM_OUT_DTYPE`` if ``try_addmm()`` runs, else ``MM_THEN_ADD`` with a warning
+    naming the error (never silent)."""
+    try:
+        try_addmm()
+    except (RuntimeError, TypeError) as exc:  # NotImplementedError is a RuntimeError
+        warnings.warn(
+            f"torch {torch.__version__}: addmm(out_dtype=float32) failed ({type(exc).__name__}: "
+            f"{str(exc).splitlines()[0][:120]}); the triton engine's default mode adds an fp32 "
+            "d h product instead (more memory and time)",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return MM_THEN_ADD
+    return ADDMM_OUT_DTYPE
+
+
+@functools.cache
+def addmm_path(device_type: str = "cuda") -> str:
+    """The product ``addmm_f32_`` uses for bf16 / fp16 operands on ``device_type``,
+    checked once per process (CPU: fp32 operands, the interpreter's stand-in)."""
+    if device_type != "cuda":
+        return "addmm_ on fp32 operands (CPU stand-in)"
+
+    def tiny():
+        a = torch.ones((16, 16), dtype=torch.bfloat16, device=device_type)
+        acc = torch.ones((16, 16), dtype=torch.float32, device=device_type)
+        torch.addmm(acc, a, a, out_dtype=torch.float32, out=acc)
+        if not bool((acc == 17.0).all()):
+            raise AssertionError(f"addmm(out_dtype=float32, out=acc) gave {acc[0, 0].item()}")
+
+    return choose_addmm_path(tiny)
+
+
 def mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``a @ b`` accumulated and returned in fp32 (see the module docstring)."""
     if a.dtype == torch.float32:
+        if a.is_cuda:
+            with exact_fp32():
+                return torch.mm(a, b)
         return torch.mm(a, b)
     if a.is_cuda:
         return torch.mm(a, b, out_dtype=torch.float32)
@@ -63,12 +144,14 @@ def addmm_f32_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Ten
     ``acc`` itself, no ``[N, H]`` fp32 product, where this torch has ``addmm``'s
     ``out_dtype``)."""
     if a.dtype == torch.float32:
+        if a.is_cuda:
+            with exact_fp32():
+                return acc.addmm_(a, b)
         return acc.addmm_(a, b)
     if a.is_cuda:
-        try:
+        if addmm_path("cuda") == ADDMM_OUT_DTYPE:
             return torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
-        except (RuntimeError, TypeError):  # an older torch: one fp32 product, then add
-            return acc.add_(mm_f32(a, b))
+        return acc.add_(mm_f32(a, b))  # MM_THEN_ADD: addmm_path warned once
     return acc.addmm_(a.float(), b.float())
 
 
