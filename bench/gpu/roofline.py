@@ -65,8 +65,10 @@ DEFAULT_MS = 52.0
 #: file is keyed by kernel name).
 SLAB_ELEMENTS = 1 << 24  # vocab_major.SLAB_ELEMENTS
 VOCAB_BLOCK = 256  # blocks.VOCAB_BLOCK
-TILE_M, BH, BVW = 32, 64, 64  # block_stats.TILE_M, block_dhidden.BH, block_dweight.BVW
+TILE_M, TILE_DH, BH = 64, 128, 64  # block_stats.TILE_M, block_dhidden.TILE_M, .BH
+BVW, BHW, TILE_K = 128, 128, 32  # block_dweight.BVW, .BH (bf16 / fp16), .TILE_K
 CHUNK = 1024  # block_tiles.DEFAULT_CHUNK_TOKENS
+FOLD_TOKENS = 8192  # block_tiles.FOLD_TOKENS: tokens folded at once (whole chunks)
 STATS = 4  # S: (m, s, target, sum z) for plain cross-entropy
 
 
@@ -221,44 +223,49 @@ def stack_depth(k: int) -> int:
 
 
 def block_dhidden_pass(s: Shape, facts) -> Kernel:
-    """Grid ``(C / TILE_M, H / BH)``, token tiles fastest; each program walks all ``K``
-    blocks: ``g [TILE_M, 256]`` and ``W [256, BH]`` per block, and its tree stack of fp32
-    ``[TILE_M, BH]`` partial sums in global memory (one store per leaf, one load per merge:
-    ``K - 1`` merges; both counted at the L2 rate)."""
+    """Grid ``(C / TILE_DH, H / BH)``, token tiles fastest; each program walks all ``K``
+    blocks: ``g [TILE_DH, 256]`` and ``W [256, BH]`` per block, and its tree stack of fp32
+    ``[TILE_DH, BH]`` partial sums in global memory. The lowest level stays on chip (aligned
+    leaf pairs summed in registers): one store per pair, one load per merge above it
+    (``ceil(K / 2) - 1``); both counted at the L2 rate. One k-loop over all blocks' steps
+    (pipelined across leaves)."""
     f = _fact(facts, "_block_dhidden_kernel")
     c, k = min(CHUNK, s.n), s.v_local // VOCAB_BLOCK
     chunks = math.ceil(s.n / c)
-    tiles, cols = math.ceil(c / TILE_M), math.ceil(s.h / BH)
+    tiles, cols = math.ceil(c / TILE_DH), math.ceil(s.h / BH)
     programs = chunks * tiles * cols
-    node = TILE_M * BH * F32
-    stack = programs * (k + (k - 1)) * node  # stores + loads of the stack
-    # g tile row i is reused by the H / BH programs of row i, C / TILE_M apart: the ones in
+    node = TILE_DH * BH * F32
+    pushes = math.ceil(k / 2)  # leaf pairs
+    stack = programs * (pushes + (pushes - 1)) * node  # stores + loads of the stack
+    # g tile row i is reused by the H / BH programs of row i, C / TILE_DH apart: the ones in
     # flight together share a read; W[block, slice] users are consecutive: once per chunk
     g_chunk = c * s.v_local * BF16
     g_reads = math.ceil(cols / max(1, _window(f) // tiles))
     live_stack = _window(f) * stack_depth(k) * node
     hbm = chunks * (g_reads * g_chunk + s.v_local * s.h * BF16)
     hbm += stack if not fits(live_stack) else chunks * stack_depth(k) * c * s.h * F32
-    l2 = programs * k * (TILE_M * VOCAB_BLOCK + VOCAB_BLOCK * BH) * BF16 + stack
+    l2 = programs * k * (TILE_DH * VOCAB_BLOCK + VOCAB_BLOCK * BH) * BF16 + stack
     return Kernel("invariant", "bwd: block_dhidden (g W, tree stack)", _triton_kind(f),
                   2.0 * s.n * s.v_local * s.h, hbm, l2, facts=_facts_text(f))  # fmt: skip
 
 
 def block_dweight_pass(s: Shape, facts) -> Kernel:
-    """Grid ``(R / BVW, H / BH)``, weight-row tiles fastest; each program loads its fp32
-    ``[BVW, BH]`` accumulator, adds ``g^T h`` over the chunk's token tiles, stores it."""
+    """Grid ``(H / BHW, R / BVW)``, hidden tiles fastest; each program loads its fp32
+    ``[BVW, BHW]`` accumulator, adds ``g^T h`` over the chunk's ``TILE_K``-token steps,
+    stores it."""
     f = _fact(facts, "_block_dweight_kernel")
     c = min(CHUNK, s.n)
     chunks = math.ceil(s.n / c)
-    rows, cols = math.ceil(s.v_local / BVW), math.ceil(s.h / BH)
+    rows, cols = math.ceil(s.v_local / BVW), math.ceil(s.h / BHW)
     programs = chunks * rows * cols
     g_chunk = c * s.v_local * BF16
-    # g[:, v-tile] is reused by the programs (v, c + 1): one grid row (R / BVW programs)
-    # later, having touched the whole g chunk; h[:, c-tile]: consecutive users
-    g_reads = 1 if fits(g_chunk) else cols
+    h_chunk = c * s.h * BF16
+    # g[:, v-tile]: its H / BHW users are consecutive -> once per chunk; h[:, c-tile] is
+    # reused one grid row (H / BHW programs) later, touching the h chunk + one g slice
+    h_reads = 1 if fits(h_chunk + c * BVW * BF16) else rows
     acc = s.v_local * s.h * F32
-    hbm = chunks * (g_reads * g_chunk + c * s.h * BF16 + 2 * acc)
-    l2 = programs * math.ceil(c / TILE_M) * (BVW + BH) * TILE_M * BF16
+    hbm = chunks * (g_chunk + h_reads * h_chunk + 2 * acc)
+    l2 = programs * math.ceil(c / TILE_K) * (BVW + BHW) * TILE_K * BF16
     return Kernel("invariant", "bwd: block_dweight (dW += g^T h, fp32 acc)", _triton_kind(f),
                   2.0 * s.n * s.v_local * s.h, hbm, l2, facts=_facts_text(f))  # fmt: skip
 
@@ -275,8 +282,8 @@ def invariant_mode(s: Shape, facts) -> list[Kernel]:
             "invariant",
             "fwd: fold_blocks (torch)",
             "launches",
-            launches=chunks * levels * MERGE_OPS,
-            facts="~12 launches per level",
+            launches=math.ceil(s.n / max(c, FOLD_TOKENS // c * c)) * levels * MERGE_OPS,
+            facts="~12 launches per level, per 8192 tokens",
         ),
         block_logits_pass(
             s, facts, "_block_grad_kernel", "bwd: block_grad (g bf16)", s.n * s.v_local * BF16

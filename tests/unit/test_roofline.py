@@ -37,23 +37,28 @@ def test_block_stats_at_a_small_shape():
     assert k.flops == 4_194_304  # 2 * 64 * 512 * 64
     # W once (512 * 64 * 2) + h chunk once (64 * 64 * 2, fits in L2) + the 2048 B stats
     assert k.hbm == 65_536 + 8_192 + 2_048
-    assert k.l2 == 147_456  # 4 programs * (32 + 256) rows * 64 * 2 B
+    assert k.l2 == 81_920  # 2 programs (one 64-row tile x 2 blocks) * (64 + 256) * 64 * 2 B
     assert k.kind == "mma.sync"
     assert k.times["compute"] == pytest.approx(4_194_304 / 353.7e12)  # 45 % of 786
-    assert k.times["l2"] == pytest.approx(147_456 / 7e12)
+    assert k.times["l2"] == pytest.approx(81_920 / 7e12)
     assert k.times["hbm"] == pytest.approx(75_776 / 4.08e12)  # 4.8 TB/s * 85 %
-    assert k.bound == "l2" and k.seconds == pytest.approx(2.10651e-8, rel=1e-5)
+    # 75 776 B / 4.08 TB/s = 18.57 ns > compute 11.86 ns > L2 11.70 ns
+    assert k.bound == "hbm" and k.seconds == pytest.approx(1.857255e-8, rel=1e-5)
 
 
-def test_block_dweight_at_a_small_shape_and_its_g_rereads_at_the_production_one():
+def test_block_dweight_at_a_small_shape_and_its_g_reads_at_the_production_one():
     k = rl.block_dweight_pass(rl.Shape(64, 64, 512), FACTS)
-    # g chunk 64 * 512 * 2 (fits: once) + h 64 * 64 * 2 + the fp32 acc 512 * 64 * 4 in and out
+    # g chunk 64 * 512 * 2 (once) + h 64 * 64 * 2 (fits: once) + the fp32 acc 512 * 64 * 4
+    # in and out
     assert k.hbm == 65_536 + 8_192 + 2 * 131_072
-    assert k.l2 == 131_072  # 8 programs * 2 token tiles * (64 + 64) * 32 * 2 B
+    # 4 programs (512 / 128 row tiles x one 128-wide hidden tile) * 2 token steps of 32
+    # * (128 + 128) * 32 * 2 B
+    assert k.l2 == 131_072
     assert k.times["compute"] == pytest.approx(4_194_304 / (0.8 * 786e12))
     big = rl.block_dweight_pass(rl.Shape(8192, 4096, 131072), FACTS)
-    # 256 MiB g chunk > 50 MB: read by each of the 64 column tiles, 8 chunks; + h; + acc
-    assert big.hbm == 8 * 64 * 268_435_456 + 8 * 8_388_608 + 8 * 2 * 2_147_483_648
+    # hidden tiles fastest: each 256 MiB g chunk read once (its 32 hidden-tile users run
+    # together), 8 chunks; h chunk 8 MiB + one g slice fits: once per chunk; + acc in, out
+    assert big.hbm == 8 * 268_435_456 + 8 * 8_388_608 + 8 * 2 * 2_147_483_648
 
 
 def test_the_default_modes_first_gemm():

@@ -14,9 +14,9 @@
    override), every ``tl.dot`` names its ``input_precision``, and fp32 builds never touch
    tensor cores or TF32.
 
-Pending the kernel rewrite (issue 36 item 1): ``PENDING_WGMMA`` kernels still compile to
-``mma.sync`` (32-row tiles: Triton uses wgmma from 64 rows); the test asserts that they
-do, so rewriting one fails here until it leaves the set.
+``PENDING_WGMMA`` names kernels still on ``mma.sync`` (Triton uses wgmma from 64-row
+tiles); the test asserts that they are, so rewriting one fails here until it leaves the
+set. Empty since issue 36's 64-row tiles: every GEMM-like kernel is on wgmma.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ ROOT = Path(__file__).resolve().parents[2]
 RECORD = ROOT / "bench" / "gpu" / "compiled_facts.json"
 ARCH = "sm_90"
 #: Kernels still on ``mma.sync`` (Ampere path); the wgmma rewrite empties this set.
-PENDING_WGMMA = frozenset({"_block_stats_kernel", "_block_grad_kernel", "_block_dhidden_kernel"})
+PENDING_WGMMA: frozenset[str] = frozenset()
 SMEM_LIMIT = 227 * 1024
 RERECORD = (
     "re-record with `python -m tests.triton_facts --record` (no TRITON_INTERPRET), then "

@@ -1,10 +1,12 @@
 """Invariant mode, backward step 3: ``d W += g^T h`` token tile by token tile, in token
 order, each output element owned by one program (no split-K, no atomics).
 
-Grid ``(ceil(R / BVW), ceil(H / BH))`` over the ``R`` real weight rows: program ``(v, c)``
-loads its ``[BVW, BH]`` fp32 accumulator from ``acc`` (the sum of the earlier chunks),
-adds ``g[tile]^T @ h[tile]`` for the chunk's ``TILE_M``-token tiles in order
-(``dot_acc``, ``K = TILE_M``), and stores it back. Chunks start on whole tiles, so every
+Grid ``(ceil(H / BH), ceil(R / BVW))`` over the ``R`` real weight rows, hidden tiles
+fastest (the grid order moves no bit): the programs in flight share one ``g[:, v-tile]``
+slice, read from HBM once per chunk, and stream the chunk's ``h`` from L2. Program ``(c,
+v)`` loads its ``[BVW, BH]`` fp32 accumulator from ``acc`` (the sum of the earlier
+chunks), adds ``g[tile]^T @ h[tile]`` for the chunk's ``TILE_K``-token tiles in order
+(``dot_acc``, ``K = TILE_K``), and stores it back. Chunks start on whole tiles, so every
 element gets the same adds in the same order whatever the chunking or the TP size; tokens
 appended with zero upstream gradient add exact zeros.
 """
@@ -15,14 +17,25 @@ import torch
 import triton
 import triton.language as tl
 
-from mp_bridge.layers.loss.engines.triton.block_dhidden import BH
-from mp_bridge.layers.loss.engines.triton.block_stats import NUM_STAGES, NUM_WARPS, TILE_M
+from mp_bridge.layers.loss.engines.triton.block_stats import NUM_STAGES, NUM_WARPS
 from mp_bridge.layers.loss.engines.triton.tiles import FP_FUSION, INTERPRET, dot_acc
 
-__all__ = ["BVW", "block_dweight_"]
+__all__ = ["BH", "BH_FP32", "BVW", "BVW_FP32", "TILE_K", "block_dweight_", "out_tile"]
 
-#: Weight rows per program (fixed: part of the bits).
-BVW = 64
+#: Tokens per product step (``K`` of each ``dot_acc``; fixed: part of the bits, and a
+#: divisor of the chunk, a whole number of ``block_stats.TILE_M``).
+TILE_K = 32
+#: Output tile ``[BVW, BH]`` per program, fixed per dtype (each element is one program's
+#: own sum, so the tile moves no bit of it; it sets the traffic: ``BVW BH / (BVW + BH)``
+#: FLOP per streamed byte). bf16 / fp16: 128 x 128 (``wgmma m64n128k16``, no spill in
+#: either build); fp32 (FMA dot): 64 x 64.
+BVW, BH = 128, 128
+BVW_FP32, BH_FP32 = 64, 64
+
+
+def out_tile(dtype: torch.dtype) -> tuple[int, int]:
+    """``(BVW, BH)`` of ``d W`` for inputs of ``dtype``."""
+    return (BVW_FP32, BH_FP32) if dtype == torch.float32 else (BVW, BH)
 
 
 @triton.jit
@@ -40,8 +53,8 @@ def _block_dweight_kernel(
     BH: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
-    vs = tl.program_id(0) * BVW + tl.arange(0, BVW)
-    hcols = tl.program_id(1) * BH + tl.arange(0, BH)
+    hcols = tl.program_id(0) * BH + tl.arange(0, BH)
+    vs = tl.program_id(1) * BVW + tl.arange(0, BVW)
     vmask = vs < v_rows
     hmask = hcols < hidden
     out = acc_ptr + vs[:, None] * hidden + hcols[None, :]
@@ -71,7 +84,8 @@ def block_dweight_(acc: torch.Tensor, g: torch.Tensor, h: torch.Tensor) -> None:
     rows = acc.shape[0]
     if n == 0 or rows == 0:
         return
-    _block_dweight_kernel[(triton.cdiv(rows, BVW), triton.cdiv(hd, BH))](
+    bvw, bh = out_tile(h.dtype)
+    _block_dweight_kernel[(triton.cdiv(hd, bh), triton.cdiv(rows, bvw))](
         g,
         g.stride(0),
         h,
@@ -80,9 +94,9 @@ def block_dweight_(acc: torch.Tensor, g: torch.Tensor, h: torch.Tensor) -> None:
         n,
         hd,
         rows,
-        TILE_M=TILE_M,
-        BVW=BVW,
-        BH=BH,
+        TILE_M=TILE_K,
+        BVW=bvw,
+        BH=bh,
         INTERPRET=INTERPRET,
         num_warps=NUM_WARPS,
         num_stages=NUM_STAGES,

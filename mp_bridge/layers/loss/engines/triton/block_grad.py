@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from mp_bridge.layers.loss.blocks import VOCAB_BLOCK
-from mp_bridge.layers.loss.engines.triton.block_stats import BK, NUM_STAGES, NUM_WARPS, TILE_M
+from mp_bridge.layers.loss.engines.triton.block_stats import BK, NUM_STAGES, NUM_WARPS, row_tile
 from mp_bridge.layers.loss.engines.triton.tiles import (
     FP_FUSION,
     INTERPRET,
@@ -84,9 +84,10 @@ def block_grad(
     if n == 0 or n_blocks == 0:
         return out
     args, flags = grad_params(spec, w, w_ent, ent)
-    _block_grad_kernel[(triton.cdiv(n, TILE_M), n_blocks)](
+    tm = row_tile(h.dtype)
+    _block_grad_kernel[(triton.cdiv(n, tm), n_blocks)](
         h, h.stride(0), weight, weight.stride(0), out, out.stride(0), n, hd, weight.shape[0],
-        num_valid, temp, tcol, lse, *args, **flags, TILE_M=TILE_M, BLOCK=VOCAB_BLOCK, BK=BK,
+        num_valid, temp, tcol, lse, *args, **flags, TILE_M=tm, BLOCK=VOCAB_BLOCK, BK=BK,
         INTERPRET=INTERPRET, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
         enable_fp_fusion=FP_FUSION,
     )  # fmt: skip

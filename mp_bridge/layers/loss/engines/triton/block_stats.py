@@ -27,15 +27,26 @@ from mp_bridge.layers.loss.engines.triton.tiles import (
 )
 from mp_bridge.layers.loss.formulas import LossSpec
 
-__all__ = ["BK", "NUM_STAGES", "NUM_WARPS", "TILE_M", "block_stats"]
+__all__ = ["BK", "NUM_STAGES", "NUM_WARPS", "TILE_M", "TILE_M_FP32", "block_stats", "row_tile"]
 
-#: Fixed tiles, never autotuned: part of the invariant bits. ``TILE_M`` tokens x one
-#: ``VOCAB_BLOCK`` of 256 ids per program, the hidden dim in steps of ``BK``.
-TILE_M = 32
+#: Fixed tiles, never autotuned: part of the invariant bits. ``row_tile(dtype)`` tokens x
+#: one ``VOCAB_BLOCK`` of 256 ids per program, the hidden dim in steps of ``BK``. bf16 /
+#: fp16: 64 rows, the smallest tile Triton lowers to ``wgmma`` (sm_90: ``m64n128k16``,
+#: one warpgroup per 128 columns; 32 rows lower to Ampere's ``mma.sync``); 128 rows spill
+#: the ``[128, 256]`` accumulator plus the statistics epilogue. fp32 (no tensor core, an
+#: FMA dot): 32 rows, since 64 spill. A row's bits do not depend on the row tile (every
+#: element is its own row's dot, ``k`` in order); chunks are whole ``TILE_M`` tiles.
+TILE_M = 64
+TILE_M_FP32 = 32
 BK = 32
 NUM_WARPS = 8
 #: Software-pipelining depth of every block kernel's k-loop (pinned, never Triton's default).
 NUM_STAGES = 3
+
+
+def row_tile(dtype: torch.dtype) -> int:
+    """Token rows per program of the block kernels for inputs of ``dtype`` (fixed)."""
+    return TILE_M_FP32 if dtype == torch.float32 else TILE_M
 
 
 @triton.jit
@@ -101,9 +112,10 @@ def block_stats(
     if n == 0 or n_blocks == 0:
         return stats
     args, flags = stats_params(spec)
-    _block_stats_kernel[(triton.cdiv(n, TILE_M), n_blocks)](
+    tm = row_tile(h.dtype)
+    _block_stats_kernel[(triton.cdiv(n, tm), n_blocks)](
         h, h.stride(0), weight, weight.stride(0), stats, temp, tcol, n, hd, weight.shape[0],
-        n_blocks, num_valid, *args, **flags, TILE_M=TILE_M, BLOCK=VOCAB_BLOCK, BK=BK,
+        n_blocks, num_valid, *args, **flags, TILE_M=tm, BLOCK=VOCAB_BLOCK, BK=BK,
         INTERPRET=INTERPRET, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
         enable_fp_fusion=FP_FUSION,
     )  # fmt: skip

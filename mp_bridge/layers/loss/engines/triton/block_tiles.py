@@ -5,7 +5,8 @@ Tokens go in chunks of whole ``TILE_M`` tiles (``call.chunk_size`` rounded up; t
 only bounds memory). Per chunk of ``C`` tokens, ``K`` real local blocks:
 
 - forward: ``block_stats`` (logits in registers) -> ``[S, K, C]``; ``fold_blocks`` folds
-  this rank's subtrees and ``gather_fold`` (one all-gather) the ranks' in tree order.
+  this rank's subtrees and ``gather_fold`` (one all-gather) the ranks' in tree order,
+  once per group of chunks (``FOLD_TOKENS``).
 - backward: ``block_grad`` recomputes the logits (same kernel code, same bits) into ``g
   [C, K * 256]`` (input dtype); ``block_dhidden`` folds ``g @ W`` per block in the tree
   inside the kernel, ``gather_fold`` (one all-gather) finishes it; ``block_dweight_``
@@ -37,11 +38,16 @@ from mp_bridge.layers.loss.engines.triton.block_stats import TILE_M, block_stats
 from mp_bridge.layers.loss.formulas import LossSpec
 from mp_bridge.layers.loss.reduce import gather_fold
 
-__all__ = ["DEFAULT_CHUNK_TOKENS", "BlockTiles"]
+__all__ = ["DEFAULT_CHUNK_TOKENS", "FOLD_TOKENS", "BlockTiles"]
 
 #: Tokens per chunk without ``chunk_size``: ``g`` is ``[1024, V_local]`` in the input
 #: dtype (256 MiB at V_local = 131072 in bf16) plus the ``[D, 1024, H]`` fp32 stack.
 DEFAULT_CHUNK_TOKENS = 1024
+#: Tokens whose per-block statistics are folded at once (whole chunks): the fold's ~12
+#: torch launches per tree level run once per group, not per chunk; ``[S, K, 8192]`` fp32
+#: is 64 MiB at ``K = 512`` blocks, ``S = 4``. The fold is element-wise in the tokens: no
+#: bit depends on the grouping.
+FOLD_TOKENS = 8192
 
 
 @dataclass(frozen=True, eq=False)
@@ -75,16 +81,27 @@ class BlockTiles:
             yield slice(s, min(s + self.chunk, n))
 
     def stats(self, h: torch.Tensor, tcol: torch.Tensor, temp: torch.Tensor) -> torch.Tensor:
-        lay, spec, w = self.layout, self.spec, self.weight.detach()
-        out = torch.empty((spec.num_stats, h.shape[0]), dtype=torch.float32, device=h.device)
-        for rows in self._chunks(h.shape[0]):
-            st = block_stats(
-                h[rows], w, temp[rows], tcol[rows], n_blocks=lay.num_local,
-                num_valid=self._num_valid, spec=spec,
-            )  # fmt: skip
-            pieces = fold_blocks(st, 1, lay, spec.merge)
-            shape = (spec.num_stats, rows.stop - rows.start)
-            out[:, rows] = gather_fold(pieces, lay, self.tp_group, spec.combine, shape, h.device)
+        lay, spec, w, n = self.layout, self.spec, self.weight.detach(), h.shape[0]
+        out = torch.empty((spec.num_stats, n), dtype=torch.float32, device=h.device)
+        group = max(self.chunk, FOLD_TOKENS // self.chunk * self.chunk)
+        for g0 in range(0, n, group):  # fold whole groups of chunks: fewer torch launches
+            g1 = min(g0 + group, n)
+            st = None
+            for rows in self._chunks(g1 - g0):
+                at = slice(g0 + rows.start, g0 + rows.stop)
+                part = block_stats(
+                    h[at], w, temp[at], tcol[at], n_blocks=lay.num_local,
+                    num_valid=self._num_valid, spec=spec,
+                )  # fmt: skip
+                if rows.stop - rows.start == g1 - g0:  # the group is one chunk
+                    st = part
+                    break
+                if st is None:
+                    st = part.new_empty((spec.num_stats, lay.num_local, g1 - g0))
+                st[:, :, rows] = part
+            pieces = fold_blocks(st, 1, lay, spec.merge)  # element-wise in the tokens
+            shape = (spec.num_stats, g1 - g0)
+            out[:, g0:g1] = gather_fold(pieces, lay, self.tp_group, spec.combine, shape, h.device)
         return out
 
     def grads(self, h, tcol, temp, lse, w, w_ent, ent, want_gw: bool):
