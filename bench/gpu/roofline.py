@@ -66,6 +66,8 @@ DEFAULT_MS = 52.0
 SLAB_ELEMENTS = 1 << 24  # vocab_major.SLAB_ELEMENTS
 VOCAB_BLOCK = 256  # blocks.VOCAB_BLOCK
 TILE_M, TILE_DH, BH = 64, 128, 64  # block_stats.TILE_M, block_dhidden.TILE_M, .BH
+#: Token rows per program of each logits kernel in the running (16-divisible) build
+ROW_TILE = {"_block_stats_kernel": TILE_M, "_block_grad_kernel": 128}  # block_grad.WIDE_M
 BVW, BHW, TILE_K = 128, 128, 32  # block_dweight.BVW, .BH (bf16 / fp16), .TILE_K
 CHUNK = 1024  # block_tiles.DEFAULT_CHUNK_TOKENS
 FOLD_TOKENS = 8192  # block_tiles.FOLD_TOKENS: tokens folded at once (whole chunks)
@@ -203,17 +205,17 @@ def _window(f: dict) -> int:
 def block_logits_pass(s: Shape, facts, name: str, label: str, out_bytes: float) -> Kernel:
     """``block_stats`` / ``block_grad``: grid ``(C / TILE_M, K)``, token tiles fastest;
     each program streams its ``[TILE_M, H]`` hidden tile and ``[256, H]`` weight block."""
-    f = _fact(facts, name)
+    f, tm = _fact(facts, name), ROW_TILE[name]
     c, k = min(CHUNK, s.n), s.v_local // VOCAB_BLOCK
     chunks = math.ceil(s.n / c)
-    programs = chunks * math.ceil(c / TILE_M) * k
+    programs = chunks * math.ceil(c / tm) * k
     w_block = VOCAB_BLOCK * s.h * BF16
     h_chunk = c * s.h * BF16
-    # W block j: its C / TILE_M users are consecutive -> once per chunk; the hidden chunk
-    # is reused one grid row (C / TILE_M programs) later, touching itself + one block
+    # W block j: its C / tm users are consecutive -> once per chunk; the hidden chunk
+    # is reused one grid row (C / tm programs) later, touching itself + one block
     h_reads = 1 if fits(h_chunk + w_block) else k
     hbm = chunks * (s.v_local * s.h * BF16 + h_reads * h_chunk) + out_bytes
-    l2 = programs * (TILE_M + VOCAB_BLOCK) * s.h * BF16
+    l2 = programs * (tm + VOCAB_BLOCK) * s.h * BF16
     return Kernel("invariant", label, _triton_kind(f), 2.0 * s.n * s.v_local * s.h, hbm, l2,
                   facts=_facts_text(f))  # fmt: skip
 

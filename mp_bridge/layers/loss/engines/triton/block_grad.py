@@ -1,8 +1,10 @@
 """Invariant mode, backward step 1: the logits' gradient of every (token tile, vocab
-block), recomputed in registers by the forward's own ``block_logits`` (the same bits).
+block), recomputed in registers by the forward's own ``block_logits`` (the same bits; at
+``WIDE_M`` rows as two column halves: the same sums, the same MMA shape).
 
-Grid ``(ceil(C / TILE_M), K)`` over a chunk of ``C`` tokens: program ``(i, j)`` rebuilds
-the ``[TILE_M, BLOCK]`` logits, applies ``transform`` and ``tile_grad`` from the rows'
+Grid ``(ceil(C / T), K)`` over a chunk of ``C`` tokens (``T``: ``WIDE_M`` rows in a
+16-divisible build, else ``row_tile``): program ``(i, j)`` rebuilds the ``[T, BLOCK]``
+logits, applies ``transform`` and ``tile_grad`` from the rows'
 global ``lse`` / entropy and factors ``w`` / ``w_ent``, and writes ``g`` to ``out [C,
 K * BLOCK]`` in the input dtype (the operand of the two gradient products). Element-wise
 per row: no bit depends on another token or on the TP size.
@@ -15,7 +17,13 @@ import triton
 import triton.language as tl
 
 from mp_bridge.layers.loss.blocks import VOCAB_BLOCK
-from mp_bridge.layers.loss.engines.triton.block_stats import BK, NUM_STAGES, NUM_WARPS, row_tile
+from mp_bridge.layers.loss.engines.triton.block_stats import (
+    BK,
+    NUM_STAGES,
+    NUM_WARPS,
+    TILE_M,
+    row_tile,
+)
 from mp_bridge.layers.loss.engines.triton.tiles import (
     FP_FUSION,
     INTERPRET,
@@ -26,7 +34,20 @@ from mp_bridge.layers.loss.engines.triton.tiles import (
 )
 from mp_bridge.layers.loss.formulas import LossSpec
 
-__all__ = ["block_grad"]
+__all__ = ["WIDE_M", "block_grad"]
+
+#: Token rows per program where the JIT's build has 16-divisible shapes and pointers
+#: (vectorized ``cp.async`` loads): two ``[128, 128]`` accumulators, ``wgmma m64n128k16``
+#: as at ``TILE_M = 64`` rows, epilogue one half at a time. Without that divisibility the
+#: unvectorized loads spill at 128 rows, so the tile stays ``TILE_M``; the row tile moves
+#: no bit (each row is its own dot, ``k`` in order).
+WIDE_M = 128
+
+
+def _aligned(*args) -> bool:
+    """Whether every tensor's address and every integer is a multiple of 16 (the JIT's
+    divisibility specialization)."""
+    return all((a.data_ptr() if hasattr(a, "data_ptr") else a) % 16 == 0 for a in args)
 
 
 @triton.jit
@@ -61,18 +82,26 @@ def _block_grad_kernel(
     INTERPRET: tl.constexpr,
 ):
     rows = tl.program_id(0) * TILE_M + tl.arange(0, TILE_M)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     rmask = rows < n_rows
-    x = block_logits(
+    # WIDE_M rows: two [TILE_M, BLOCK / 2] accumulators, the epilogue one half at a time
+    HALF: tl.constexpr = BLOCK // 2 if TILE_M > 64 else BLOCK
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, HALF)
+    xa, xb = block_logits(
         h_ptr, h_stride, w_ptr, w_stride, rows, rmask, cols, w_rows, hidden,
-        TILE_M, BLOCK, BK, INTERPRET,
+        TILE_M, BLOCK, BK, INTERPRET, HALF < BLOCK,
     )  # fmt: skip
-    g = grad_of(
-        x, cols, rmask[:, None], rows, rmask, temp_ptr, tcol_ptr, lse_ptr, w_tok_ptr, went_ptr,
-        ent_ptr, num_valid, cap, coef_a, coef_b, coef_c, zw2, HAS_CAP, HAS_Z, HAS_ENT,
-    )  # fmt: skip
-    out = out_ptr + rows[:, None] * out_stride + cols[None, :]
-    tl.store(out, rounded(g, out_ptr, INTERPRET), mask=rmask[:, None])
+    for half in tl.static_range(BLOCK // HALF):
+        x = xa
+        if half == 1:
+            x = xb
+        ids = cols + half * HALF
+        g = grad_of(
+            x, ids, rmask[:, None], rows, rmask, temp_ptr, tcol_ptr, lse_ptr, w_tok_ptr,
+            went_ptr, ent_ptr, num_valid, cap, coef_a, coef_b, coef_c, zw2, HAS_CAP, HAS_Z,
+            HAS_ENT,
+        )  # fmt: skip
+        out = out_ptr + rows[:, None] * out_stride + ids[None, :]
+        tl.store(out, rounded(g, out_ptr, INTERPRET), mask=rmask[:, None])
 
 
 def block_grad(
@@ -85,6 +114,8 @@ def block_grad(
         return out
     args, flags = grad_params(spec, w, w_ent, ent)
     tm = row_tile(h.dtype)
+    if tm == TILE_M and _aligned(h, weight, out, n, hd, h.stride(0), weight.stride(0)):
+        tm = WIDE_M
     _block_grad_kernel[(triton.cdiv(n, tm), n_blocks)](
         h, h.stride(0), weight, weight.stride(0), out, out.stride(0), n, hd, weight.shape[0],
         num_valid, temp, tcol, lse, *args, **flags, TILE_M=tm, BLOCK=VOCAB_BLOCK, BK=BK,

@@ -76,9 +76,9 @@ def _block_stats_kernel(
     rows = tl.program_id(0) * TILE_M + tl.arange(0, TILE_M)
     cols = j * BLOCK + tl.arange(0, BLOCK)
     rmask = rows < n_rows
-    x = block_logits(
+    x, _ = block_logits(
         h_ptr, h_stride, w_ptr, w_stride, rows, rmask, cols, w_rows, hidden,
-        TILE_M, BLOCK, BK, INTERPRET,
+        TILE_M, BLOCK, BK, INTERPRET, False,
     )  # fmt: skip
     m, s, t, sz, u, q = stats_of(
         x, cols, rmask[:, None], rows, rmask, temp_ptr, tcol_ptr, num_valid, cap, HAS_CAP

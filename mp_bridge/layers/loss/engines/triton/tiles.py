@@ -170,6 +170,23 @@ def tile_grad(
 
 
 @triton.jit
+def _kstep(hp, wp, rmask, ma, mb, w_stride, hidden, k0, SECOND: tl.constexpr, BK: tl.constexpr):
+    """``k`` step ``k0`` of the logits: the hidden tile ``[R, BK]`` (row pointers ``hp``)
+    and the weight tiles ``[BK, C]`` at column pointers ``wp`` and, when ``SECOND > 0``,
+    ``SECOND`` weight rows further (``ma`` / ``mb``: their rows that exist); zeros past
+    the tokens, the weight rows and ``hidden``."""
+    ks = k0 + tl.arange(0, BK)
+    kmask = ks < hidden
+    x = tl.load(hp + ks[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
+    y = tl.load(wp + ks[:, None], mask=ma[None, :] & kmask[:, None], other=0.0)
+    y2 = y
+    if SECOND > 0:
+        m2 = mb[None, :] & kmask[:, None]
+        y2 = tl.load(wp + SECOND * w_stride + ks[:, None], mask=m2, other=0.0)
+    return x, y, y2
+
+
+@triton.jit
 def block_logits(
     h_ptr,
     h_stride,
@@ -184,28 +201,28 @@ def block_logits(
     BLOCK: tl.constexpr,
     BK: tl.constexpr,
     INTERPRET: tl.constexpr,
+    SPLIT: tl.constexpr,
 ):
     """Raw fp32 logits ``[TILE_M, BLOCK]`` of token ``rows`` against weight rows ``cols``:
     ``sum_k h[r, k] W[c, k]`` over ``k`` in steps of ``BK`` from 0, in order (no split-K);
     rows past the tokens and weight rows past ``w_rows`` load zeros. Every element's
-    bits depend on its own row and column alone (fixed tile shapes, one program each)."""
-    acc = tl.zeros((TILE_M, BLOCK), tl.float32)
-    cmask = cols < w_rows
+    bits depend on its own row and column alone (fixed tile shapes, one program each).
+    Returns ``(logits, zeros)``; with ``SPLIT``, ``cols`` are the first ``BLOCK / 2`` rows
+    and the two ``[TILE_M, BLOCK / 2]`` halves come back as two accumulators sharing each
+    loaded hidden tile (the same sums; an epilogue can finish one before the other)."""
+    HALF: tl.constexpr = BLOCK // 2 if SPLIT else BLOCK
+    SECOND: tl.constexpr = HALF if SPLIT else 0
+    acc_a = tl.zeros((TILE_M, HALF), tl.float32)
+    acc_b = tl.zeros((TILE_M, HALF), tl.float32)
+    hp = h_ptr + rows[:, None] * h_stride
+    wp = w_ptr + cols[None, :] * w_stride
     for k0 in range(0, hidden, BK):
-        ks = k0 + tl.arange(0, BK)
-        kmask = ks < hidden
-        x = tl.load(
-            h_ptr + rows[:, None] * h_stride + ks[None, :],
-            mask=rmask[:, None] & kmask[None, :],
-            other=0.0,
-        )
-        y = tl.load(
-            w_ptr + cols[None, :] * w_stride + ks[:, None],
-            mask=cmask[None, :] & kmask[:, None],
-            other=0.0,
-        )
-        acc = dot_acc(x, y, acc, INTERPRET)
-    return acc
+        x, ya, yb = _kstep(hp, wp, rmask, cols < w_rows, cols + SECOND < w_rows, w_stride,
+                           hidden, k0, SECOND, BK)  # fmt: skip
+        acc_a = dot_acc(x, ya, acc_a, INTERPRET)
+        if SPLIT:
+            acc_b = dot_acc(x, yb, acc_b, INTERPRET)
+    return acc_a, acc_b
 
 
 @triton.jit
