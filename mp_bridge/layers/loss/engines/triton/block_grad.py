@@ -114,7 +114,9 @@ def block_grad(
         return out
     args, flags = grad_params(spec, w, w_ent, ent)
     tm = row_tile(h.dtype)
-    if tm == TILE_M and _aligned(h, weight, out, n, hd, h.stride(0), weight.stride(0)):
+    if tm == TILE_M and _aligned(
+        h, weight, out, n, hd, weight.shape[0], h.stride(0), weight.stride(0)
+    ):
         tm = WIDE_M
     _block_grad_kernel[(triton.cdiv(n, tm), n_blocks)](
         h, h.stride(0), weight, weight.stride(0), out, out.stride(0), n, hd, weight.shape[0],
