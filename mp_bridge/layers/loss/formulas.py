@@ -50,11 +50,11 @@ from dataclasses import dataclass
 import torch
 
 from mp_bridge.layers.loss.blocks import TOKEN_TILE, BlockLayout, TargetSlots
+from mp_bridge.layers.loss.outputs import TokenOutputs
 
 __all__ = [
     "STATS",
     "LossSpec",
-    "RowValues",
     "block_stats_",
     "combine_stats",
     "entropy_of",
@@ -248,19 +248,9 @@ def entropy_of(s: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return torch.log(s) - u / s
 
 
-@dataclass(frozen=True)
-class RowValues:
-    """Per-token results from merged statistics (``stats_values``), unmasked."""
-
-    value: torch.Tensor  # includes the z-loss
-    lse: torch.Tensor
-    entropy: torch.Tensor | None = None
-    z_loss: torch.Tensor | None = None
-    sum_pi_squared: torch.Tensor | None = None
-
-
-def stats_values(root: torch.Tensor, spec: LossSpec, *, relative: bool = False) -> RowValues:
-    """Values, lse, entropy and z-loss per token from merged ``[S, ...]`` stats (unmasked).
+def stats_values(root: torch.Tensor, spec: LossSpec, *, relative: bool = False) -> TokenOutputs:
+    """The per-token outputs (value with its z-loss, entropy, z-loss, ``sum_pi_squared``,
+    and ``lse``) of merged ``[S, ...]`` stats, unmasked.
 
     ``relative``: the target logit and the sum hold ``z - m`` (``row_stats_(shift=)``), so
     ``value = a log s + b tl + c sz`` (``a + b + c V = 0``: the shift cancels) skips the
@@ -278,7 +268,7 @@ def stats_values(root: torch.Tensor, spec: LossSpec, *, relative: bool = False) 
         value = value + z_loss
     entropy = entropy_of(root[1], root[4]) if spec.entropy else None
     sq = root[-1] / (root[1] * root[1]) if spec.sum_pi_squared else None
-    return RowValues(value, lse, entropy, z_loss, sq)
+    return TokenOutputs(value, entropy, z_loss, sq, lse)
 
 
 def _xexp(e: torch.Tensor) -> torch.Tensor:

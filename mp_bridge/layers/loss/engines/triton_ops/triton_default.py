@@ -37,13 +37,13 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from mp_bridge.layers.loss.engines.triton.row_grad import row_grad
-from mp_bridge.layers.loss.engines.triton.row_stats import row_stats_
+from mp_bridge.layers.loss.engines.triton_ops.row_grad import row_grad
+from mp_bridge.layers.loss.engines.triton_ops.row_stats import row_stats_
 from mp_bridge.layers.loss.formulas import LossSpec
 from mp_bridge.layers.loss.reduce import all_reduce_sum_, gather_merge_stats
 from mp_bridge.layers.vocab_shards import VocabShard
 
-__all__ = ["SLAB_ELEMENTS", "VocabMajor", "addmm_f32_", "mm_f32", "slab_rows"]
+__all__ = ["SLAB_ELEMENTS", "TritonDefaultRunner", "addmm_f32_", "mm_f32", "slab_rows"]
 
 #: fp32 logits per slab (64 MiB): slabs of 2048 rows at N = 8192, large enough GEMMs.
 SLAB_ELEMENTS = 1 << 24
@@ -79,7 +79,7 @@ def slab_rows(n: int, v_local: int) -> int:
 
 
 @dataclass(frozen=True, eq=False)
-class VocabMajor:
+class TritonDefaultRunner:
     """The default runner: ``stats`` (forward) and ``grads`` (backward) of one call."""
 
     weight: torch.Tensor  # [V_local, H], this rank's shard

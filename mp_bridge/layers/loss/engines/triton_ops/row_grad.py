@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mp_bridge.layers.loss.engines.triton.tiles import INTERPRET, grad_of, grad_params, rounded
+from mp_bridge.layers.loss.engines.triton_ops.tiles import INTERPRET, grad_of, grad_params, rounded
 from mp_bridge.layers.loss.formulas import LossSpec
 
 __all__ = ["COLS", "ROWS", "row_grad"]
