@@ -160,6 +160,18 @@ class LossSpec:
         """No z-loss and no entropy: the gradient is the affine form alone."""
         return self.z_loss_weight == 0.0 and not self.entropy
 
+    def zero_outputs(self, n: int, device: torch.device) -> TokenOutputs:
+        """fp32 zeros ``[n]`` for every per-token output this spec computes, ``lse``
+        included (the others ``None``)."""
+
+        def zeros(wanted: bool = True) -> torch.Tensor | None:
+            return torch.zeros(n, dtype=torch.float32, device=device) if wanted else None
+
+        z_loss = self.z_loss_weight != 0.0
+        return TokenOutputs(
+            zeros(), zeros(self.entropy), zeros(z_loss), zeros(self.sum_pi_squared), zeros()
+        )
+
     def token_weight(
         self,
         target: torch.Tensor,
@@ -280,13 +292,12 @@ def row_stats_(
     z: torch.Tensor,
     col: torch.Tensor,
     valid: int,
-    with_sum: bool,
-    with_entropy: bool = False,
-    with_sq: bool = False,
+    spec: LossSpec,
     *,
     shift: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``[S, C]`` statistics of transformed fp32 logits ``z [C, V_local]`` and the row max.
+    """``[S, C]`` statistics of transformed fp32 logits ``z [C, V_local]`` and the row max
+    (those ``spec`` asks for: ``STATS``, ``LossSpec.num_stats``).
 
     ``valid`` true columns (the rest is padding, set to -inf); ``col`` the local target
     column or -1. ``z`` is left holding ``exp(z - m)`` (no second ``[C, V_local]``
@@ -301,7 +312,7 @@ def row_stats_(
     if m is not None:
         z.sub_(safe_shift(m).unsqueeze(1))
     tl = torch.where(col >= 0, z.gather(1, col.clamp(min=0).unsqueeze(1)).squeeze(1), 0.0)
-    sz = z[:, :valid].sum(dim=1) if with_sum and valid else torch.zeros_like(tl)
+    sz = z[:, :valid].sum(dim=1) if spec.with_sum and valid else torch.zeros_like(tl)
     if m is None and valid:
         m = z.amax(dim=1)
         z.sub_(safe_shift(m).unsqueeze(1))
@@ -311,9 +322,9 @@ def row_stats_(
     else:
         s = z.exp_().sum(dim=1)
     parts = [m, s, tl, sz]
-    if with_entropy:
+    if spec.entropy:
         parts.append(_xexp(z))
-    if with_sq:
+    if spec.sum_pi_squared:
         parts.append(z.square().sum(dim=1))
     return torch.stack(parts), m
 
@@ -331,33 +342,29 @@ def exp_shift_(z: torch.Tensor, layout: BlockLayout) -> torch.Tensor:
 
 
 def block_stats_(
-    z: torch.Tensor,
-    layout: BlockLayout,
-    slots: TargetSlots,
-    with_sum: bool,
-    with_entropy: bool = False,
-    with_sq: bool = False,
+    z: torch.Tensor, layout: BlockLayout, slots: TargetSlots, spec: LossSpec
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``[S, T, K, TOKEN_TILE]`` statistics of every (tile, block) row, and ``m``.
+    """``[S, T, K, TOKEN_TILE]`` statistics of every (tile, block) row (those ``spec``
+    asks for), and ``m``.
 
     ``z`` (transformed fp32 logits) is left holding ``exp(z - m)`` (``exp_shift_``). With
     ``K == 0`` the partials are all zero and are never folded (no pieces).
     """
     t, k = z.shape[:2]
-    stats = z.new_zeros((4 + int(with_entropy) + int(with_sq), t, k, TOKEN_TILE))
+    stats = z.new_zeros((spec.num_stats, t, k, TOKEN_TILE))
     if k == 0:
         return stats, stats[0]
     tile, blk, row, col = slots.index
     stats[2].index_put_((tile, blk, row), z[tile, blk, row, col])
-    if with_sum:
+    if spec.with_sum:
         tail = layout.tail
         stats[3, :, : k - 1] = z[:, : k - 1].sum(dim=-1)
         stats[3, :, k - 1] = z[:, k - 1, :, :tail].sum(dim=-1)
     m = exp_shift_(z, layout)
     stats[0] = m
     stats[1] = z.sum(dim=-1)
-    if with_entropy:
+    if spec.entropy:
         stats[4] = _xexp(z)
-    if with_sq:
+    if spec.sum_pi_squared:
         stats[-1] = z.square().sum(dim=-1)
     return stats, m

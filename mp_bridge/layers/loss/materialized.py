@@ -13,9 +13,9 @@
   backward recomputes each block's ``exp(z - m)`` and applies ``softmax_grad_blocks_``.
 
 Both take ``T`` from ``LossSpec.temperature`` or from a flat per-token ``temp [N]``
-(``DefaultLoss``: the accumulation dtype; ``InvariantLoss``: fp32). With
-``spec.sum_pi_squared`` the statistics gain ``sum exp(z - m)**2`` (the same exchange); it
-has no gradient. Both return the fields of one ``outputs.TokenOutputs``.
+(``DefaultLoss``: the accumulation dtype; ``InvariantLoss``: fp32). The statistics are
+those the spec asks for (``formulas.STATS``: an extra per-token output widens the same
+exchange); both return the fields of one ``outputs.TokenOutputs``.
 
 Logits are never modified; padding columns (ids >= ``vocab_size``) never enter a softmax;
 ``-inf`` logits are exact zeros of every sum (``formulas``). Statistics are fp32 (fp64
@@ -79,9 +79,7 @@ class DefaultLoss(torch.autograd.Function):
         t = target.reshape(-1)
         m = all_reduce_max_(z.amax(dim=-1), tp_group)  # global row max (-inf: all -inf)
         col = shard_columns(t, shard)
-        stats, _ = row_stats_(
-            z, col, shard.num_real, spec.with_sum, spec.entropy, spec.sum_pi_squared, shift=m
-        )
+        stats, _ = row_stats_(z, col, shard.num_real, spec, shift=m)
         del z
         all_reduce_sum_(stats[1:], tp_group)  # every statistic but the max
         ignored = t == spec.ignore_index if spec.ignore_index is not None else None
@@ -188,9 +186,7 @@ class InvariantLoss(torch.autograd.Function):
         shape = (spec.num_stats, -(-n // TOKEN_TILE), TOKEN_TILE)
         parts = []
         for _, _, z, _, slots in _batches(x, t, layout, spec, temp):
-            stats, _ = block_stats_(
-                z, layout, slots, spec.with_sum, spec.entropy, spec.sum_pi_squared
-            )
+            stats, _ = block_stats_(z, layout, slots, spec)
             parts.append(fold_blocks(stats, 2, layout, spec.merge))
         pieces = [  # this rank's pieces over all tiles (none when it holds no real block)
             (

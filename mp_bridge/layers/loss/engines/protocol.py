@@ -5,7 +5,7 @@ arguments into one ``LossOptions`` (``options``), get its engine (:func:`load_en
 agree on the options over TP, and make one call with the tokens flattened::
 
     engine.loss(hidden [N, H], weight [V_local, H], target [N], temperature [N] | None,
-                options) -> TokenOutputs(value, entropy, z_loss, sum_pi_squared)
+                options) -> TokenOutputs (outputs.py: one field per per-token output)
 
 Layouts: ``hidden`` I@TP (identical bits on every rank of ``options.tp_group``),
 ``weight`` S(0)@TP (this rank's ``options.shard``: global vocab rows ``[shard.start,
@@ -49,9 +49,8 @@ class FusedLossEngine(Protocol):
     - ``temperature [N]``: the per-token fp32 temperature, or ``None`` (then the float
       ``options.spec.temperature``). Constant: no gradient flows to it.
     - ``options``: the agreed ``LossOptions``. An engine reads ``options.spec`` (the
-      ``LossSpec`` of ``formulas``: kind ``"ce"`` / ``"logprob"``, ``vocab_size``,
-      ``ignore_index``, ``label_smoothing``, ``temperature``, ``softcap``,
-      ``z_loss_weight``, ``entropy``, ``sum_pi_squared``; the math is in its docstring),
+      ``LossSpec`` of ``formulas``: every option the math reads, the per-token outputs it
+      asks for among them; the math is in its docstring),
       ``options.shard`` (``VocabShard``), ``options.tp_group``,
       ``options.engine_reduction``, ``options.invariant``, ``options.chunk_size``
       (``None``: the engine's default) and ``options.logits_precision``.

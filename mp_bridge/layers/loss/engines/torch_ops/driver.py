@@ -83,7 +83,7 @@ class FusedLinearLoss(torch.autograd.Function):
     """The chunk driver. Adjoint: ``d hidden`` rows reduced over TP by the chunk runner,
     ``d weight`` local to the shard. See the module docstring for when each is computed.
     Returns the ``TokenOutputs.tensors``: per token with ``reduction="none"``, else the
-    value and the z-loss reduced (no ``sum_pi_squared``: asked only with "none").
+    value and the z-loss reduced (the other outputs are asked only with "none").
     ``temp``: fp32 per-token temperature ``[N]`` or ``None`` (``spec.temperature``)."""
 
     @staticmethod
@@ -93,10 +93,7 @@ class FusedLinearLoss(torch.autograd.Function):
         n, h_dim = hidden.shape
         eager = needs_grad and reduction != "none"
         w = spec.token_weight(target, temp)
-        values = torch.zeros(n, dtype=torch.float32, device=hidden.device)
-        lse = torch.zeros_like(values)
-        entropy = torch.zeros_like(values) if spec.entropy else None
-        sq = torch.zeros_like(values) if spec.sum_pi_squared else None
+        out = spec.zero_outputs(n, hidden.device)  # fp32 [N] of every output, lse included
         gh = hidden.new_zeros((n, h_dim), dtype=torch.float32) if eager else None
         # No [V_local, H] buffer when the weight is frozen (d hidden is still reduced).
         eager_w = eager and ctx.needs_input_grad[1]
@@ -105,18 +102,15 @@ class FusedLinearLoss(torch.autograd.Function):
             state, res = runner.forward_chunk(
                 hidden[rows], target[rows], temp=None if temp is None else temp[rows]
             )
-            values[rows], lse[rows] = res.value, res.lse
-            if entropy is not None:
-                entropy[rows] = res.entropy
-            if sq is not None:
-                sq[rows] = res.sum_pi_squared
+            for buf, v in zip(out, res, strict=True):
+                if buf is not None:
+                    buf[rows] = v
             if eager:
                 gh[rows] = runner.grad_chunk(
-                    state, hidden[rows], target[rows], lse[rows], w[rows], gw
+                    state, hidden[rows], target[rows], out.lse[rows], w[rows], gw
                 )
             del state, res  # free this chunk's logits before the next chunk's exist
-        z_loss = lse * lse * spec.z_loss_weight if spec.z_loss_weight != 0.0 else None
-        out = TokenOutputs(values, entropy, z_loss, sq)
+        lse = out.lse
         if spec.ignore_index is not None:
             out = out.masked(target == spec.ignore_index)
         ctx.setup = (runner, spec, chunk, reduction, eager)

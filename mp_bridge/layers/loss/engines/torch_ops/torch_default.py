@@ -72,9 +72,7 @@ class TorchDefaultRunner:
         z, deriv = self._logits(h, temp)
         col = shard_columns(t, self.shard)
         spec = self.spec
-        stats, m = row_stats_(
-            z, col, self.shard.num_real, spec.with_sum, spec.entropy, spec.sum_pi_squared
-        )
+        stats, m = row_stats_(z, col, self.shard.num_real, spec)
         merged = gather_merge_stats(stats, self.tp_group, spec.merge)  # z <- exp(z - m)
         return ChunkState(z, m, None, deriv), stats_values(merged, spec)
 

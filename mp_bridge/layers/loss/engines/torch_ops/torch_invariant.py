@@ -147,7 +147,7 @@ class TorchInvariantRunner:
         z, deriv = self._logits(hb, temp)
         tiles, lay, spec = hb.shape[0], self.layout, self.spec
         slots = self._slots(t, tiles)
-        stats, m = block_stats_(z, lay, slots, spec.with_sum, spec.entropy, spec.sum_pi_squared)
+        stats, m = block_stats_(z, lay, slots, spec)
         pieces = fold_blocks(stats, 2, lay, spec.merge)  # z <- exp(z - m) above
         shape = (spec.num_stats, tiles, TOKEN_TILE)
         root = gather_fold(pieces, lay, self.tp_group, spec.combine, shape, h.device)

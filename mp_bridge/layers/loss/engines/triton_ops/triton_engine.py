@@ -10,13 +10,14 @@ runner's ``d h`` (reduced over TP) and ``d W`` (this shard). The reductions ("su
 (``outputs.reduce_tokens``), so both modes recompute the logits in backward whatever the
 reduction: no fp32 ``d W`` is held from forward to backward.
 
-Temperature (float or per token), soft-cap, z-loss, label smoothing, ``ignore_index``,
-entropy and ``sum_pi_squared`` all run in the kernels (``tiles``). What it takes is data
-(``registry.ENGINE_CAPS["triton"]``: CUDA tensors, CPU ones under ``TRITON_INTERPRET=1``;
-fp32 / bf16 / fp16); ``unsupported`` names the one shape limit, a weight shard of ``2**31``
-or more elements (int32 offsets). An explicit ``engine="triton"`` then raises; ``"auto"``
-picks the torch engine. ``logits_precision`` is not an option here: the logits are always
-fp32-accumulated from the input dtype (``"fp32"``'s result, at GEMM speed).
+Every option of ``LossSpec`` (temperature, float or per token, soft-cap, z-loss, label
+smoothing, ``ignore_index``, the extra per-token outputs) runs in the kernels (``tiles``).
+What it takes is data (``registry.ENGINE_CAPS["triton"]``: CUDA tensors, CPU ones under
+``TRITON_INTERPRET=1``; fp32 / bf16 / fp16); ``unsupported`` names the one shape limit, a
+weight shard of ``2**31`` or more elements (int32 offsets). An explicit ``engine="triton"``
+then raises; ``"auto"`` picks the torch engine. ``logits_precision`` is not an option here:
+the logits are always fp32-accumulated from the input dtype (``"fp32"``'s result, at GEMM
+speed).
 """
 
 from __future__ import annotations
