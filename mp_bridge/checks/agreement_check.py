@@ -68,8 +68,11 @@ __all__ = [
     "run_checked",
 ]
 
-#: Fields (plus fingerprints) one check may compare; the row is fixed-size.
-MAX_FIELDS = 16
+#: Fields (plus fingerprints) one check may compare; the row is fixed-size. 32: the
+#: fused cross-entropy with a per-token temperature uses 15, and the loss options grow
+#: (was 16: a 17th field tripped the assert); the row costs 8 bytes a field per rank,
+#: latency-bound either way.
+MAX_FIELDS = 32
 _HEADER = 4  # [global rank, call-site hash, has local error, number of fields]
 _running = threading.local()
 
@@ -239,7 +242,7 @@ def check_agreement(
     a sequence of groups (one all-gather each, rows gathered over their product); groups
     of size 1 and ``None`` are skipped. ``device``: where the int64 row lives (default:
     this rank's GPU under NCCL, else CPU). No-op unless :func:`checks_enabled` or ``always``.
-    Collectives: one all-gather of ``[n, 20]`` int64 per group; on a mismatch, one
+    Collectives: one all-gather of ``[n, 4 + MAX_FIELDS]`` int64 per group; on a mismatch, one
     ``all_gather_object`` per group for the message.
     """
     groups = _groups(group)

@@ -273,8 +273,8 @@ def _one_exchange_per_call() -> str:
     with _fan_in_bridge() as bridge:
         with CollectiveCounter() as counter:
             bridge.communicate(torch.randn(2, 4, 8).to(current_device()))
-        # one [n, 4 + 16] int64 row all-gathered over the pair (160 bytes from the peer)
-        assert counter.check_calls == [CollectiveCall("all_gather", 2, 160)]
+        # one [n, 4 + 32] int64 row all-gathered over the pair (288 bytes from the peer)
+        assert counter.check_calls == [CollectiveCall("all_gather", 2, 288)]
         assert counter.counts() == {"all_gather": 1}  # the bridge's own, counted apart
         with pytest.raises(AgreementError) as info:
             bridge.communicate(torch.randn((3 if _odd() else 2), 4, 8).to(current_device()))

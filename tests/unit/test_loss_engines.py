@@ -225,8 +225,9 @@ def test_every_door_parses_into_one_frozen_options_object(monkeypatch):
         assert [k for k in fields if k.endswith(".shape")] == [f"{n}.shape" for n in inputs]
         assert {"spec", "reduction", "invariant", "engine", "chunk"} <= set(fields)
         assert fields["engine"] == "torch"
-        # with the fingerprints of target, temperature and (fused) hidden: one row
-        assert len(fields) + 3 <= MAX_FIELDS
+        # with the fingerprints of target, temperature and (fused) hidden: one row, with
+        # room for the options to grow (at least half of it free)
+        assert len(fields) + 3 <= MAX_FIELDS // 2
 
 
 def test_load_engine_reads_the_options(monkeypatch):

@@ -15,11 +15,13 @@ A new loss option ``foo`` touches the options, the formulas and the kernels, not
    checks it, and it lands in a field: of ``LossSpec`` (``formulas``) when the math reads
    it, so every engine sees it as ``options.spec.foo``, else of ``LossOptions``. Either way
    :meth:`LossOptions.fields` puts it in the agreement by itself (the spec is one field; a
-   new ``LossOptions`` field is one more of the agreement row's 16, of which the fused
-   cross-entropy with a per-token temperature uses 15);
+   new ``LossOptions`` field is one more of the agreement row's ``MAX_FIELDS`` = 32, of
+   which the fused cross-entropy with a per-token temperature uses 15); a new per-token
+   output is also one field of ``outputs.TokenOutputs`` and its place in
+   :meth:`LossOptions.returned`;
 2. ``formulas`` / ``grad``: its math on the shared statistics;
-3. the kernels of each engine, or the engine's ``unsupported(options)`` names ``"foo"``
-   and the door runs the ``"torch"`` engine instead (one warning).
+3. the kernels of each engine (``engines/triton_ops/tiles.py``); the torch engine and the
+   materialized doors run the shared formulas as they are.
 
 The agreement, the engine dispatch and the doors' bodies stay as they are.
 """
