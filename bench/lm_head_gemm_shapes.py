@@ -67,7 +67,7 @@ def _logits_methods(n: int, h_dim: int, vocab: int, chunk: int, slabs: list[int]
 
 
 def _tile_methods(h_dim: int, tiles: tuple[int, ...], rows: int) -> dict:
-    """The invariant engine's three products, ``rows`` tokens' worth per method."""
+    """The invariant runner's three products, ``rows`` tokens' worth per method."""
     g = torch.Generator().manual_seed(1)
     grp, b = BLOCK_GROUP, VOCAB_BLOCK
     wb = torch.randn(grp, b, h_dim, generator=g)

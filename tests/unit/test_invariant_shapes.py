@@ -3,7 +3,7 @@
 GEMM libraries pick their kernel, hence the summation order, from the shapes and the batch
 count, so invariant mode must issue the same matmul calls for every TP size, chunk size
 and batch composition. A ``TorchDispatchMode`` records every matmul-like aten op (with the
-shapes, strides and dtypes of its operands) while the fused invariant engine runs the
+shapes, strides and dtypes of its operands) while the fused invariant runner runs the
 forward, the eager gradient and the backward recompute; TP ranks are simulated in one
 process (each rank's engine on its own shard; the all-gather of the fold is replaced by a
 stand-in, which issues no matmul). Checked: the set of calls is identical across TP 1, 2,

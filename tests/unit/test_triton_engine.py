@@ -1,6 +1,6 @@
 """The ``"triton"`` loss engine at TP = 1 against an fp64 oracle (both modes, every
-option), its invariant bits, and its fallbacks; kernels under ``TRITON_INTERPRET=1``
-without CUDA (``tests.triton_engine``).
+option), its invariant bits, and its refusals (an explicit engine never falls back);
+kernels under ``TRITON_INTERPRET=1`` without CUDA (``tests.triton_engine``).
 
 Shapes are small and odd on purpose: ``N = 45`` tokens (no multiple of any tile: 8, 16,
 32), ``H = 24`` (not a multiple of the 32-wide ``k`` step), vocab 600 (not a whole
