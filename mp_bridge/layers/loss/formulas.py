@@ -172,6 +172,15 @@ class LossSpec:
             zeros(), zeros(self.entropy), zeros(z_loss), zeros(self.sum_pi_squared), zeros()
         )
 
+    def temperatures(
+        self, token_temperature: torch.Tensor | None, n: int, device: torch.device
+    ) -> torch.Tensor:
+        """``T`` per token, fp32 ``[n]``: ``token_temperature`` (already flat fp32, from the
+        parse), else the spec's float (for kernels that read one per row)."""
+        if token_temperature is not None:
+            return token_temperature
+        return torch.full((n,), self.temperature, dtype=torch.float32, device=device)
+
     def token_weight(
         self,
         target: torch.Tensor,

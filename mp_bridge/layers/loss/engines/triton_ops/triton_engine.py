@@ -90,9 +90,7 @@ class TritonEngine:
     def loss(self, hidden, weight, target, temperature, options: LossOptions) -> TokenOutputs:
         spec = options.spec
         h, w = hidden.contiguous(), weight.contiguous()
-        temp = temperature  # flat fp32 [N] (options.token_temperature_of), or the float:
-        if temp is None:
-            temp = torch.full(target.shape, spec.temperature, dtype=torch.float32, device=h.device)
+        temp = spec.temperatures(temperature, target.shape[0], h.device)  # the kernels: [N]
         if options.invariant:
             runner = TritonInvariantRunner.build(
                 w, options.tp_group, options.shard, spec, options.chunk_size
