@@ -82,7 +82,8 @@ class LossOptions(FrozenSpec):
     per-token temperature, normalised once here (``token_temperature_of``): flat ``[N]``,
     contiguous, in the dtype the call computes in; or ``None`` (then the float
     ``spec.temperature``). ``engine``: the engine that runs, ``"torch"`` or ``"triton"``
-    (``"auto"`` resolved at the door; always ``"torch"`` on the materialized doors).
+    (chosen at the parse by the fused doors' ``choose_engine``: ``"auto"`` resolved, an
+    explicit one checked; always ``"torch"`` on the materialized doors).
     ``chunk_size`` (``None``: the engine's default) and ``logits_precision`` are the fused
     doors' options.
     """

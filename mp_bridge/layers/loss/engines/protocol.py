@@ -1,8 +1,9 @@
 """The one protocol of the fused-loss engines, what crosses it, and the dispatch.
 
 The fused doors (``fused_linear_cross_entropy``, ``fused_linear_logprobs``) parse their
-arguments into one ``LossOptions`` (``options``), get its engine (:func:`load_engine`),
-agree on the options over TP, and make one call with the tokens flattened::
+arguments into one ``LossOptions`` (``options``; the parse chooses the engine with
+:func:`choose_engine`), get its engine (:func:`load_engine`), agree on the options over
+TP, and make one call with the tokens flattened::
 
     engine.loss(hidden [N, H], weight [V_local, H], target [N], temperature [N] | None,
                 options) -> TokenOutputs (outputs.py: one field per per-token output)
@@ -46,8 +47,10 @@ class FusedLossEngine(Protocol):
     - ``target [N]``: ``torch.long`` ids in ``[0, spec.vocab_size)`` or
       ``spec.ignore_index``, TP-replicated; the owner of id ``t`` holds it at local row
       ``t - options.shard.start``.
-    - ``temperature [N]``: the per-token fp32 temperature, or ``None`` (then the float
-      ``options.spec.temperature``). Constant: no gradient flows to it.
+    - ``temperature [N]``: the per-token fp32 temperature, flat and contiguous as the
+      parse made it (``options.token_temperature``), or ``None`` (then the float
+      ``options.spec.temperature``; ``LossSpec.temperatures`` gives it per row).
+      Constant: no gradient flows to it.
     - ``options``: the agreed ``LossOptions``. An engine reads ``options.spec`` (the
       ``LossSpec`` of ``formulas``: every option the math reads, the per-token outputs it
       asks for among them; the math is in its docstring),
