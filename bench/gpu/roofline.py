@@ -63,10 +63,10 @@ INVARIANT_LIMIT = 1.25
 DEFAULT_MS = 52.0
 #: The default mode's and the invariant mode's tiles (the code's constants; the facts
 #: file is keyed by kernel name).
-SLAB_ELEMENTS = 1 << 24  # vocab_major.SLAB_ELEMENTS
+SLAB_ELEMENTS = 1 << 24  # triton_default.SLAB_ELEMENTS
 VOCAB_BLOCK = 256  # blocks.VOCAB_BLOCK
 TILE_M, BH, BVW = 32, 64, 64  # block_stats.TILE_M, block_dhidden.BH, block_dweight.BVW
-CHUNK = 1024  # block_tiles.DEFAULT_CHUNK_TOKENS
+CHUNK = 1024  # triton_invariant.DEFAULT_CHUNK_TOKENS
 STATS = 4  # S: (m, s, target, sum z) for plain cross-entropy
 
 
@@ -135,7 +135,7 @@ def fits(touched: float) -> bool:
     return touched <= L2_BYTES
 
 
-# --- default mode: vocab_major (cuBLAS over slabs of Vs rows; row_stats / row_grad) -------
+# --- default mode: triton_default (cuBLAS over slabs of Vs rows; row_stats / row_grad) -------
 
 
 def slab_rows(n: int, v_local: int) -> int:
@@ -190,7 +190,7 @@ def default_mode(s: Shape, facts) -> list[Kernel]:
     ]
 
 
-# --- invariant mode: block_tiles (fixed Triton tiles over 256-row blocks, chunks of C) -----
+# --- invariant mode: triton_invariant (fixed Triton tiles over 256-row blocks, chunks of C) -----
 
 
 def _window(f: dict) -> int:
