@@ -133,9 +133,6 @@ EXEMPT: dict[str, str] = {
     "mp_bridge.models.run_parity": _DELEGATES + " (make_grid, the model's forward)",
     "mp_bridge.models.ColocatedMimoModel.parts": "returns the modules and groups; no collective",
     "mp_bridge.models.MimoGroups.local": "one process: no group, no collective",
-    "mp_bridge.models.RoutedFlow.loss": _DELEGATES + " (route, the LLM's layers, masked_mean); "
-    "it runs on inputs ColocatedMimoModel.parse_and_agree agreed, and its one own collective "
-    "is a placeholder-count all-gather over encoder TP of those inputs",
     "mp_bridge.models.ColocatedMimoModel.gradient_buckets": "lists (group, params); no collective",
     "mp_bridge.models.MimoGroups.__init__": _NO_COLLECTIVE,
     "mp_bridge.models.MimoGroups.destroy": "teardown: releases its own groups",
