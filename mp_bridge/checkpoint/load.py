@@ -40,7 +40,7 @@ from mp_bridge.checkpoint.entries import (
 )
 from mp_bridge.checkpoint.info import CheckpointInfo, read_info
 from mp_bridge.checkpoint.publish import resolve
-from mp_bridge.checkpoint.ranks import agree_errors, checkpoint_group, gather
+from mp_bridge.checkpoint.ranks import agree_errors, checkpoint_group, dcp_quietly, gather
 from mp_bridge.layers import shard_spec
 
 __all__ = ["load", "read_checkpoint"]
@@ -203,10 +203,11 @@ def load(
     state: dict[str, Any] = {k: entries[k].dcp_value(buffers[k]) for k in entries}
     state.update(objects)
     try:
-        dcp.load(
-            state, storage_reader=dcp.FileSystemReader(info.path), planner=PiecesLoadPlanner(),
-            process_group=group, no_dist=group is None,
-        )  # fmt: skip
+        with dcp_quietly():
+            dcp.load(
+                state, storage_reader=dcp.FileSystemReader(info.path),
+                planner=PiecesLoadPlanner(), process_group=group, no_dist=group is None,
+            )  # fmt: skip
     except Exception as exc:  # DCP raises the same CheckpointException on every rank
         raise RuntimeError(f"damaged checkpoint at {path!r}: reading it failed ({exc})") from exc
     with torch.no_grad():

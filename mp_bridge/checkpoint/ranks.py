@@ -8,11 +8,21 @@ the same error and none is left waiting in a collective.
 
 from __future__ import annotations
 
+import contextlib
+import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import torch.distributed as dist
 
-__all__ = ["agree_errors", "broadcast", "checkpoint_group", "gather", "is_coordinator"]
+__all__ = [
+    "agree_errors",
+    "broadcast",
+    "checkpoint_group",
+    "dcp_quietly",
+    "gather",
+    "is_coordinator",
+]
 
 
 def checkpoint_group() -> dist.ProcessGroup | None:
@@ -56,3 +66,12 @@ def agree_errors(error: BaseException | None, group: dist.ProcessGroup | None) -
                "FileNotFoundError": FileNotFoundError}.get(kind, RuntimeError)  # fmt: skip
         where = "" if len(found) == 1 else f" (rank {rank})"
         raise cls(f"{message}{where}") from error
+
+
+@contextlib.contextmanager
+def dcp_quietly() -> Iterator[None]:
+    """Run DCP without its warning that one process is "assuming single process" (we
+    pass ``no_dist=True`` on purpose there)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield

@@ -43,6 +43,7 @@ from mp_bridge.checkpoint.ranks import (
     agree_errors,
     broadcast,
     checkpoint_group,
+    dcp_quietly,
     gather,
     is_coordinator,
 )
@@ -104,10 +105,11 @@ def _write(path: str, state: dict, info: CheckpointInfo, group) -> None:
             error = exc
     agree_errors(error, group)
     try:
-        dcp.save(
-            state, storage_writer=dcp.FileSystemWriter(staging), planner=PiecesSavePlanner(),
-            process_group=group, no_dist=group is None,
-        )  # fmt: skip
+        with dcp_quietly():
+            dcp.save(
+                state, storage_writer=dcp.FileSystemWriter(staging),
+                planner=PiecesSavePlanner(), process_group=group, no_dist=group is None,
+            )  # fmt: skip
     except Exception as exc:  # DCP raises the same CheckpointException on every rank
         raise RuntimeError(f"saving the checkpoint at {path!r} failed: {exc}") from exc
     status = None
