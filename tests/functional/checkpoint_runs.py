@@ -86,7 +86,7 @@ class Run:
         out = dict(self.model.to_full())
         for name, p in self.model.named_parameters():
             for key, value in self.optimizer.state.get(p, {}).items():
-                full = value if value.dim() == 0 else gather_shard(value, shard_spec(p))
+                full = value.clone() if value.dim() == 0 else gather_shard(value, shard_spec(p))
                 out[f"{name}:{key}"] = full
         return out
 
