@@ -349,3 +349,10 @@ def test_inspect_of_a_missing_path_is_one_line_naming_it(tmp_path, capsys):
 
     assert main(["checkpoint", "inspect", str(tmp_path / "nope")]) == 2
     assert f"no checkpoint at '{tmp_path / 'nope'}'" in capsys.readouterr().err
+
+
+def test_a_load_with_an_optimizer_over_other_parameters_is_refused(saved):
+    model = Toy()
+    opt = torch.optim.Adam([*model.parameters(), nn.Parameter(torch.zeros(3))])
+    with pytest.raises(ValueError, match=r"optimizer holds a parameter of shape \(3,\)"):
+        load(saved, model, opt)
