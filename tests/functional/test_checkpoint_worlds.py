@@ -33,8 +33,14 @@ from torch.distributed.checkpoint import FileSystemWriter
 from mp_bridge.checkpoint import load, save
 from mp_bridge.layers import VocabParallelEmbedding
 from mp_bridge.models import MimoConfig, ReferenceMimo
-from mp_bridge.testing import DistributedError, run_distributed
+from mp_bridge.testing import DistributedError, run_distributed, under_torchrun
 from tests.functional.checkpoint_runs import CFG, EPS, LR, build, seed_all, unequal
+
+# Under torchrun every launched process would start its own worlds here: these tests run
+# their worlds themselves (8, 4, 1 ranks), so they run without torchrun only.
+pytestmark = pytest.mark.skipif(
+    under_torchrun(), reason="starts its own worlds of 8, 4 and 1 ranks; run without torchrun"
+)
 
 LAYOUT_8 = dict(encoder_tp=2, encoder_dp=4, llm_tp=2, llm_cp=2, llm_dp=2)
 LAYOUT_4 = dict(encoder_tp=4, encoder_dp=1, llm_tp=2, llm_pp=2, microbatches=2)
