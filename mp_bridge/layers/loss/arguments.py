@@ -85,8 +85,12 @@ def check_logits(
     return check_shard(logits.shape[-1], vocab_size, tp_group)
 
 
-def check_fused_inputs(hidden: object, weight: object, chunk_size: object) -> None:
-    """``hidden [..., H]`` and ``weight [V_local, H]`` floating, same H, dtype and device."""
+def check_fused_inputs(
+    hidden: object, weight: object, chunk_size: object, shard_rows: int | None = None
+) -> None:
+    """``hidden [..., H]`` and ``weight [V_local, H]`` floating, same H, dtype and device;
+    ``V_local >= 1`` unless ``shard_rows`` is given (a ``DTensor`` weight's shard, which
+    holds ``V_local <= shard_rows`` rows: the last ones of ``torch.chunk`` may hold none)."""
     for name, x in (("hidden", hidden), ("weight", weight)):
         if not isinstance(x, torch.Tensor) or not x.is_floating_point():
             raise TypeError(f"{name} must be a floating torch.Tensor, got {type(x).__name__}")
@@ -96,7 +100,8 @@ def check_fused_inputs(hidden: object, weight: object, chunk_size: object) -> No
             f"need hidden [..., H] and weight [V_local, H] with the same H, got hidden "
             f"{tuple(hidden.shape)} and weight {tuple(weight.shape)}"
         )
-    if weight.shape[0] < 1:  # else the empty shard would surface as a target out of range
+    # else the empty shard would surface as a target out of range
+    if shard_rows is None and weight.shape[0] < 1:
         raise ValueError(
             f"weight must be this rank's vocab shard [V_local, H] with V_local >= 1, got "
             f"{tuple(weight.shape)}; pass the LM head's local rows (every TP rank holds "

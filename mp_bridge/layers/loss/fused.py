@@ -19,6 +19,12 @@ agree on it, and hands the flattened tokens to the engine (``engines/protocol.py
 invariant-mode guarantees are in its docstring) or the ``"triton"`` GPU engine
 (``engines/triton_ops``, imported only when asked for or picked). Per-token outputs come
 back as one ``outputs.TokenOutputs``.
+
+A ``DTensor`` weight is vocab-parallel only where declared (``Shard(0)`` over the mesh dim
+``"tp"`` or ``vocab_mesh_dim=``; the TP group from the mesh, uneven and empty shards as
+``distribute_tensor`` makes them, the gradient a ``DTensor`` of the weight's placements);
+any other is refused by name, and a ``DTensor`` ``hidden`` is redistributed to replicated
+tokens (one all-gather): ``dtensor_weight``, the first step of each door.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from mp_bridge.checks import agreed
+from mp_bridge.layers.loss.dtensor_weight import local_operands
 from mp_bridge.layers.loss.engines.protocol import choose_engine, load_engine
 from mp_bridge.layers.loss.options import LossOptions, parse_loss_options
 from mp_bridge.layers.loss.outputs import TokenOutputs
@@ -69,6 +76,7 @@ def fused_linear_cross_entropy(
     return_z_loss: bool = False,
     logits_precision: str = "fp32",
     engine: str = "auto",
+    vocab_mesh_dim: str | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Cross-entropy of ``hidden @ full_weight[:vocab_size].T`` without materializing it.
 
@@ -95,8 +103,11 @@ def fused_linear_cross_entropy(
     dtype (logits rounded to it: log-prob errors 3e-2 to 5e-2 in bf16, 4e-3 to 8e-3 in fp16
     at logits ~ N(0, 16), against ~5e-6 exact; bench/lm_head_accuracy.py). Not
     twice differentiable; with "mean" / "sum" one backward per call (gradients are made
-    in forward).
+    in forward). ``weight`` may be a ``DTensor``: ``Shard(0)`` over the mesh dim ``"tp"``
+    (or ``vocab_mesh_dim=``) is vocab parallelism over it, any other is a ``ValueError``
+    (``dtensor_weight``).
     """
+    hidden, weight, tp_group, vocab_size, shard_rows = local_operands(locals())
     options = parse_loss_options("ce", locals(), choose_engine)
     out = _fused_loss("fused_linear_cross_entropy", hidden, weight, options)
     if not return_z_loss:
@@ -123,6 +134,7 @@ def fused_linear_logprobs(
     reduction: str = "none",
     logits_precision: str = "fp32",
     engine: str = "auto",
+    vocab_mesh_dim: str | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """``log_softmax(z)[target]`` ``[...]`` fp32, ``z = softcap(hidden @
     full_weight[:vocab_size].T) / temperature``; ``hidden [..., H]``, ``target [...]``.
@@ -135,9 +147,10 @@ def fused_linear_logprobs(
     ``return_sum_pi_squared=True`` adds ``sum_c softmax(z)_c**2`` (no gradient), in the
     order ``(logprobs, entropy, sum_pi_squared)``, from the same pass. ``reduction``:
     "none" (default), "sum" or "mean" over counted tokens, applied to every output.
-    Gradients recompute logits in backward. ``logits_precision``, ``engine``: as
-    ``fused_linear_cross_entropy``.
+    Gradients recompute logits in backward. ``logits_precision``, ``engine``, a ``DTensor``
+    ``weight`` and ``vocab_mesh_dim``: as ``fused_linear_cross_entropy``.
     """
+    hidden, weight, tp_group, vocab_size, shard_rows = local_operands(locals())
     options = parse_loss_options("logprob", locals(), choose_engine)
     # per token from the engine, reduced here like every other output
     return options.returned(_fused_loss("fused_linear_logprobs", hidden, weight, options))

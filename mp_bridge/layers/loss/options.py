@@ -76,7 +76,8 @@ class LossOptions(FrozenSpec):
     ``kind``: one of ``KINDS``. ``spec``: the formula constants (``LossSpec``: vocab size,
     ``ignore_index``, label smoothing, the float temperature, soft-cap, z-loss weight,
     entropy, ``sum_pi_squared``). ``inputs``: ``(name, shape, dtype)`` of ``logits``, or of
-    ``hidden`` and ``weight``. ``shard``: this rank's ``VocabShard`` (``start`` offset,
+    ``hidden`` and ``weight`` (its rows: ``shard.size``, those of every rank's shard even
+    where a ``DTensor``'s own are fewer). ``shard``: this rank's ``VocabShard`` (``start`` offset,
     ``num_real`` rows, true ``vocab_size``). ``target``: ``torch.long`` ids of the token
     shape (``None`` only for an entropy without targets). ``token_temperature``: the
     per-token temperature, normalised once here (``token_temperature_of``): flat ``[N]``,
@@ -195,7 +196,9 @@ def parse_loss_options(
     """Validate one call of a ``kind`` loss (``KINDS``); return its options.
 
     ``args``: the door's arguments by name (its ``locals()``): either ``logits``, or (fused)
-    ``hidden``, ``weight``, ``chunk_size``, ``logits_precision`` and ``engine``; ``target``,
+    ``hidden``, ``weight``, ``chunk_size``, ``logits_precision``, ``engine`` and ``shard_rows``
+    (``dtensor_weight.local_operands``: ``None``, or a ``DTensor`` weight's rows per rank,
+    of which this rank's ``weight`` may hold fewer); ``target``,
     ``tp_group``, ``vocab_size``, ``reduction``, ``ignore_index``, ``softcap``,
     ``temperature``, on the cross-entropy ``label_smoothing`` and ``z_loss_weight``; the
     bool options ``invariant`` and ``return_*``. ``choose_engine`` (the fused doors pass
@@ -207,9 +210,10 @@ def parse_loss_options(
     fused = "hidden" in args
     if fused:
         like, weight = args["hidden"], args["weight"]
-        check_fused_inputs(like, weight, args["chunk_size"])
+        rows = args.get("shard_rows")  # a DTensor weight's rows per rank (dtensor_weight)
+        check_fused_inputs(like, weight, args["chunk_size"], rows)
         _check_precision(args["logits_precision"])
-        shard = check_shard(weight.shape[0], vocab_size, tp_group)
+        shard = check_shard(weight.shape[0] if rows is None else rows, vocab_size, tp_group)
         inputs = (("hidden", like), ("weight", weight))
         shape_of = f"the leading dims of hidden {tuple(like.shape)}: "
     else:
@@ -240,6 +244,8 @@ def parse_loss_options(
         token_temp = token_temperature_of(temp, like.dtype, fused or bool(flags["invariant"]))
     scalars = (softcap, zw, ignore_index, eps, 1.0 if token_temp is not None else temp)
     described = tuple((name, tuple(t.shape), t.dtype) for name, t in inputs)
+    if fused:  # the shard's rows, the same on every rank (a DTensor's may be short or empty)
+        described = (described[0], ("weight", (shard.size, weight.shape[1]), weight.dtype))
     engine = "torch"
     if fused:
         assert choose_engine is not None, "the fused doors pass engines.protocol.choose_engine"

@@ -43,7 +43,10 @@ class FusedLossEngine(Protocol):
     - ``hidden [N, H]``: the tokens (leading dims flattened), the caller's float dtype and
       device, TP-replicated; may require grad.
     - ``weight [V_local, H]``: this rank's vocab shard, same dtype and device; may
-      require grad (a frozen one gets no ``[V_local, H]`` gradient buffer).
+      require grad (a frozen one gets no ``[V_local, H]`` gradient buffer). A ``DTensor``
+      weight's shard (``dtensor_weight``: ``torch.chunk`` rows) holds only the real rows
+      of ``options.shard``, ``V_local = shard.num_real <= shard.size``, possibly none:
+      every choice that shapes a collective (chunks, tiles) is made from ``shard.size``.
     - ``target [N]``: ``torch.long`` ids in ``[0, spec.vocab_size)`` or
       ``spec.ignore_index``, TP-replicated; the owner of id ``t`` holds it at local row
       ``t - options.shard.start``.

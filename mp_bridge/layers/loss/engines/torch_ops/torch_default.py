@@ -57,7 +57,10 @@ class TorchDefaultRunner:
 
     def _logits(self, h: torch.Tensor, temp=None) -> tuple[torch.Tensor, torch.Tensor | None]:
         w, ht = self.weight.detach(), h.t()
-        zt = torch.empty((w.shape[0], h.shape[0]), dtype=h.dtype, device=h.device)
+        # an empty shard (a DTensor's last ranks, dtensor_weight): one padding column
+        zt = torch.empty((max(w.shape[0], 1), h.shape[0]), dtype=h.dtype, device=h.device)
+        if not w.shape[0]:
+            zt.zero_()
         for v in range(0, w.shape[0], SLAB_ROWS):  # (V_local, H) @ (H, C), slab by slab
             torch.mm(w[v : v + SLAB_ROWS], ht, out=zt[v : v + SLAB_ROWS])
         z = (zt if zt.dtype == torch.float32 else zt.float()).t()  # keeps the layout
@@ -95,7 +98,7 @@ class TorchDefaultRunner:
         g = softmax_grad_rows_(p, col, w, self.spec, valid, lse=lse, entropy=entropy, w_ent=w_ent)
         if state.deriv is not None:
             g.mul_(state.deriv)
-        g = g.to(h.dtype)
+        g = g.to(h.dtype)[:, : self.weight.shape[0]]  # an empty shard: no padding column
         if gw is not None:
             _accumulate_weight_grad(gw, g, h)
         gh = torch.mm(g, self.weight)  # (C, V_local) @ (V_local, H): this shard's part

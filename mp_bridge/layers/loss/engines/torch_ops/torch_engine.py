@@ -61,7 +61,9 @@ class TorchEngine:
         temperature: torch.Tensor | None,
         options: LossOptions,
     ) -> TokenOutputs:
-        spec, v_local = options.spec, weight.shape[0]
+        # the layout's rows, the same on every rank (a DTensor's shard may hold fewer): the
+        # chunks, and so the collectives, must not depend on this rank's rows
+        spec, v_local = options.spec, options.shard.size
         if options.logits_precision == "fp32" and hidden.dtype in (torch.bfloat16, torch.float16):
             # Products of bf16 / fp16 values are exact in fp32: the logits (and every
             # gradient matmul) are fp32-accumulated and never rounded to the input dtype.
@@ -73,7 +75,8 @@ class TorchEngine:
         if options.invariant:
             layout = BlockLayout.of_shard(options.shard)
             chunk = -(-chunk // TOKEN_TILE) * TOKEN_TILE  # tiles must not depend on the chunk
-            # TP = 1 with a vocab that is not a whole number of blocks: one zero-padded copy.
+            # TP = 1 with a vocab that is not a whole number of blocks, or a DTensor's short
+            # last shard: one zero-padded copy of the shard to whole blocks.
             weight = pad_single_shard(weight, 0, layout)
             runner: ChunkRunner = TorchInvariantRunner(weight, options.tp_group, layout, spec)
         else:

@@ -183,6 +183,8 @@ class TritonDefaultRunner:
     def stats(self, h: torch.Tensor, tcol: torch.Tensor, temp: torch.Tensor) -> torch.Tensor:
         """Global ``[S, N]`` statistics (one all-gather over ``tp_group``)."""
         stats = h.new_empty((self.spec.num_stats, h.shape[0]), dtype=torch.float32)
+        if not self.weight.shape[0]:  # an empty shard (a DTensor's last): the merge identity
+            stats.zero_()[0] = float("-inf")
         for i, (v0, w_s) in enumerate(self._slabs(h.shape[0])):
             z = mm_f32(h, w_s.t())  # (N, H) @ (H, Vs)
             row_stats_(
