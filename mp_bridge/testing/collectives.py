@@ -25,7 +25,6 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as _c10d
 from torch.distributed.tensor import DTensor
-
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from mp_bridge.checks import in_agreement_check
