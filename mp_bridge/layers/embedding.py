@@ -34,7 +34,7 @@ from mp_bridge.checks import (
     check_tensor,
 )
 from mp_bridge.comm import group_rank, group_size, reduce_from_group, reduce_scatter_along
-from mp_bridge.layers.param_shards import load_shard_, mark_sharded
+from mp_bridge.layers.param_shards import KeepsShardSpecs, load_shard_, mark_sharded
 from mp_bridge.layers.vocab_shards import VocabShard, vocab_shards
 
 __all__ = ["VocabParallelEmbedding", "VocabShardModule"]
@@ -70,7 +70,7 @@ def check_seq_split(length: int, tp: int, dim: int) -> None:
         )
 
 
-class VocabShardModule(nn.Module):
+class VocabShardModule(KeepsShardSpecs):
     """This TP rank's rows ``[vocab_start_index, vocab_end_index)`` of a ``[V, H]`` weight.
 
     The part ``VocabParallelEmbedding`` and ``VocabParallelLMHead`` share: argument checks,
