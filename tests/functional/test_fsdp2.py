@@ -14,6 +14,7 @@ Meshes: FSDP over all 4 ranks (TP 1), or a ``("dp", "tp")`` mesh of 2 x 2: FSDP 
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -31,7 +32,7 @@ from mp_bridge.layers import (
     shard_spec,
     vocab_parallel_cross_entropy,
 )
-from mp_bridge.models import gather_full_state
+from mp_bridge.models import gather_full_state, load_full_state
 from mp_bridge.testing import CollectiveCounter, DistributedWorld, current_device
 
 world = DistributedWorld(4, timeout_s=240)
@@ -121,6 +122,9 @@ def test_vocab_layers_under_fully_shard_train_like_one_process(tp):
     got = gather_full_state(model)  # FSDP all-gather over dp, then TP, padding dropped
     for name, want in want_weights.items():
         torch.testing.assert_close(got[name].cpu(), want, **TOL)
+    load_full_state(model, _full_weights())  # into the DTensor shards, and back: exact
+    back = gather_full_state(model)
+    assert all(torch.equal(back[k].cpu(), v) for k, v in _full_weights().items())
 
 
 @world.case
@@ -159,6 +163,19 @@ def test_tied_embedding_and_head_in_one_fsdp_unit_train_like_one_process():
     F.cross_entropy((F.embedding(ids, w) @ w.t()).flatten(0, 1), target.flatten()).backward()
     got = gather_full_state(model, grads=True)
     torch.testing.assert_close(got["emb.weight"].cpu(), w.grad, **TOL)
+
+
+@world.case
+def test_tied_pair_in_two_fsdp_units_is_refused_by_fsdp2():
+    """Wrapped apart, the tie would break (each unit swaps in its own parameter): FSDP2
+    refuses it at the first forward, naming the fix, before any collective."""
+    model = TiedLM(_full_weights()["emb.weight"])
+    mesh = _mesh(1)["dp"]
+    for part in (model.emb, model.head, model):
+        fully_shard(part, mesh=mesh)
+    ids, target = _batch(4)
+    with pytest.raises(ValueError, match=r"shared with a parameter already managed by another"):
+        model(ids[:B].to(current_device()), target[:B].to(current_device()))
 
 
 class FusedHead(nn.Module):
