@@ -2,9 +2,9 @@
 
 ``examples/colocated_mimo.py`` prints the loss of each SGD step; the oracle trains the
 same model (same full weights and global batch, which the example draws from fixed seeds)
-in plain torch on the full tensors: linear encoder, embedding, causal softmax attention, LM head, mean
-cross-entropy over the supervised tokens. Matching the losses after the first step checks
-the gradients of every parameter, including the encoder's through the bridge.
+in plain torch on the full tensors: linear encoder, embedding, causal softmax attention,
+LM head, mean cross-entropy over the supervised tokens. Matching the losses after the first
+step checks the gradients of every parameter, including the encoder's through the bridge.
 Tolerance: 2e-5 absolute on losses near 6.9: fp32 sums in a different order across ranks
 (relative error ~1e-6) plus the example's 6-decimal printing.
 
@@ -31,11 +31,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 import torch.nn.functional as F
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
-STEPS, LR = 3, 0.5
+STEPS = 3
 
 
 def _example_module(name: str):
@@ -61,7 +62,7 @@ def _run_example(name: str, lr: float) -> list[float]:
     return [float(v) for _, v in printed]
 
 
-def _oracle_losses(ex) -> list[float]:
+def _mimo_oracle_losses(ex, lr: float) -> list[float]:
     w = {k: t.clone().requires_grad_() for k, t in ex.full_weights().items()}
     data = ex.global_batch()
     d = ex.H // ex.HEADS
@@ -79,24 +80,13 @@ def _oracle_losses(ex) -> list[float]:
         grads = torch.autograd.grad(loss, list(w.values()))
         with torch.no_grad():
             for p, g in zip(w.values(), grads):
-                p -= LR * g
+                p -= lr * g
     return losses
 
 
-def test_example_trains_like_one_process():
-    losses = _run_example("colocated_mimo", LR)
-    expected = _oracle_losses(_example_module("colocated_mimo"))
-    assert expected[-1] < expected[0]  # the oracle itself learns: the comparison has teeth
-    for got, want in zip(losses, expected):
-        assert abs(got - want) < 2e-5, (losses, expected)
-
-
-FSDP2_LR = 1e-2
-
-
-def _fsdp2_oracle_losses(ex) -> list[float]:
+def _fsdp2_oracle_losses(ex, lr: float) -> list[float]:
     model = ex.TinyDecoder()
-    opt = ex.optimizer(model, FSDP2_LR)
+    opt = ex.optimizer(model, lr)
     ids, labels = ex.global_batch()
     losses = []
     for _ in range(STEPS):
@@ -109,9 +99,14 @@ def _fsdp2_oracle_losses(ex) -> list[float]:
     return losses
 
 
-def test_fsdp2_example_trains_like_one_process():
-    losses = _run_example("fsdp2_lm_head", FSDP2_LR)
-    expected = _fsdp2_oracle_losses(_example_module("fsdp2_lm_head"))
+@pytest.mark.parametrize(
+    "name, lr, oracle, tol",
+    [("colocated_mimo", 0.5, _mimo_oracle_losses, 2e-5),
+     ("fsdp2_lm_head", 1e-2, _fsdp2_oracle_losses, 1e-5)],
+)  # fmt: skip
+def test_example_trains_like_one_process(name, lr, oracle, tol):
+    losses = _run_example(name, lr)
+    expected = oracle(_example_module(name), lr)
     assert expected[-1] < expected[0]  # the oracle itself learns: the comparison has teeth
     for got, want in zip(losses, expected):
-        assert abs(got - want) < 1e-5, (losses, expected)
+        assert abs(got - want) < tol, (losses, expected)
