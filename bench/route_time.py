@@ -8,7 +8,7 @@ layout). ``route`` times are the median over steps of the slowest rank's forward
 sensitive to a loaded machine's scheduling); ``plan`` times are one process (one thread, like each
 rank) planning rank 0's route (``route_needs`` + ``plan_route``; CPU time, best of 5 means
 of 10) and a cache
-hit of the communicator's plan cache (the key ``route`` builds + ``RouteCache.get``).
+hit of the communicator's plan cache (the key ``route`` builds + ``PlanCache.get``).
 
 Run: ``PYTHONPATH=. python bench/route_time.py`` (report ``uptime``'s load with it).
 """
@@ -23,8 +23,8 @@ import torch.distributed as dist
 
 from mp_bridge.comm import ColocatedBridgeCommunicator, PartitionAdapter, pad_layout
 from mp_bridge.comm.bridge.plans.bridge_plan import plan_bridge
+from mp_bridge.comm.bridge.plans.plan_cache import PlanCache
 from mp_bridge.comm.bridge.plans.route_plan import (
-    RouteCache,
     image_token_shards,
     plan_route,
     route_groups,
@@ -68,7 +68,7 @@ def _rank_times() -> list[tuple[float, float]]:
 
 def _plan_times(reps: int = 10) -> tuple[float, float]:
     """Seconds per plan of rank 0's route (``route_needs`` + ``plan_route``) and per cache
-    hit (the key ``route`` builds + ``RouteCache.get``), one process."""
+    hit (the key ``route`` builds + ``PlanCache.get``), one process."""
     torch.set_num_threads(1)  # as each rank of run_distributed
     s_lay = GridLayout((SRC["tp"], 1, 1, SRC["dp"]), ORDER)
     d_lay = GridLayout((DEST["tp"], DEST["cp"], 1, DEST["dp"]), ORDER)
@@ -88,7 +88,7 @@ def _plan_times(reps: int = 10) -> tuple[float, float]:
             plan_route(members, 0, holds, needs)
         batches.append((time.process_time() - t0) / reps)
     plan_s = min(batches)
-    cache = RouteCache()
+    cache = PlanCache()
 
     def hit():
         key = (
@@ -126,7 +126,7 @@ def main() -> None:
     )
     plan_s, hit_s = _plan_times()
     rows.append(("plan (route_needs + plan_route), 1 process, CPU", f"{plan_s * 1e3:.2f}", "-"))
-    rows.append(("cache hit (key + RouteCache.get), 1 process, CPU", f"{hit_s * 1e3:.3f}", "-"))
+    rows.append(("cache hit (key + PlanCache.get), 1 process, CPU", f"{hit_s * 1e3:.3f}", "-"))
     print("command: PYTHONPATH=. python bench/route_time.py")
     print(
         f"encoder {SRC} -> llm {DEST} sp, h={H} fp32, S={S}, S_img={S_IMG}, {B_SRC} "

@@ -41,6 +41,11 @@ DEPRECATIONS: dict[str, Deprecation] = {
         ),
         Deprecation("mp_bridge.comm.cp_factor", "seq_len_divisor(cp)", "0.3.0"),
         Deprecation(
+            "mp_bridge.comm.RouteCache",
+            "mp_bridge.comm.PlanCache (it caches balance plans as well as routes)",
+            "0.3.0",
+        ),
+        Deprecation(
             "mp_bridge.comm.ColocatedBridgeCommunicator(src_name=...)",
             "ColocatedBridgeCommunicator(src_module_name=...) (megatron-core's keyword)",
             "0.3.0",

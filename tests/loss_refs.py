@@ -10,9 +10,11 @@ positions whose target equals ``ignore_index`` give 0 everywhere. A tensor tempe
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
-__all__ = ["Checks", "reference", "sum_pi_squared"]
+__all__ = ["Checks", "fp64_oracle", "reference", "sum_pi_squared"]
 
 
 def reference(
@@ -72,6 +74,32 @@ def sum_pi_squared(
     if ignore_index is not None:
         out = torch.where(target == ignore_index, 0.0, out)
     return out
+
+
+def fp64_oracle(
+    materialized: bool,
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    vocab: int,
+    outputs: Callable[[torch.Tensor], list[torch.Tensor]],
+    ups: Callable[[list[torch.Tensor]], list[torch.Tensor]],
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """``(outputs, grads)`` of a loss path's fp64 reference on the full vocab.
+
+    The leaves are fp64 copies: the logits ``hidden @ weight[:vocab].T`` (materialized:
+    made in the input dtype, as the path gets them), else ``hidden`` and ``weight[:vocab]``
+    (fused). ``outputs(z)``: the reference outputs of the fp64 logits ``z [..., vocab]``;
+    ``ups(outs)``: an upstream gradient for each; ``grads``: of the leaves, after one
+    backward of ``sum(out * up)`` over the outputs that have a gradient."""
+    if materialized:
+        leaves = [(hidden @ weight[:vocab].t()).double().requires_grad_()]
+        z = leaves[0]
+    else:
+        leaves = [hidden.double().requires_grad_(), weight[:vocab].double().requires_grad_()]
+        z = leaves[0] @ leaves[1].t()
+    outs = outputs(z)
+    sum((o * u).sum() for o, u in zip(outs, ups(outs)) if o.requires_grad).backward()
+    return [o.detach() for o in outs], [leaf.grad for leaf in leaves]
 
 
 class Checks:

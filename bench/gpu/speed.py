@@ -281,19 +281,31 @@ def _fmt(x: float | None, spec: str) -> str | None:
     return None if x is None else format(x, spec)
 
 
+def predicted(args, vocab: int) -> dict[str, float]:
+    """The roofline's *predicted* H200 ms of our two triton methods at this shape, TP 1
+    (``bench/gpu/roofline.py``; bf16 only, the dtype it models)."""
+    from roofline import predicted_ms
+
+    return predicted_ms(args.n, args.hidden, vocab) if args.dtype == "bfloat16" else {}
+
+
 def shape_report(args, vocab: int, res: dict, title: str | None = None) -> str:
     from report import Measure, markdown_table, speed_verdicts, verdict_lines
 
     base = res.get("ours_default", {})
+    pred = predicted(args, vocab)
     rows = []
     for m, r in res.items():
         s, peak, prec = r["seconds"], r["peak"], r.get("precision") or {}
         rel_t = s / base["seconds"] if s and base.get("seconds") else None
         rel_m = peak / base["peak"] if peak and base.get("peak") else None
+        p_ms = pred.get(m)
         rows.append(
             (
                 m,
                 _fmt(None if s is None else s * 1e3, ".1f"),
+                _fmt(p_ms, ".1f"),
+                _fmt(s * 1e3 / p_ms if s and p_ms else None, ".2f"),
                 _fmt(rel_t, ".2f"),
                 _fmt(None if peak is None else peak / 2**30, ".2f"),
                 _fmt(rel_m, ".2f"),
@@ -305,15 +317,21 @@ def shape_report(args, vocab: int, res: dict, title: str | None = None) -> str:
                 r["error"] or "",
             )
         )
-    header = ("method", "fwd+bwd ms", "x ours_default", "peak GiB", "x ours_default")
+    header = ("method", "fwd+bwd ms", "predicted ms", "measured / predicted", "x ours_default")
+    header += ("peak GiB", "x ours_default")
     precision_cols = ("loss - fp64", "log-prob max err", "d hidden rel err", "d weight rel err")
     table = markdown_table((*header, *precision_cols, "timed runs", "error"), rows)
     measured = {
         m: Measure(r["seconds"], r["peak"] or 0) for m, r in res.items() if r["seconds"] is not None
     }
     title = title or f"N x H x V = {args.n} x {args.hidden} x {vocab}, {args.dtype}, TP 1"
+    note = (
+        "\n\npredicted: bench/gpu/roofline.py (H200, fixed rates, *predicted*, never measured)"
+        if pred
+        else ""
+    )
     return (
-        f"#### {title}\n\n{table}\n\nTargets (as in report.py):\n\n"
+        f"#### {title}\n\n{table}{note}\n\nTargets (as in report.py):\n\n"
         f"{verdict_lines(speed_verdicts(measured))}\n"
     )
 
@@ -344,11 +362,14 @@ def main(argv: list[str] | None = None) -> int:
         f"{d} {_version(d)}"
         for d in ("torch", "triton", "megatron-core", "liger-kernel", "cut-cross-entropy")
     )
+    from mp_bridge.layers.loss.engines.triton_ops.triton_default import addmm_path
+
     head = (
         "### LM-head loss: speed and memory (stage d)\n\n"
         f"command: `{' '.join([os.path.basename(sys.executable), *sys.argv])}`\n\n"
         f"{name}; {versions}. Time: best of the timed runs (methods in turn, first method "
-        "rotating); peak: worst extra bytes over the call, gradients included.\n"
+        "rotating); peak: worst extra bytes over the call, gradients included. The default "
+        f"mode's d h product (checked once): `{addmm_path(dev.type)}`.\n"
     )
     if os.environ.get("TRITON_INTERPRET") == "1":
         head += "\nTRITON_INTERPRET=1: the triton engine's times are the interpreter's (a smoke).\n"

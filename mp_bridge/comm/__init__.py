@@ -15,25 +15,28 @@ from mp_bridge.checks import (
     fingerprint,
     run_checked,
 )
+from mp_bridge.comm.bridge.bridge_protocol import Bridge
 from mp_bridge.comm.bridge.execution.balancer import ImageBalancer
 from mp_bridge.comm.bridge.execution.bridge_groups import BridgeGroups, make_bridge_groups
 from mp_bridge.comm.bridge.execution.communicator import ColocatedBridgeCommunicator
 from mp_bridge.comm.bridge.execution.ragged import exchange_rows
 from mp_bridge.comm.bridge.execution.sample_counts import check_sample_counts
+from mp_bridge.comm.bridge.local_bridge import LocalBridge
 from mp_bridge.comm.bridge.plans.balance_plan import BalancePlan, plan_balance
 from mp_bridge.comm.bridge.plans.bridge_plan import BridgePlan, plan_bridge
 from mp_bridge.comm.bridge.plans.count_rows import CountRow
-from mp_bridge.comm.bridge.plans.dense_plan import format_rank_table
 from mp_bridge.comm.bridge.plans.layouts import BridgeDirection
+from mp_bridge.comm.bridge.plans.plan_cache import PlanCache, RouteCache
+from mp_bridge.comm.bridge.plans.plan_groups import format_rank_table
 from mp_bridge.comm.bridge.plans.ragged_plan import RaggedRoute, route_ragged
 from mp_bridge.comm.bridge.plans.route_plan import (
     RankRoute,
-    RouteCache,
     image_token_shards,
     plan_route,
     route_groups,
     route_needs,
 )
+from mp_bridge.comm.bridge.plans.row_move import MoveLeg, RowMove
 from mp_bridge.comm.collectives.deterministic import deterministic_all_reduce
 from mp_bridge.comm.collectives.kv_gather import GatherKV, ReduceScatterKV, gather_kv
 from mp_bridge.comm.collectives.primitives import (
@@ -83,6 +86,8 @@ __all__ = [
     "BridgePlan",
     "BridgeDirection",
     "ColocatedBridgeCommunicator",
+    "Bridge",
+    "LocalBridge",
     "BridgeGroups",
     "make_bridge_groups",
     "RaggedRoute",
@@ -93,6 +98,9 @@ __all__ = [
     "plan_route",
     "route_groups",
     "route_needs",
+    "PlanCache",
+    "MoveLeg",
+    "RowMove",
     "RouteCache",
     "ImageBalancer",
     "BalancePlan",

@@ -1,11 +1,11 @@
 """Small reference models (TP encoder, projection, CP/TP LLM) and the colocated MIMO wrapper."""
 
+from mp_bridge.comm import LocalBridge
 from mp_bridge.models.colocated.build import build_colocated_mimo, destroy_colocated_mimo
-from mp_bridge.models.colocated.flows import FLOWS, parse_flow
 from mp_bridge.models.colocated.gather import GatherFlow
-from mp_bridge.models.colocated.local import LocalBridge
 from mp_bridge.models.colocated.mimo import ColocatedMimoModel
 from mp_bridge.models.colocated.mimo_groups import MimoGroups, make_mimo_groups
+from mp_bridge.models.colocated.mimo_options import FLOWS, parse_flow
 from mp_bridge.models.colocated.parts import MimoFlow
 from mp_bridge.models.colocated.routed import RoutedFlow
 from mp_bridge.models.data.batch import MimoBatch, TextShard, dp_shard, synthetic_batch

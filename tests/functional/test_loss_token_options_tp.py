@@ -23,7 +23,7 @@ from mp_bridge.layers import (
     vocab_shard_ranges,
 )
 from mp_bridge.testing import DistributedWorld, current_device
-from tests.loss_refs import Checks, reference, sum_pi_squared
+from tests.loss_refs import Checks, fp64_oracle, reference, sum_pi_squared
 from tests.oracles import gather_rows, tp_member
 
 world = DistributedWorld(4, timeout_s=240)
@@ -134,30 +134,30 @@ def _run(path, api, opts, hidden, weight, target, tp, order=None):
 
 
 def _oracle(path, api, opts, hidden, weight, target):
-    if path.startswith("materialized"):
-        leaves = [(hidden @ weight[:V].t()).double().requires_grad_()]
-        z = leaves[0]
-    else:
-        leaves = [hidden.double().requires_grad_(), weight[:V].double().requires_grad_()]
-        z = leaves[0] @ leaves[1].t()
     target = _target(api, opts, target)
     ignore = opts.get("ignore_index", -100) if (target < 0).any() else None
     keys = ("temperature", "softcap", "label_smoothing", "z_loss_weight")
     kw = {k: opts[k] for k in keys if k in opts}
     kind = "ce" if api == "ce" else "logprob"
-    value, entropy, _ = reference(z, target, kind=kind, ignore_index=ignore, **kw)
-    outs = [entropy] if api == "ent" else [value]
-    outs += [entropy] if opts.get("return_entropy") else []
-    if opts.get("return_sum_pi_squared"):
-        sq_kw = {k: kw[k] for k in ("temperature", "softcap") if k in kw}
-        outs.append(sum_pi_squared(z, target, ignore_index=ignore, **sq_kw).detach())
-    reduction = opts.get("reduction", "none")
-    if reduction != "none":
-        count = target.numel() if ignore is None else (target != ignore).sum()
-        outs = [o.sum() / (count if reduction == "mean" else 1) for o in outs]
-    ups = _ups(outs[0].shape, len(outs), z.device, torch.float64)
-    sum((o * u).sum() for o, u in zip(outs, ups) if o.requires_grad).backward()
-    return [o.detach() for o in outs], [leaf.grad for leaf in leaves]
+
+    def outputs(z):
+        value, entropy, _ = reference(z, target, kind=kind, ignore_index=ignore, **kw)
+        outs = [entropy] if api == "ent" else [value]
+        outs += [entropy] if opts.get("return_entropy") else []
+        if opts.get("return_sum_pi_squared"):
+            sq_kw = {k: kw[k] for k in ("temperature", "softcap") if k in kw}
+            outs.append(sum_pi_squared(z, target, ignore_index=ignore, **sq_kw).detach())
+        reduction = opts.get("reduction", "none")
+        if reduction != "none":
+            count = target.numel() if ignore is None else (target != ignore).sum()
+            outs = [o.sum() / (count if reduction == "mean" else 1) for o in outs]
+        return outs
+
+    def ups(outs):
+        return _ups(outs[0].shape, len(outs), hidden.device, torch.float64)
+
+    materialized = path.startswith("materialized")
+    return fp64_oracle(materialized, hidden, weight, V, outputs, ups)
 
 
 @world.parametrize("name", NAMES)

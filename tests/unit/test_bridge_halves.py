@@ -11,7 +11,7 @@ import mp_bridge.comm.bridge as bridge
 PUBLIC = (
     "plan_bridge", "BridgePlan", "BridgeDirection", "ColocatedBridgeCommunicator",
     "exchange_rows", "ImageBalancer", "BalancePlan", "plan_balance", "check_sample_counts",
-    "RaggedRoute", "route_ragged", "RankRoute", "RouteCache", "plan_route", "route_groups",
+    "RaggedRoute", "route_ragged", "RankRoute", "PlanCache", "plan_route", "route_groups",
     "route_needs", "image_token_shards", "format_rank_table", "BridgeGroups",
     "make_bridge_groups", "CountRow",
 )  # fmt: skip

@@ -1,18 +1,19 @@
 """``route`` keeps its plans: a repeated layout is not planned again (one process, no group).
 
 A one-rank bridge (EQUAL, no collective) runs ``parse_route`` then ``run_route`` with a
-``RouteCache``; ``plan_route`` is counted through monkeypatch. Also the LRU bound of ``RouteCache``.
+``PlanCache``; ``plan_route`` is counted through monkeypatch. Also the LRU bound of ``PlanCache``.
 """
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 import mp_bridge.comm.bridge.execution.route as route_module
 from mp_bridge.comm import PartitionAdapter
 from mp_bridge.comm.bridge.execution.route import parse_route, run_route
 from mp_bridge.comm.bridge.plans.bridge_plan import plan_bridge
-from mp_bridge.comm.bridge.plans.route_plan import RouteCache
+from mp_bridge.comm.bridge.plans.plan_cache import PlanCache
 from mp_bridge.grid import GridLayout
 
 ORDER = ("tp", "cp", "pp", "dp")
@@ -40,7 +41,7 @@ def test_a_repeated_layout_is_not_planned_again(monkeypatch):
         return original(*args, **kwargs)
 
     monkeypatch.setattr(route_module, "plan_route", counting)
-    cache = RouteCache(maxsize=8)
+    cache = PlanCache(maxsize=8)
     # The plan depends on the token total and the shard of each image token (one shard
     # here): a and a2 share a plan (3 tokens, split differently); b (4) and c (1) do not.
     a, a2, b, c = [[1, 4], [0]], [[2], [3, 5]], [[2], [3, 4, 5]], [[0], []]
@@ -55,7 +56,7 @@ def test_a_repeated_layout_is_not_planned_again(monkeypatch):
 
 
 def test_the_cache_keeps_the_most_recent_entries():
-    cache, made = RouteCache(maxsize=2), []
+    cache, made = PlanCache(maxsize=2), []
 
     def make(key):
         def build():
@@ -69,3 +70,14 @@ def test_the_cache_keeps_the_most_recent_entries():
     # "q" was evicted by "r" (least recently used after "p" was read again).
     assert made == ["p", "q", "r", "q"]
     assert len(cache) == 2
+
+
+def test_route_cache_is_a_deprecated_name_of_plan_cache():
+    # The cache holds balance plans too (ImageBalancer's), so it is named for plans.
+    import mp_bridge.comm as comm
+
+    with pytest.warns(DeprecationWarning, match=r"mp_bridge\.comm\.RouteCache is deprecated.*"
+                      r"PlanCache"):  # fmt: skip
+        cache = comm.RouteCache(maxsize=3)
+    assert isinstance(cache, PlanCache) and cache.maxsize == 3
+    assert cache.get("k", lambda: "plan") == "plan"

@@ -5,10 +5,18 @@
   grid layouts with no process group.
 - :mod:`~mp_bridge.comm.bridge.execution`: the communicator that runs them with process
   groups and autograd-aware collectives, the image balancer, and the count check.
+- :class:`Bridge` (:mod:`.bridge_protocol`): what a model asks of a bridge; the
+  communicator and :class:`LocalBridge` (:mod:`.local_bridge`, one process) are its two.
+
+Checked and trusted entries are spelled one way: ``f`` validates its arguments and
+``f_trusted`` is the same step on arguments its caller already checked (the communicator's
+path: :func:`parse_route` / ``parse_route_trusted``, :func:`route_ragged` /
+``route_ragged_trusted``, :func:`exchange_rows` / ``exchange_rows_trusted``).
 
 Every name is re-exported here (and the public ones again from :mod:`mp_bridge.comm`).
 """
 
+from .bridge_protocol import Bridge
 from .execution import (
     BridgeGroups,
     ColocatedBridgeCommunicator,
@@ -23,16 +31,20 @@ from .execution import (
     parse_route,
     run_route,
 )
+from .local_bridge import LocalBridge
 from .plans import (
     ROW_SIZE,
     BalancePlan,
     BridgeDirection,
     BridgePlan,
     CountRow,
+    MoveLeg,
     Piece,
+    PlanCache,
     RaggedRoute,
     RankRoute,
     RouteCache,
+    RowMove,
     StageDelivery,
     Transfer,
     check_member_headers,
@@ -53,6 +65,8 @@ from .plans import (
 )
 
 __all__ = [
+    "Bridge",
+    "LocalBridge",
     "BalancePlan",
     "ImageBalancer",
     "plan_balance",
@@ -81,11 +95,14 @@ __all__ = [
     "run_route",
     "make_route_group",
     "make_world_group",
+    "MoveLeg",
+    "RowMove",
     "Piece",
     "StageDelivery",
     "Transfer",
     "plan_stage_delivery",
     "RankRoute",
+    "PlanCache",
     "RouteCache",
     "image_token_shards",
     "plan_route",

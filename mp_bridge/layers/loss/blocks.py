@@ -67,7 +67,7 @@ TOKEN_TILE = 128
 WEIGHT_GRAD_ROWS = 64
 
 
-#: Blocks per matmul call (fused invariant engine): every call is a batch of exactly this
+#: Blocks per matmul call (fused invariant runner): every call is a batch of exactly this
 #: many ``[TOKEN_TILE, ., .]`` products, whatever the TP size, chunk or batch, because
 #: GEMM libraries choose their kernel (and summation order) by shape and batch count
 #: (cuBLAS sends a batch of 1 to ``gemm`` and more to ``bgemm``).

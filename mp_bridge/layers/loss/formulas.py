@@ -50,11 +50,11 @@ from dataclasses import dataclass
 import torch
 
 from mp_bridge.layers.loss.blocks import TOKEN_TILE, BlockLayout, TargetSlots
+from mp_bridge.layers.loss.outputs import TokenOutputs
 
 __all__ = [
     "STATS",
     "LossSpec",
-    "RowValues",
     "block_stats_",
     "combine_stats",
     "entropy_of",
@@ -160,6 +160,27 @@ class LossSpec:
         """No z-loss and no entropy: the gradient is the affine form alone."""
         return self.z_loss_weight == 0.0 and not self.entropy
 
+    def zero_outputs(self, n: int, device: torch.device) -> TokenOutputs:
+        """fp32 zeros ``[n]`` for every per-token output this spec computes, ``lse``
+        included (the others ``None``)."""
+
+        def zeros(wanted: bool = True) -> torch.Tensor | None:
+            return torch.zeros(n, dtype=torch.float32, device=device) if wanted else None
+
+        z_loss = self.z_loss_weight != 0.0
+        return TokenOutputs(
+            zeros(), zeros(self.entropy), zeros(z_loss), zeros(self.sum_pi_squared), zeros()
+        )
+
+    def temperatures(
+        self, token_temperature: torch.Tensor | None, n: int, device: torch.device
+    ) -> torch.Tensor:
+        """``T`` per token, fp32 ``[n]``: ``token_temperature`` (already flat fp32, from the
+        parse), else the spec's float (for kernels that read one per row)."""
+        if token_temperature is not None:
+            return token_temperature
+        return torch.full((n,), self.temperature, dtype=torch.float32, device=device)
+
     def token_weight(
         self,
         target: torch.Tensor,
@@ -248,19 +269,9 @@ def entropy_of(s: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return torch.log(s) - u / s
 
 
-@dataclass(frozen=True)
-class RowValues:
-    """Per-token results from merged statistics (``stats_values``), unmasked."""
-
-    value: torch.Tensor  # includes the z-loss
-    lse: torch.Tensor
-    entropy: torch.Tensor | None = None
-    z_loss: torch.Tensor | None = None
-    sum_pi_squared: torch.Tensor | None = None
-
-
-def stats_values(root: torch.Tensor, spec: LossSpec, *, relative: bool = False) -> RowValues:
-    """Values, lse, entropy and z-loss per token from merged ``[S, ...]`` stats (unmasked).
+def stats_values(root: torch.Tensor, spec: LossSpec, *, relative: bool = False) -> TokenOutputs:
+    """The per-token outputs (value with its z-loss, entropy, z-loss, ``sum_pi_squared``,
+    and ``lse``) of merged ``[S, ...]`` stats, unmasked.
 
     ``relative``: the target logit and the sum hold ``z - m`` (``row_stats_(shift=)``), so
     ``value = a log s + b tl + c sz`` (``a + b + c V = 0``: the shift cancels) skips the
@@ -278,7 +289,7 @@ def stats_values(root: torch.Tensor, spec: LossSpec, *, relative: bool = False) 
         value = value + z_loss
     entropy = entropy_of(root[1], root[4]) if spec.entropy else None
     sq = root[-1] / (root[1] * root[1]) if spec.sum_pi_squared else None
-    return RowValues(value, lse, entropy, z_loss, sq)
+    return TokenOutputs(value, entropy, z_loss, sq, lse)
 
 
 def _xexp(e: torch.Tensor) -> torch.Tensor:
@@ -290,13 +301,12 @@ def row_stats_(
     z: torch.Tensor,
     col: torch.Tensor,
     valid: int,
-    with_sum: bool,
-    with_entropy: bool = False,
-    with_sq: bool = False,
+    spec: LossSpec,
     *,
     shift: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``[S, C]`` statistics of transformed fp32 logits ``z [C, V_local]`` and the row max.
+    """``[S, C]`` statistics of transformed fp32 logits ``z [C, V_local]`` and the row max
+    (those ``spec`` asks for: ``STATS``, ``LossSpec.num_stats``).
 
     ``valid`` true columns (the rest is padding, set to -inf); ``col`` the local target
     column or -1. ``z`` is left holding ``exp(z - m)`` (no second ``[C, V_local]``
@@ -311,7 +321,7 @@ def row_stats_(
     if m is not None:
         z.sub_(safe_shift(m).unsqueeze(1))
     tl = torch.where(col >= 0, z.gather(1, col.clamp(min=0).unsqueeze(1)).squeeze(1), 0.0)
-    sz = z[:, :valid].sum(dim=1) if with_sum and valid else torch.zeros_like(tl)
+    sz = z[:, :valid].sum(dim=1) if spec.with_sum and valid else torch.zeros_like(tl)
     if m is None and valid:
         m = z.amax(dim=1)
         z.sub_(safe_shift(m).unsqueeze(1))
@@ -321,9 +331,9 @@ def row_stats_(
     else:
         s = z.exp_().sum(dim=1)
     parts = [m, s, tl, sz]
-    if with_entropy:
+    if spec.entropy:
         parts.append(_xexp(z))
-    if with_sq:
+    if spec.sum_pi_squared:
         parts.append(z.square().sum(dim=1))
     return torch.stack(parts), m
 
@@ -341,33 +351,29 @@ def exp_shift_(z: torch.Tensor, layout: BlockLayout) -> torch.Tensor:
 
 
 def block_stats_(
-    z: torch.Tensor,
-    layout: BlockLayout,
-    slots: TargetSlots,
-    with_sum: bool,
-    with_entropy: bool = False,
-    with_sq: bool = False,
+    z: torch.Tensor, layout: BlockLayout, slots: TargetSlots, spec: LossSpec
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``[S, T, K, TOKEN_TILE]`` statistics of every (tile, block) row, and ``m``.
+    """``[S, T, K, TOKEN_TILE]`` statistics of every (tile, block) row (those ``spec``
+    asks for), and ``m``.
 
     ``z`` (transformed fp32 logits) is left holding ``exp(z - m)`` (``exp_shift_``). With
     ``K == 0`` the partials are all zero and are never folded (no pieces).
     """
     t, k = z.shape[:2]
-    stats = z.new_zeros((4 + int(with_entropy) + int(with_sq), t, k, TOKEN_TILE))
+    stats = z.new_zeros((spec.num_stats, t, k, TOKEN_TILE))
     if k == 0:
         return stats, stats[0]
     tile, blk, row, col = slots.index
     stats[2].index_put_((tile, blk, row), z[tile, blk, row, col])
-    if with_sum:
+    if spec.with_sum:
         tail = layout.tail
         stats[3, :, : k - 1] = z[:, : k - 1].sum(dim=-1)
         stats[3, :, k - 1] = z[:, k - 1, :, :tail].sum(dim=-1)
     m = exp_shift_(z, layout)
     stats[0] = m
     stats[1] = z.sum(dim=-1)
-    if with_entropy:
+    if spec.entropy:
         stats[4] = _xexp(z)
-    if with_sq:
+    if spec.sum_pi_squared:
         stats[-1] = z.square().sum(dim=-1)
     return stats, m

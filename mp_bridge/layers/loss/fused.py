@@ -10,12 +10,15 @@ log-probs the entropy and ``sum_pi_squared`` of the same distribution from the s
 Outputs are fp32; statistics and gradients accumulate in fp32 whatever the input dtype.
 
 Each door parses its arguments into one ``LossOptions`` (``options``), which names the
-engine (``engine="auto" | "torch" | "triton"``; ``"auto"``: ``"triton"`` for CUDA tensors,
-else ``"torch"``), lets the TP ranks agree on it, and hands the flattened tokens to the
-engine (``engines/protocol.py``): the ``"torch"`` engine (``engines/torch``: chunked
-matmuls, gradients in forward for "sum" / "mean", recomputed in backward otherwise; its
-collectives, memory and invariant-mode guarantees are in its docstring) or the
-``"triton"`` GPU engine (``engines/triton``, imported only when asked for or picked).
+engine (``engine="auto" | "torch" | "triton"``, chosen by ``engines.protocol.choose_engine``:
+``"auto"`` is ``"triton"`` for CUDA tensors it can run, else ``"torch"``; an explicit
+engine never falls back, an input it cannot run is a ``ValueError``), lets the TP ranks
+agree on it, and hands the flattened tokens to the engine (``engines/protocol.py``): the
+``"torch"`` engine (``engines/torch_ops``: chunked matmuls, gradients in forward for
+"sum" / "mean", recomputed in backward otherwise; its collectives, memory and
+invariant-mode guarantees are in its docstring) or the ``"triton"`` GPU engine
+(``engines/triton_ops``, imported only when asked for or picked). Per-token outputs come
+back as one ``outputs.TokenOutputs``.
 """
 
 from __future__ import annotations
@@ -24,31 +27,27 @@ import torch
 import torch.distributed as dist
 
 from mp_bridge.checks import agreed
-from mp_bridge.layers.loss.engines.protocol import load_engine
+from mp_bridge.layers.loss.engines.protocol import choose_engine, load_engine
 from mp_bridge.layers.loss.options import LossOptions, parse_loss_options
+from mp_bridge.layers.loss.outputs import TokenOutputs
 
 __all__ = ["fused_linear_cross_entropy", "fused_linear_logprobs"]
 
 
-def _fused_loss(where: str, hidden: torch.Tensor, weight: torch.Tensor, options: LossOptions):
+def _fused_loss(
+    where: str, hidden: torch.Tensor, weight: torch.Tensor, options: LossOptions
+) -> TokenOutputs:
     """The parsed call on its engine: agree, then one ``engine.loss`` over the flattened
-    tokens. Returns ``(values, extra, sq)`` shaped like ``target`` (engine reduction
-    "none") or scalars (``EngineOutput``)."""
+    tokens. Its outputs shaped like ``target`` (engine reduction "none"), else reduced."""
     engine = load_engine(options)
     # under MP_BRIDGE_CHECK: one all-gather, before the engine's first collective
     options.agree(where, device=hidden.device, replicated={"hidden": hidden})
-    lead = tuple(hidden.shape[:-1])
-    temp = options.token_temperature
-    if temp is not None:
-        temp = temp.to(torch.float32).reshape(-1)
     flat = hidden.reshape(-1, hidden.shape[-1])
-    out = engine.loss(flat, weight, options.target.reshape(-1), temp, options)
-    values, extra, sq = out
-    if options.engine_reduction == "none":
-        values = values.view(lead)
-        extra = extra.view(lead) if extra.numel() == values.numel() else extra
-        sq = sq.view(lead) if sq.numel() == values.numel() else sq
-    return values, extra, sq
+    target = options.target.reshape(-1)
+    out = engine.loss(flat, weight, target, options.token_temperature, options)
+    if options.engine_reduction != "none":
+        return out
+    return out.map(lambda v: v.view(hidden.shape[:-1]))
 
 
 @agreed("mp_bridge.layers.fused_linear_cross_entropy")
@@ -87,9 +86,10 @@ def fused_linear_cross_entropy(
     (combine across DP/CP with ``masked_mean``); over only ignored tokens it is nan with
     zero gradients, like torch. Returns fp32. ``chunk_size=None``: the engine's default
     (torch: about ``DEFAULT_CHUNK_ELEMENTS`` logits per chunk). ``engine``: ``"auto"``
-    (``"triton"`` for CUDA tensors when it imports, else ``"torch"``), ``"torch"`` or
-    ``"triton"`` (``ImportError`` without ``pip install triton``); the same on every TP
-    rank. ``logits_precision="fp32"`` (default):
+    (``"triton"`` for CUDA tensors it can run when it imports, else ``"torch"``),
+    ``"torch"`` or ``"triton"`` (``ImportError`` without ``pip install triton``;
+    ``ValueError`` naming the reason for an input it cannot run, e.g. fp64); the same on
+    every TP rank. ``logits_precision="fp32"`` (default):
     bf16 / fp16 inputs are upcast once, so logits and gradients are fp32-accumulated
     (exact products, never rounded to the input dtype); ``"input"``: matmuls in the input
     dtype (logits rounded to it: log-prob errors 3e-2 to 5e-2 in bf16, 4e-3 to 8e-3 in fp16
@@ -97,11 +97,12 @@ def fused_linear_cross_entropy(
     twice differentiable; with "mean" / "sum" one backward per call (gradients are made
     in forward).
     """
-    options = parse_loss_options("ce", locals())
-    loss, z_loss, _ = _fused_loss("fused_linear_cross_entropy", hidden, weight, options)
+    options = parse_loss_options("ce", locals(), choose_engine)
+    out = _fused_loss("fused_linear_cross_entropy", hidden, weight, options)
     if not return_z_loss:
-        return loss
-    return loss, z_loss if options.spec.z_loss_weight != 0.0 else torch.zeros_like(loss.detach())
+        return out.value
+    z_loss = out.z_loss if out.z_loss is not None else torch.zeros_like(out.value.detach())
+    return out.value, z_loss
 
 
 @agreed("mp_bridge.layers.fused_linear_logprobs")
@@ -137,6 +138,6 @@ def fused_linear_logprobs(
     Gradients recompute logits in backward. ``logits_precision``, ``engine``: as
     ``fused_linear_cross_entropy``.
     """
-    options = parse_loss_options("logprob", locals())
+    options = parse_loss_options("logprob", locals(), choose_engine)
     # per token from the engine, reduced here like every other output
-    return options.returned(*_fused_loss("fused_linear_logprobs", hidden, weight, options))
+    return options.returned(_fused_loss("fused_linear_logprobs", hidden, weight, options))

@@ -15,11 +15,13 @@ A new loss option ``foo`` touches the options, the formulas and the kernels, not
    checks it, and it lands in a field: of ``LossSpec`` (``formulas``) when the math reads
    it, so every engine sees it as ``options.spec.foo``, else of ``LossOptions``. Either way
    :meth:`LossOptions.fields` puts it in the agreement by itself (the spec is one field; a
-   new ``LossOptions`` field is one more of the agreement row's 16, of which the fused
-   cross-entropy with a per-token temperature uses 15);
+   new ``LossOptions`` field is one more of the agreement row's ``MAX_FIELDS`` = 32, of
+   which the fused cross-entropy with a per-token temperature uses 15); a new per-token
+   output is also one field of ``outputs.TokenOutputs`` and its place in
+   :meth:`LossOptions.returned`;
 2. ``formulas`` / ``grad``: its math on the shared statistics;
-3. the kernels of each engine, or the engine's ``unsupported(options)`` names ``"foo"``
-   and the door runs the ``"torch"`` engine instead (one warning).
+3. the kernels of each engine (``engines/triton_ops/tiles.py``); the torch engine and the
+   materialized doors run the shared formulas as they are.
 
 The agreement, the engine dispatch and the doors' bodies stay as they are.
 """
@@ -27,7 +29,7 @@ The agreement, the engine dispatch and the doors' bodies stay as they are.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -43,17 +45,22 @@ from mp_bridge.layers.loss.arguments import (
     check_target,
     check_temperature,
 )
-from mp_bridge.layers.loss.engines.registry import ENGINES, resolve_engine
 from mp_bridge.layers.loss.formulas import LossSpec
-from mp_bridge.layers.loss.outputs import counted_tokens, returned
+from mp_bridge.layers.loss.outputs import TokenOutputs, counted_tokens, returned
 from mp_bridge.layers.vocab_shards import VocabShard
 
-__all__ = ["KINDS", "PRECISIONS", "LossOptions", "parse_loss_options"]
+__all__ = ["KINDS", "PRECISIONS", "EngineChoice", "LossOptions", "parse_loss_options"]
 
 #: ``"ce"``: cross-entropy (+ z-loss); ``"logprob"``: selected-token log-probs (+ entropy,
 #: ``sum_pi_squared``); ``"entropy"``: the entropy alone (``target`` optional).
 KINDS = ("ce", "logprob", "entropy")
 PRECISIONS = ("fp32", "input")
+
+#: ``(engine=, inputs' (name, shape, dtype), device) -> the engine that runs`` (the fused
+#: doors pass ``engines.protocol.choose_engine``: the options never import an engine).
+EngineChoice = Callable[
+    [object, tuple[tuple[str, tuple[int, ...], torch.dtype], ...], torch.device], str
+]
 
 #: Fields the ranks do not compare by value: ``inputs`` is spelled out per tensor, the
 #: shard holds this rank's offset (its rank-independent part is in the shapes and the
@@ -72,9 +79,11 @@ class LossOptions(FrozenSpec):
     ``hidden`` and ``weight``. ``shard``: this rank's ``VocabShard`` (``start`` offset,
     ``num_real`` rows, true ``vocab_size``). ``target``: ``torch.long`` ids of the token
     shape (``None`` only for an entropy without targets). ``token_temperature``: the
-    per-token temperature broadcast (a view) to the token shape, or ``None`` (then
+    per-token temperature, normalised once here (``token_temperature_of``): flat ``[N]``,
+    contiguous, in the dtype the call computes in; or ``None`` (then the float
     ``spec.temperature``). ``engine``: the engine that runs, ``"torch"`` or ``"triton"``
-    (``"auto"`` resolved at the door; always ``"torch"`` on the materialized doors).
+    (chosen at the parse by the fused doors' ``choose_engine``: ``"auto"`` resolved, an
+    explicit one checked; always ``"torch"`` on the materialized doors).
     ``chunk_size`` (``None``: the engine's default) and ``logits_precision`` are the fused
     doors' options.
     """
@@ -129,25 +138,27 @@ class LossOptions(FrozenSpec):
         same = {k: t for k, t in identical.items() if t is not None}
         agree(where, self.tp_group, self, identical=same, device=device)
 
-    def returned(self, values: torch.Tensor, extra: torch.Tensor, sq: torch.Tensor):
-        """The requested per-token outputs ``[...]`` of an engine's ``(values, extra, sq)``,
-        reduced by ``reduction``: one tensor or a tuple (see ``outputs``)."""
+    def returned(self, out: TokenOutputs):
+        """The requested outputs ``[...]`` of an engine's per-token ``out``, reduced by
+        ``reduction``: one tensor or a tuple (see ``outputs``)."""
         counted = counted_tokens(self.target, self.spec.ignore_index)
         if self.kind == "entropy":
-            return returned([extra], counted, self.reduction)
+            return returned([out.entropy], counted, self.reduction)
         if self.kind == "logprob":
-            outputs = [
-                values,
-                extra if self.spec.entropy else None,
-                sq if self.spec.sum_pi_squared else None,
-            ]
-            return returned(outputs, counted, self.reduction)
+            return returned([out.value, out.entropy, out.sum_pi_squared], counted, self.reduction)
         z_loss = None
         if self.return_z_loss:
-            z_loss = (
-                extra.view(values.shape) if extra.numel() else torch.zeros_like(values.detach())
-            )
-        return returned([values, z_loss], counted, self.reduction)
+            z_loss = out.z_loss if out.z_loss is not None else torch.zeros_like(out.value.detach())
+        return returned([out.value, z_loss], counted, self.reduction)
+
+
+def token_temperature_of(temp: torch.Tensor, dtype: torch.dtype, fp32: bool) -> torch.Tensor:
+    """The per-token temperature ``temp`` (broadcast to the token shape) as every engine
+    takes it: flat ``[N]``, contiguous, in fp32, or with ``fp32=False`` (the materialized
+    default path) in its accumulation dtype ``promote_types(dtype, fp32)`` (fp64 for fp64
+    logits)."""
+    acc = torch.float32 if fp32 else torch.promote_types(dtype, torch.float32)
+    return temp.to(acc).reshape(-1).contiguous()
 
 
 def _check_precision(logits_precision: object) -> str:
@@ -178,16 +189,19 @@ def _spec(kind: str, vocab: int, target, args: Mapping[str, object], scalars) ->
     )
 
 
-def parse_loss_options(kind: str, args: Mapping[str, object]) -> LossOptions:
+def parse_loss_options(
+    kind: str, args: Mapping[str, object], choose_engine: EngineChoice | None = None
+) -> LossOptions:
     """Validate one call of a ``kind`` loss (``KINDS``); return its options.
 
     ``args``: the door's arguments by name (its ``locals()``): either ``logits``, or (fused)
     ``hidden``, ``weight``, ``chunk_size``, ``logits_precision`` and ``engine``; ``target``,
     ``tp_group``, ``vocab_size``, ``reduction``, ``ignore_index``, ``softcap``,
     ``temperature``, on the cross-entropy ``label_smoothing`` and ``z_loss_weight``; the
-    bool options ``invariant`` and ``return_*``. ``engine="auto"`` resolves here
-    (``engines.registry.resolve_engine``), so a missing ``triton`` raises before any
-    collective.
+    bool options ``invariant`` and ``return_*``. ``choose_engine`` (the fused doors pass
+    ``engines.protocol.choose_engine``): ``(engine, inputs, device) -> the engine that
+    runs``, called here, so a bad choice, a missing ``triton`` or an input an explicit
+    engine cannot run raises before any collective.
     """
     tp_group, vocab_size = args["tp_group"], args["vocab_size"]
     fused = "hidden" in args
@@ -195,7 +209,6 @@ def parse_loss_options(kind: str, args: Mapping[str, object]) -> LossOptions:
         like, weight = args["hidden"], args["weight"]
         check_fused_inputs(like, weight, args["chunk_size"])
         _check_precision(args["logits_precision"])
-        check_choice("engine", args["engine"], ENGINES, fix="'auto': 'triton' on CUDA")
         shard = check_shard(weight.shape[0], vocab_size, tp_group)
         inputs = (("hidden", like), ("weight", weight))
         shape_of = f"the leading dims of hidden {tuple(like.shape)}: "
@@ -222,12 +235,19 @@ def parse_loss_options(kind: str, args: Mapping[str, object]) -> LossOptions:
     if target is not None:
         target = check_target(target, tokens, shard.vocab_size, ignore_index, shape_of=shape_of)
     temp = check_temperature(args["temperature"], tokens, like, shape_of=shape_of)
-    token_temp = temp if isinstance(temp, torch.Tensor) else None
+    token_temp = None
+    if isinstance(temp, torch.Tensor):
+        token_temp = token_temperature_of(temp, like.dtype, fused or bool(flags["invariant"]))
     scalars = (softcap, zw, ignore_index, eps, 1.0 if token_temp is not None else temp)
+    described = tuple((name, tuple(t.shape), t.dtype) for name, t in inputs)
+    engine = "torch"
+    if fused:
+        assert choose_engine is not None, "the fused doors pass engines.protocol.choose_engine"
+        engine = choose_engine(args["engine"], described, like.device)
     return LossOptions(
         kind,
         _spec(kind, shard.vocab_size, target, args, scalars),
-        tuple((name, tuple(t.shape), t.dtype) for name, t in inputs),
+        described,
         shard,
         target,
         token_temp,
@@ -235,7 +255,7 @@ def parse_loss_options(kind: str, args: Mapping[str, object]) -> LossOptions:
         invariant=bool(flags["invariant"]),
         return_z_loss=bool(flags.get("return_z_loss", False)),
         tp_group=tp_group,
-        engine=resolve_engine(args["engine"], like.device) if fused else "torch",
+        engine=engine,
         chunk_size=args["chunk_size"] if fused else None,
         logits_precision=args["logits_precision"] if fused else "fp32",
     )

@@ -24,7 +24,7 @@ the order logprobs, entropy, sum_pi_squared. ``-inf`` logits (vocabulary masks, 
 blocks or shards) give finite values and gradients in every mode.
 
 ``invariant=False``: two forward collectives (MAX, then one batched SUM), none in backward
-(``materialized.ShardLoss``, ``reduce``). ``invariant=True``
+(``materialized.DefaultLoss``, ``reduce``). ``invariant=True``
 (``materialized.InvariantLoss``): bitwise identical for every TP size whose shard is a whole
 number of ``VOCAB_BLOCK`` rows (``blocks``), and for any batch composition; one forward
 all-gather, none in backward.
@@ -43,8 +43,9 @@ import torch.distributed as dist
 
 from mp_bridge.checks import agreed
 from mp_bridge.layers.loss.blocks import BlockLayout, pad_single_shard
-from mp_bridge.layers.loss.materialized import InvariantLoss, ShardLoss
+from mp_bridge.layers.loss.materialized import DefaultLoss, InvariantLoss
 from mp_bridge.layers.loss.options import LossOptions, parse_loss_options
+from mp_bridge.layers.loss.outputs import TokenOutputs
 
 __all__ = [
     "vocab_parallel_cross_entropy",
@@ -54,7 +55,7 @@ __all__ = [
 
 
 def _run(where: str, logits: torch.Tensor, options: LossOptions):
-    """The parsed call, agreed over TP, on the default (``ShardLoss``) or TP-invariant
+    """The parsed call, agreed over TP, on the default (``DefaultLoss``) or TP-invariant
     (``InvariantLoss``) Function; its returned outputs. No target (entropy): ids -1, which
     own no column."""
     options.agree(where, device=logits.device)
@@ -65,15 +66,11 @@ def _run(where: str, logits: torch.Tensor, options: LossOptions):
     if options.invariant:
         layout = BlockLayout.of_shard(options.shard)
         logits = pad_single_shard(logits, -1, layout)
-        temp = None if temp is None else temp.to(torch.float32).reshape(-1)
         out = InvariantLoss.apply(logits, target, options.tp_group, layout, options.spec, temp)
     else:
-        # flat [N] in the accumulation dtype of the logits (fp64 for fp64)
-        if temp is not None:
-            temp = temp.to(torch.promote_types(logits.dtype, torch.float32)).reshape(-1)
         group, shard, spec = options.tp_group, options.shard, options.spec
-        out = ShardLoss.apply(logits, target, group, shard, spec, temp)
-    return options.returned(*out)
+        out = DefaultLoss.apply(logits, target, group, shard, spec, temp)
+    return options.returned(TokenOutputs(*out))
 
 
 @agreed("mp_bridge.layers.vocab_parallel_cross_entropy")

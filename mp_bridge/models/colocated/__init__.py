@@ -1,14 +1,14 @@
 """The colocated MIMO step: groups, the parse-and-agree door, the flows (gather / routed)
 and the model wrapper."""
 
+from mp_bridge.comm import LocalBridge
+
 from .build import build_colocated_mimo, destroy_colocated_mimo
-from .flows import FLOWS, parse_flow
 from .gather import GatherFlow
-from .local import LocalBridge
 from .mimo import ColocatedMimoModel
 from .mimo_groups import MimoGroups, check_members, grid_group, groups_of_bridge, make_mimo_groups
-from .mimo_options import MimoOptions
-from .parts import MimoFlow, StepParts, shard_loss
+from .mimo_options import FLOWS, MimoOptions, parse_flow
+from .parts import Microbatch, MimoFlow, StageFeed, StepParts, shard_loss
 from .routed import RoutedFlow, place_local_rows
 from .step_agreement import ReplicaDocsSpec, StepSpec, agree_image_counts, agree_step_inputs
 
@@ -30,7 +30,9 @@ __all__ = [
     "make_mimo_groups",
     "LocalBridge",
     "ColocatedMimoModel",
+    "Microbatch",
     "MimoFlow",
+    "StageFeed",
     "StepParts",
     "shard_loss",
     "RoutedFlow",

@@ -24,10 +24,11 @@ backward, their gradient (the bridge's backward all-reduces it over CP).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
-from mp_bridge.comm import ColocatedBridgeCommunicator
-from mp_bridge.models.colocated.parts import MimoFlow, StepParts, shard_loss
+from mp_bridge.models.colocated.parts import MimoFlow, StageFeed, StepParts, shard_loss
 from mp_bridge.models.colocated.step_agreement import agree_image_counts
 from mp_bridge.models.data.images import RaggedImages
 from mp_bridge.models.data.inputs import StepInputs
@@ -42,20 +43,26 @@ class GatherFlow(MimoFlow):
     name = "gather"
 
     def loss(self, parts: StepParts, inputs: StepInputs) -> torch.Tensor:
-        image, counts = None, None
-        if inputs.has_images:
-            if inputs.ragged and isinstance(parts.bridge, ColocatedBridgeCommunicator):
-                agree_image_counts(parts.bridge, inputs)
-            features, plan = parts.encode_balanced(inputs.images)
-            if plan is not None:  # encoded where balanced: back to the source replica
-                features = parts.balancer.restore(features, plan)
-            image, counts = self.bridge_images(parts, features, inputs.images)
+        image, counts = self.deliver(parts, inputs) if inputs.has_images else (None, None)
         embeddings = place_images(parts.llm.embed_tokens, inputs, image, counts)
         shard = parts.partition.shard(
             embeddings, labels=inputs.labels, loss_mask=inputs.loss_mask,
             cu_seqlens=inputs.documents,  # parsed at the door: padded here, not parsed again
         )  # fmt: skip
         return shard_loss(parts, shard.embeddings, shard)
+
+    def deliver(
+        self, parts: StepParts, inputs: StepInputs
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Steps 1-3 (module docstring): ``(image, counts)``, this rank's LLM DP batch of
+        image rows ``[b_l, p, h]`` (ragged ``[T_l, h]`` and its ``[b_l]`` counts, else
+        ``None``). With a pipelined LLM: on stage 0, ``[0, ...]`` on a later stage."""
+        if inputs.ragged:
+            agree_image_counts(parts.bridge, inputs)
+        features, plan = parts.encode_balanced(inputs.images)
+        if plan is not None:  # encoded where balanced: back to the source replica
+            features = parts.balancer.restore(features, plan)
+        return self.bridge_images(parts, features, inputs.images)
 
     def bridge_images(
         self, parts: StepParts, image: torch.Tensor, images: torch.Tensor | RaggedImages
@@ -65,3 +72,26 @@ class GatherFlow(MimoFlow):
         if isinstance(images, RaggedImages):
             return parts.bridge.communicate_ragged(image, images.tokens_per_sample)
         return parts.bridge.communicate(image), None
+
+    def stage_inputs(self, parts: StepParts, feed: StageFeed) -> Callable[[int], torch.Tensor]:
+        """Microbatch ``m``: its samples' rows of ``feed.rows`` (ragged: their token rows,
+        by ``feed.counts``) placed in its full-sequence embeddings (plus the capacity
+        padding document, packed), then partitioned."""
+        rows, counts = feed.rows, feed.counts
+
+        def embeddings(m: int) -> torch.Tensor:
+            mb = feed.microbatches[m]
+            a, b = mb.samples.start, mb.samples.stop
+            image, mb_counts = None, None
+            if rows is not None and counts is not None:  # ragged: token rows of its samples
+                start = int(counts[:a].sum())
+                mb_counts = counts[a:b]
+                image = rows[start : start + int(mb_counts.sum())]
+            elif rows is not None:
+                image = rows[a:b]
+            emb = place_images(parts.llm.embed_tokens, mb.inputs, image, mb_counts)
+            if mb.pad:  # the capacity padding document: never attended by real tokens, no loss
+                emb = torch.cat([emb, emb.new_zeros(1, mb.pad, emb.shape[-1])], dim=1)
+            return parts.partition.shard(emb, cu_seqlens=mb.shard.cu_seqlens).embeddings
+
+        return embeddings

@@ -34,12 +34,11 @@ import torch.distributed as dist
 from torch import nn
 
 from mp_bridge.checks import FrozenSpec, agree, agreed, check_bool, check_int
-from mp_bridge.comm import ColocatedBridgeCommunicator, ImageBalancer, PartitionAdapter, group_size
+from mp_bridge.comm import ImageBalancer, PartitionAdapter, group_size
 from mp_bridge.grid import GridLayout
-from mp_bridge.models.colocated.flows import parse_flow
 from mp_bridge.models.colocated.legacy import DP_NAMES, legacy_groups
 from mp_bridge.models.colocated.mimo_groups import MimoGroups, check_members, make_mimo_groups
-from mp_bridge.models.colocated.mimo_options import MimoOptions
+from mp_bridge.models.colocated.mimo_options import MimoOptions, parse_flow
 from mp_bridge.models.colocated.parts import MimoFlow, StepParts
 from mp_bridge.models.colocated.pipelined import pipelined_step
 from mp_bridge.models.colocated.step_agreement import agree_step_inputs
@@ -152,7 +151,7 @@ class ColocatedMimoModel(nn.Module):
         self.image_token_id = image_token_id
         self._destroyed = False
         self.balancer = None
-        if balance and isinstance(groups.bridge, ColocatedBridgeCommunicator):
+        if balance and groups.bridge.plan is not None:  # one process: nothing to balance
             self.balancer = ImageBalancer(
                 dp_group=groups.encoder_dp, count_group=groups.bridge.world_group,
                 c=cfg.encoder_cost_c,
@@ -211,12 +210,10 @@ class ColocatedMimoModel(nn.Module):
             loss = self(input_ids, labels, loss_mask, images, cu_seqlens=cu_seqlens)
             loss.backward()
             return loss.detach()
-        if self.flow.name not in ("gather", "routed"):
-            raise ValueError(f"a pipelined LLM runs flow 'gather' or 'routed', not {self.flow!r}")
         inputs = self.parse_and_agree(input_ids, labels, loss_mask, images, cu_seqlens=cu_seqlens)
         return pipelined_step(
             self.parts(), inputs, pipeline=self.pipeline, microbatches=self.microbatches,
-            flow=self.flow.name,
+            flow=self.flow,
         )  # fmt: skip
 
     def parts(self) -> StepParts:
@@ -233,7 +230,7 @@ class ColocatedMimoModel(nn.Module):
         Collectives: one small all-gather per grid group (packed: three)."""
         if self._destroyed:
             raise RuntimeError("forward() after destroy(); build a new ColocatedMimoModel")
-        plan = getattr(self.groups.bridge, "plan", None)  # None: one process (LocalBridge)
+        plan = self.groups.bridge.plan  # None: one process (LocalBridge)
         dp = (1, 1) if plan is None else (plan.src.axis_size("dp"), plan.dest.axis_size("dp"))
         return agree_step_inputs(
             lambda: parse_step_inputs(

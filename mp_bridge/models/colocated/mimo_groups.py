@@ -34,13 +34,13 @@ import torch.distributed as dist
 from megatron.core.hyper_comm_grid import HyperCommGrid
 
 from mp_bridge.checks import FrozenSpec, agreed, check_group
-from mp_bridge.comm import ColocatedBridgeCommunicator, group_size, plan_bridge
+from mp_bridge.comm import Bridge, ColocatedBridgeCommunicator, LocalBridge, group_size, plan_bridge
 from mp_bridge.grid import MISSING_PG_ERRORS, GridLayout, destroy_grid
-from mp_bridge.models.colocated.local import LocalBridge
 
 __all__ = [
     "ENCODER_AXES",
     "GridsSpec",
+    "StandInBridge",
     "LLM_AXES",
     "MimoGroups",
     "check_members",
@@ -64,6 +64,33 @@ _WHERE = {
     "llm_dp_cp": "llm_grid.get_pg(['dp', 'cp'])",
     "llm_pp": "llm_grid.get_pg('pp')",
 }
+
+
+class StandInBridge:
+    """A user's single-process bridge (an object with the calls its flow makes, e.g.
+    ``communicate``, as the deprecated constructor form accepted) as a
+    :class:`~mp_bridge.comm.Bridge` of one process: no plan, group or grid; every call
+    goes to the object. :class:`MimoGroups` wraps any bridge that is not a ``Bridge``."""
+
+    plan = None
+    world_group = None
+    src_grid = None
+    dest_grid = None
+
+    def __init__(self, bridge: object):
+        self.inner = bridge
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)
+
+    def __repr__(self) -> str:
+        return f"StandInBridge({self.inner!r})"
+
+
+def as_bridge(bridge: object) -> Bridge:
+    """``bridge`` itself when it is a :class:`~mp_bridge.comm.Bridge`, else a
+    :class:`StandInBridge` around it."""
+    return bridge if isinstance(bridge, (Bridge, StandInBridge)) else StandInBridge(bridge)
 
 
 def grid_group(grid: Any, axes: Sequence[str], *, create: bool = False):
@@ -102,7 +129,7 @@ class MimoGroups:
 
     encoder_grid: HyperCommGrid | None
     llm_grid: HyperCommGrid | None
-    bridge: ColocatedBridgeCommunicator | LocalBridge
+    bridge: Bridge
     encoder_tp: dist.ProcessGroup | None
     encoder_dp: dist.ProcessGroup | None
     llm_tp: dist.ProcessGroup | None
@@ -111,6 +138,7 @@ class MimoGroups:
     llm_pp: dist.ProcessGroup | None = None
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "bridge", as_bridge(self.bridge))
         for name in (*ENCODER_AXES, *LLM_AXES, *PP_AXES):
             check_group(f"MimoGroups.{name}", getattr(self, name), fix=f"e.g. {_WHERE[name]}")
 
@@ -181,7 +209,7 @@ def make_mimo_groups(encoder_grid: Any, llm_grid: Any) -> MimoGroups:
 
 
 def groups_of_bridge(
-    bridge: object,
+    bridge: Bridge,
     *,
     encoder_tp: dist.ProcessGroup | None,
     llm_tp: dist.ProcessGroup | None,
@@ -193,12 +221,15 @@ def groups_of_bridge(
 
     A DP group left out is looked up on a real bridge's grids (``src_grid.get_pg('dp')``,
     ``dest_grid.get_pg(['dp', 'cp'])``; none needed where the layout's group is one rank);
-    ``ValueError`` naming the fix when the grid lacks it. Any other bridge is a
-    single-process stand-in. The grids stay their owner's (``destroy`` frees the bridge
-    only). Local: no collective.
+    ``ValueError`` naming the fix when the grid lacks it. A bridge without a plan
+    (:class:`~mp_bridge.comm.LocalBridge`, a :class:`StandInBridge`) is a single-process
+    one. The grids stay their owner's (``destroy`` frees the bridge only). Local: no
+    collective.
     """
-    if isinstance(bridge, ColocatedBridgeCommunicator):
-        plan, rank = bridge.plan, dist.get_rank()
+    bridge = as_bridge(bridge)
+    plan = bridge.plan
+    if plan is not None:
+        rank = dist.get_rank()
         plan.check_member(rank, "groups_of_bridge()")
         found = {"encoder_dp": encoder_dp, "llm_dp_cp": llm_dp_cp}
         for field, grid, layout, axes, arg in (
@@ -227,13 +258,14 @@ def check_members(
     """Every group a model uses holds the ranks the bridge's layouts say (local check).
 
     ``used``: ``(name, group, field)`` rows: ``group`` (named ``name`` in the error) must
-    span the axes of :class:`MimoGroups` field ``field`` around this rank. With a
-    :class:`~mp_bridge.comm.ColocatedBridgeCommunicator` the ranks are compared with its
-    plan (``ValueError`` naming the group, its ranks and the expected ones, before any
-    collective); otherwise (one process) every group must be ``None`` or of size 1.
+    span the axes of :class:`MimoGroups` field ``field`` around this rank. With a bridge's
+    plan the ranks are compared with it (``ValueError`` naming the group, its ranks and the
+    expected ones, before any collective); without one (one process:
+    :class:`~mp_bridge.comm.LocalBridge`) every group must be ``None`` or of size 1.
     """
     bridge = groups.bridge
-    if not isinstance(bridge, ColocatedBridgeCommunicator):
+    plan = bridge.plan
+    if plan is None:
         for name, group, _ in used:
             if group_size(group) != 1:
                 raise ValueError(
@@ -241,7 +273,7 @@ def check_members(
                     "single-process one; build the groups with make_mimo_groups"
                 )
         return
-    plan, rank = bridge.plan, dist.get_rank()
+    rank = dist.get_rank()
     plan.check_member(rank, "ColocatedMimoModel(...)")
     for name, group, field in used:
         layout, axes = (plan.src, ENCODER_AXES[field]) if field in ENCODER_AXES else (

@@ -1,5 +1,6 @@
 """The build options of a colocated model, written once (``build_colocated_mimo`` and
-``ColocatedMimoModel.from_groups`` / ``from_full`` take them as keywords).
+``ColocatedMimoModel.from_groups`` / ``from_full`` take them as keywords), and the flows
+``flow=`` names (:data:`FLOWS`, :func:`parse_flow`).
 
 ===================  ========  ===============================================================
 option               default   meaning
@@ -20,11 +21,33 @@ from dataclasses import dataclass, field, fields
 
 import torch
 
-from mp_bridge.checks import check_bool, check_int
-from mp_bridge.models.colocated.flows import parse_flow
+from mp_bridge.checks import check_bool, check_choice, check_int
+from mp_bridge.models.colocated.gather import GatherFlow
 from mp_bridge.models.colocated.parts import MimoFlow
+from mp_bridge.models.colocated.routed import RoutedFlow
 
-__all__ = ["MimoOptions"]
+__all__ = ["FLOWS", "MimoOptions", "parse_flow"]
+
+#: Flow name -> its class (``ColocatedMimoModel(flow=...)``, ``mp-bridge demo --flow``).
+FLOWS: dict[str, type[MimoFlow]] = {"gather": GatherFlow, "routed": RoutedFlow}
+
+
+def parse_flow(flow: str | MimoFlow) -> MimoFlow:
+    """A :class:`MimoFlow` object as is, or the flow a name in :data:`FLOWS` names: the one
+    place a flow name becomes a flow object (the model constructor, :class:`MimoOptions`
+    and the demo CLI call it at their door).
+
+    ``ValueError`` listing the names otherwise: ``'routed'`` (partition first, route
+    image rows to the shards) or ``'gather'`` (full-sequence embeddings, then partition).
+    """
+    if isinstance(flow, MimoFlow):
+        return flow
+    check_choice(
+        "flow", flow, list(FLOWS),
+        fix="'routed' partitions first and routes image rows to the shards; 'gather' "
+        "builds full-sequence embeddings, then partitions",
+    )  # fmt: skip
+    return FLOWS[flow]()
 
 
 @dataclass(frozen=True)

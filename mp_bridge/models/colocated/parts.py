@@ -6,14 +6,18 @@ full-sequence embeddings, then partition) or :class:`~.routed.RoutedFlow` (parti
 integer tensors, embed the local tokens, route each image row straight to its shard).
 Every flow is a :class:`MimoFlow`: ``flow.loss(parts, inputs)`` maps one step's parsed
 inputs (:class:`~mp_bridge.models.data.inputs.StepInputs`, agreed over the grid) to the
-global masked-mean token loss, using only what :class:`StepParts` hands it. A new flow
-(e.g. a pipelined LLM over microbatches of ``inputs``) is one more :class:`MimoFlow`
-subclass registered in :data:`~.flows.FLOWS`; the model and its door stay as they are.
+global masked-mean token loss, using only what :class:`StepParts` hands it. With a
+pipelined LLM (:mod:`.pipelined`) the flow also delivers the image rows to the first
+stage (``flow.deliver``) and builds each :class:`Microbatch`'s stage-0 embeddings from
+them (``flow.stage_inputs``): the step never asks which flow it runs. A new flow is one
+more :class:`MimoFlow` subclass registered in :data:`~.mimo_options.FLOWS`; the model and
+its door stay as they are.
 """
 
 from __future__ import annotations
 
 import abc
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -26,7 +30,7 @@ from mp_bridge.models.data.images import RaggedImages
 from mp_bridge.models.data.inputs import StepInputs
 from mp_bridge.models.parallel.llm import TPLLM
 
-__all__ = ["MimoFlow", "StepParts", "shard_loss"]
+__all__ = ["Microbatch", "MimoFlow", "StageFeed", "StepParts", "shard_loss"]
 
 
 @dataclass(frozen=True)
@@ -80,8 +84,57 @@ class MimoFlow(abc.ABC):
     def loss(self, parts: StepParts, inputs: StepInputs) -> torch.Tensor:
         """Global masked-mean token loss (fp32 scalar) of this rank's parsed shards."""
 
+    # ------------------------------------------------------ pipelined LLM (pp > 1)
+    def check_pipelined(self, parts: StepParts, inputs: StepInputs) -> None:
+        """``ValueError`` (local, before any collective) when this flow cannot run
+        ``inputs`` with a pipelined LLM. A flow without the two calls below cannot."""
+        if type(self).deliver is MimoFlow.deliver or (
+            type(self).stage_inputs is MimoFlow.stage_inputs
+        ):
+            raise ValueError(
+                f"a pipelined LLM runs flow 'gather' or 'routed', not {self!r} (a flow "
+                "needs deliver and stage_inputs for a pipelined LLM)"
+            )
+
+    def deliver(
+        self, parts: StepParts, inputs: StepInputs
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Phase 1 of a pipelined step, on every rank: ``(delivered, counts)``, this rank's
+        image rows for the first stage (autograd-connected to the encoder; ``[0, ...]``
+        off stage 0) and what :meth:`stage_inputs` needs besides (``None``: nothing)."""
+        raise NotImplementedError(f"{self!r} has no per-microbatch delivery")
+
+    def stage_inputs(self, parts: StepParts, feed: StageFeed) -> Callable[[int], torch.Tensor]:
+        """Stage 0 only: ``m -> `` microbatch ``m``'s partitioned embeddings, its image rows
+        taken from ``feed``. No collective but the LLM embedding's."""
+        raise NotImplementedError(f"{self!r} has no per-microbatch delivery")
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
+
+
+@dataclass(frozen=True)
+class Microbatch:
+    """One microbatch of a pipelined step: ``inputs`` (its samples' :class:`StepInputs`,
+    unpadded; placement uses them), ``samples`` (its range in the LLM DP batch) and the
+    partitioned integer tensors (``shard``: a ``ShardedBatch`` of the padded microbatch);
+    ``pad`` tokens of capacity padding were appended (packed)."""
+
+    inputs: StepInputs
+    samples: range
+    shard: ShardedBatch
+    pad: int
+
+
+@dataclass(frozen=True)
+class StageFeed:
+    """What stage 0 builds its microbatches' embeddings from: the ``microbatches``, the
+    delivered image ``rows`` as a leaf (``None`` without images) and ``counts``, the
+    second value of :meth:`MimoFlow.deliver`."""
+
+    microbatches: Sequence[Microbatch]
+    rows: torch.Tensor | None
+    counts: torch.Tensor | None
 
 
 def shard_loss(parts: StepParts, embeddings: torch.Tensor, shard: ShardedBatch) -> torch.Tensor:

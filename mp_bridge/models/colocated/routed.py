@@ -40,15 +40,17 @@ images: ``n_i`` is document ``i``'s placeholder count.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 
-from mp_bridge.comm import ColocatedBridgeCommunicator, all_gather_tensor, group_size, scatter_along
-from mp_bridge.models.colocated.parts import MimoFlow, StepParts, shard_loss
+from mp_bridge.comm import ShardedBatch, all_gather_tensor, group_size, scatter_along
+from mp_bridge.models.colocated.parts import MimoFlow, StageFeed, StepParts, shard_loss
 from mp_bridge.models.data.inputs import StepInputs
 from mp_bridge.models.data.packed import rows_per_document
 
-__all__ = ["RoutedFlow", "encoder_image_rows", "place_local_rows"]
+__all__ = ["RoutedFlow", "encoder_image_rows", "local_embeddings", "place_local_rows"]
 
 
 def place_local_rows(text: torch.Tensor, rows: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -64,42 +66,108 @@ def place_local_rows(text: torch.Tensor, rows: torch.Tensor, mask: torch.Tensor)
     return flat.view_as(text)
 
 
+def local_embeddings(
+    parts: StepParts, shard: ShardedBatch, image_token_id: int, *, packed: bool, embed: bool = True
+) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """Steps 1-2 on one partitioned batch: ``(embeddings, is_image)``, the local ids'
+    embeddings ``[b, S/c, h]`` (packed: one row; SP: this TP rank's piece ``[b, S/(c·t),
+    h]``) and the bool mask of their image positions. ``embed=False``: the mask alone
+    (``embeddings`` ``None``, no collective)."""
+    part = parts.partition
+    local_ids = shard.input_ids  # [b, S/c], packed [T_pad/c]
+    is_image = local_ids == image_token_id
+    if shard.token_mask is not None:  # padding (id 0) is never an image position
+        is_image = is_image & shard.token_mask.to(is_image.device)
+    if packed:  # one packed row
+        local_ids, is_image = local_ids.unsqueeze(0), is_image.unsqueeze(0)
+    embeddings = parts.llm.embed_tokens(local_ids) if embed else None  # TP-replicated
+    if part.sequence_parallel and part.tp_size > 1:
+        if embed:
+            embeddings = scatter_along(embeddings, part.tp_group, 1)  # [b, S/(c·t), h]
+        piece = is_image.shape[1] // part.tp_size
+        is_image = is_image.narrow(1, part.tp_rank * piece, piece)
+    return embeddings, is_image
+
+
 class RoutedFlow(MimoFlow):
     """``flow="routed"``: no full-sequence activation or gradient on any rank."""
 
     name = "routed"
 
     def loss(self, parts: StepParts, inputs: StepInputs) -> torch.Tensor:
-        part = parts.partition
-        shard = part.shard(
+        shard = parts.partition.shard(
             None, input_ids=inputs.input_ids, labels=inputs.labels,
             loss_mask=inputs.loss_mask, cu_seqlens=inputs.documents,
         )  # fmt: skip
-        local_ids = shard.input_ids  # [b, S/c], packed [T_pad/c]
-        is_image = local_ids == inputs.image_token_id
-        if shard.token_mask is not None:  # padding (id 0) is never an image position
-            is_image = is_image & shard.token_mask.to(is_image.device)
-        if inputs.packed:  # one packed row
-            local_ids, is_image = local_ids.unsqueeze(0), is_image.unsqueeze(0)
-        embeddings = parts.llm.embed_tokens(local_ids)  # [b, S/c, h], TP-replicated
-        if part.sequence_parallel and part.tp_size > 1:
-            embeddings = scatter_along(embeddings, part.tp_group, 1)  # [b, S/(c·t), h]
-            piece = is_image.shape[1] // part.tp_size
-            is_image = is_image.narrow(1, part.tp_rank * piece, piece)
+        embeddings, is_image = local_embeddings(
+            parts, shard, inputs.image_token_id, packed=inputs.packed
+        )
         if inputs.has_images:
-            features, plan = parts.encode_balanced(inputs.images)
-            if plan is None:
-                x, counts = encoder_image_rows(parts, features, inputs)
-            else:  # balanced rows: the plan names their holders, counts stay pre-balance
-                x, counts = features, inputs.images.tokens_per_sample
-            balanced = {} if plan is None else {"balance": plan}
-            rows = parts.bridge.route(
-                x, tokens_per_sample=counts, image_mask=inputs.image_mask, partition=part,
-                layout=shard.layout,  # the layout shard built: route parses nothing
-                **balanced,
-            )  # fmt: skip
+            # the layout shard built: route parses nothing
+            rows = self.route_rows(parts, inputs, layout=shard.layout)
             embeddings = place_local_rows(embeddings, rows, is_image)
         return shard_loss(parts, embeddings, shard)  # LLM -> per-token loss -> masked_mean
+
+    def route_rows(self, parts: StepParts, inputs: StepInputs, **where) -> torch.Tensor:
+        """Step 3: encode (balanced or not), then ``bridge.route`` -> ``[n_local, h]``, the
+        image rows of this rank's shard in shard order. ``where``: ``layout=`` (the
+        partitioned batch's) or ``cu_seqlens=``."""
+        features, plan = parts.encode_balanced(inputs.images)
+        if plan is None:
+            x, counts = encoder_image_rows(parts, features, inputs)
+        else:  # balanced rows: the plan names their holders, counts stay pre-balance
+            x, counts = features, inputs.images.tokens_per_sample
+        return parts.bridge.route(
+            x, tokens_per_sample=counts, image_mask=inputs.image_mask,
+            partition=parts.partition, balance=plan, **where,
+        )  # fmt: skip
+
+    # ------------------------------------------------------ pipelined LLM (pp > 1)
+    def check_pipelined(self, parts: StepParts, inputs: StepInputs) -> None:
+        super().check_pipelined(parts, inputs)
+        part = parts.partition
+        if inputs.packed and part.sequence_parallel and part.tp_size > 1:
+            raise ValueError(
+                "flow='routed' with a pipelined LLM cannot microbatch packed text under "
+                "sequence parallelism (the SP split crosses documents); use flow='gather' "
+                "or sequence_parallel=False"
+            )
+
+    def deliver(self, parts: StepParts, inputs: StepInputs) -> tuple[torch.Tensor, None]:
+        """The whole LLM DP batch's rows routed to the first stage's CP/SP shard
+        (``[n_local, h]``, shard order of the whole batch; ``[0, h]`` off stage 0)."""
+        return self.route_rows(parts, inputs, cu_seqlens=inputs.cu_seqlens), None
+
+    def stage_inputs(self, parts: StepParts, feed: StageFeed) -> Callable[[int], torch.Tensor]:
+        """Microbatch ``m``: its local embeddings with its block of ``feed.rows`` placed
+        (the rows of microbatch ``m`` are contiguous in shard order: the CP cut is per row
+        / per document, plain SP splits each row; ``RuntimeError`` when the blocks do not
+        add up to ``feed.rows``)."""
+        microbatches, rows = feed.microbatches, feed.rows
+        starts = [0] * len(microbatches)
+        if rows is not None:
+            at = 0  # each microbatch's first routed row: its local image positions, in order
+            for m, mb in enumerate(microbatches):
+                starts[m] = at
+                _, is_image = local_embeddings(
+                    parts, mb.shard, mb.inputs.image_token_id, packed=mb.inputs.packed,
+                    embed=False,
+                )  # fmt: skip
+                at += int(is_image.sum())
+            if at != rows.shape[0]:
+                raise RuntimeError(f"routed {rows.shape[0]} rows but the microbatches hold {at}")
+
+        def embeddings(m: int) -> torch.Tensor:
+            mb = microbatches[m]
+            emb, is_image = local_embeddings(
+                parts, mb.shard, mb.inputs.image_token_id, packed=mb.inputs.packed
+            )
+            if rows is None:
+                return emb
+            n = int(is_image.sum())
+            return place_local_rows(emb, rows[starts[m] : starts[m] + n], is_image)
+
+        return embeddings
 
 
 def encoder_image_rows(parts: StepParts, image: torch.Tensor, inputs: StepInputs):
@@ -108,15 +176,16 @@ def encoder_image_rows(parts: StepParts, image: torch.Tensor, inputs: StepInputs
     Ragged: the encoder output and its counts. Uniform ``[b_e, p, h]``: the first ``n_i``
     rows of each sample, ``n_i`` its placeholder count in the LLM batch holding it (one
     all-gather of the LLM batches' counts over the encoder TP group; see the module).
-    One process (:class:`~.local.LocalBridge`): the LLM batch is the encoder batch.
+    One process (a bridge without a plan, :class:`~mp_bridge.comm.LocalBridge`): the LLM
+    batch is the encoder batch.
     """
     if inputs.ragged:
         return image, inputs.images.tokens_per_sample
     counts = inputs.placeholders  # [b_l]
-    bridge = parts.bridge
-    if not isinstance(bridge, ColocatedBridgeCommunicator):
+    plan = parts.bridge.plan
+    if plan is None:
         return rows_per_document(image, counts), counts
-    plan, rank, group = bridge.plan, dist.get_rank(), parts.groups.encoder_tp
+    rank, group = dist.get_rank(), parts.groups.encoder_tp
     members = [rank] if group_size(group) == 1 else dist.get_process_group_ranks(group)
     gathered = all_gather_tensor(counts, group, 0).view(len(members), -1).cpu()
     per_replica = {plan.dest.coords(m)["dp"]: row for m, row in zip(members, gathered)}

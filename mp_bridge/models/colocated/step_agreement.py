@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from mp_bridge.checks import agree
-from mp_bridge.comm import ColocatedBridgeCommunicator, check_sample_counts
+from mp_bridge.comm import Bridge, check_sample_counts
 from mp_bridge.models.data.inputs import StepInputs
 
 __all__ = ["WHERE", "ReplicaDocsSpec", "StepSpec", "agree_image_counts", "agree_step_inputs"]
@@ -108,7 +108,7 @@ def agree_step_inputs(
     return inputs
 
 
-def agree_image_counts(bridge: ColocatedBridgeCommunicator, inputs: StepInputs) -> None:
+def agree_image_counts(bridge: Bridge, inputs: StepInputs) -> None:
     """Every sample's placeholders equal its image tokens, agreed over the bridge's ranks.
 
     The gather flow's counterpart of ``route``'s count check: this rank's encoder batch
@@ -117,8 +117,11 @@ def agree_image_counts(bridge: ColocatedBridgeCommunicator, inputs: StepInputs) 
     otherwise raise in that replica only (at placement) and strand the others in the
     loss's all-reduce; here every rank raises the same ``ValueError`` naming the sample.
     Collectives: one small all-gather over ``bridge.world_group``
-    (:func:`~mp_bridge.comm.check_sample_counts`).
+    (:func:`~mp_bridge.comm.check_sample_counts`). A bridge without a plan (one process:
+    :class:`~mp_bridge.comm.LocalBridge`) has no peer to strand: nothing to agree.
     """
+    if bridge.plan is None:
+        return
     check_sample_counts(
         bridge.plan,
         dist.get_rank(),

@@ -37,9 +37,9 @@ from mp_bridge.comm.bridge.execution.route import RouteCall, apply_route
 from mp_bridge.comm.bridge.execution.sample_counts import check_sample_counts
 from mp_bridge.comm.bridge.plans.balance_plan import BalancePlan
 from mp_bridge.comm.bridge.plans.bridge_plan import BridgePlan
+from mp_bridge.comm.bridge.plans.plan_cache import PlanCache
 from mp_bridge.comm.bridge.plans.route_plan import (
     RankRoute,
-    RouteCache,
     image_token_shards,
     plan_route,
 )
@@ -119,7 +119,7 @@ def run_balanced_route(
     plan: BridgePlan,
     rank: int,
     world_group: dist.ProcessGroup | None,
-    cache: RouteCache | None = None,
+    cache: PlanCache | None = None,
 ) -> torch.Tensor:
     """The collectives of one rank's balanced ``route`` (module docstring)."""
     x, layout, mask, pieces = call.x, call.layout, call.mask, call.pieces

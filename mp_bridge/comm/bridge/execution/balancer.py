@@ -5,7 +5,7 @@ One rank's :meth:`ImageBalancer.balance` (the plan is
 
 1. Local validation (``TypeError``/``ValueError`` before any collective).
 2. **One** all-gather over ``count_group`` (every encoder rank, TP × DP) of a fixed-size
-   int64 row per rank (:func:`count_row`, ``8·(HEADER + cap)`` bytes, ``8·(HEADER + 2·cap)``
+   int64 row per rank (:func:`balance_row`, ``8·(HEADER + cap)`` bytes, ``8·(HEADER + 2·cap)``
    with measured costs): the replica, its number of images and tokens, a fingerprint of
    its counts (and costs), a code of its :class:`BalanceSpec`, then its first ``cap``
    token counts (and cost bits). A second all-gather, of the exact ``max_images`` width,
@@ -15,7 +15,7 @@ One rank's :meth:`ImageBalancer.balance` (the plan is
    dtype), make every rank raise the same ``ValueError`` (the spec case through
    :func:`mp_bridge.checks.agree`, which names the field, ranks and values).
 3. :func:`plan_balance` on the gathered counts: identical on every rank, cached
-   (:class:`RouteCache`, keyed by the counts and costs).
+   (:class:`PlanCache`, keyed by the counts and costs).
 4. **One** ``all_to_all_single`` over ``dp_group`` (the encoder DP group of this TP rank,
    group rank = replica index): each image's ``[t, *rest]`` rows go from their replica to
    the one that encodes them, TP rank ``t`` to TP rank ``t``, so the TP peers of a
@@ -23,9 +23,11 @@ One rank's :meth:`ImageBalancer.balance` (the plan is
    the images moved to it (its kept rows stay local); nothing runs when no image moves.
 
 Adjoint: moving rows by the plan is a permutation of rows across ranks, so its adjoint is
-the inverse move: :class:`_MoveImages` backward applies :class:`_ReturnImages` (the same
-``all_to_all_single`` with the splits swapped, rows put back in source order) and vice
-versa, so ``backward(create_graph=True)`` records the collective too.
+the inverse move: :meth:`BalancePlan.row_move` is a
+:class:`~mp_bridge.comm.bridge.plans.row_move.RowMove` whose backward is its forward
+reversed, run by :func:`~mp_bridge.comm.bridge.execution.row_moves.adjoint_move` (backward
+applies the inverse move: the same ``all_to_all_single`` with the splits swapped, rows put
+back in source order), so ``backward(create_graph=True)`` records the collective too.
 :meth:`ImageBalancer.restore` is the inverse move of any per-row result (e.g. the encoded
 features ``[T_after, h]``) back to the source replica's order.
 """
@@ -33,7 +35,7 @@ features ``[T_after, h]``) back to the source replica's order.
 from __future__ import annotations
 
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -50,9 +52,11 @@ from mp_bridge.checks import (
     check_tensor,
     fingerprint,
 )
+from mp_bridge.comm.bridge.execution.headers import gather_headers
+from mp_bridge.comm.bridge.execution.row_moves import adjoint_move
 from mp_bridge.comm.bridge.plans.balance_plan import BalancePlan, image_costs, plan_balance
-from mp_bridge.comm.bridge.plans.route_plan import RouteCache
-from mp_bridge.comm.collectives.primitives import all_gather_tensor, group_rank, group_size
+from mp_bridge.comm.bridge.plans.plan_cache import PlanCache
+from mp_bridge.comm.collectives.primitives import group_rank, group_size
 
 __all__ = ["BalanceSpec", "ImageBalancer", "RestoreSpec", "move_images", "return_images"]
 
@@ -122,7 +126,7 @@ class RestoreSpec(FrozenSpec):
     dest: tuple[tuple[int, ...], ...]
 
 
-def count_row(rank, replica, counts, costs, spec: BalanceSpec) -> list[int]:
+def balance_row(rank, replica, counts, costs, spec: BalanceSpec) -> list[int]:
     """This rank's fixed-size row: ``HEADER`` then ``cap`` counts (-1 padded) and, with
     measured costs, ``cap`` cost bits (float64 viewed as int64)."""
     c = torch.tensor(counts, dtype=torch.int64)
@@ -135,11 +139,6 @@ def count_row(rank, replica, counts, costs, spec: BalanceSpec) -> list[int]:
 def _padded(values: torch.Tensor, width: int) -> list[int]:
     out = values[:width].tolist()
     return out + [-1] * (width - len(out))
-
-
-def _gather(row: list[int], group, device) -> list[list[int]]:
-    local = torch.tensor([row], dtype=torch.int64, device=device)
-    return all_gather_tensor(local, group, 0).cpu().tolist()
 
 
 def _mismatch(rows: list[list[int]], cap: int) -> str | None:
@@ -181,7 +180,7 @@ def gather_counts(
     """Every replica's token counts (and, with ``costs``, the ``[N]`` replica-major costs),
     checked on every rank of ``group`` (steps 2 of the module docstring)."""
     rank = dist.get_rank() if dist.is_initialized() else 0
-    rows = _gather(count_row(rank, replica, counts, costs, spec), group, device)
+    rows = gather_headers(balance_row(rank, replica, counts, costs, spec), group, device=device)
     if len({r[5] for r in rows}) > 1:
         agree(_WHERE, group, spec, device=device, always=True)
         raise ValueError(f"{_WHERE}: the ranks' balance specs differ; {spec.fields()}")
@@ -198,51 +197,13 @@ def gather_counts(
     if widest > spec.cap:  # the rows hold the first cap counts only: fetch the rest
         c = torch.tensor(counts, dtype=torch.int64)
         full = _padded(c, widest) + (_padded(costs.view(torch.int64), widest) if measured else [])
-        rep = {r[1]: r[:n] + f for r, f in zip(rows, _gather(full, group, device))}
+        rep = {r[1]: r[:n] + f for r, f in zip(rows, gather_headers(full, group, device=device))}
     width = max(widest, spec.cap)
     tokens = tuple(tuple(rep[d][n : n + rep[d][2]]) for d in range(replicas))
     if not measured:
         return tokens, None
     bits = [v for d in range(replicas) for v in rep[d][n + width : n + width + rep[d][2]]]
     return tokens, torch.tensor(bits, dtype=torch.int64).view(torch.float64)
-
-
-# ----------------------------------------------------------------- autograd ops
-def _all_to_all(rows: torch.Tensor, send: Sequence[int], recv: Sequence[int], group):
-    out = rows.new_empty((sum(recv), *rows.shape[1:]))
-    dist.all_to_all_single(out, rows.contiguous(), list(recv), list(send), group=group)
-    return out
-
-
-class _MoveImages(torch.autograd.Function):
-    """Forward: ``x[order]`` sent in ``send`` splits, ``recv`` splits received (source
-    order). Backward: :class:`_ReturnImages` (the inverse move)."""
-
-    @staticmethod
-    def forward(ctx, x, order, send, recv, group):
-        ctx.args = (order, send, recv, group)
-        return _all_to_all(x[order.to(x.device)], send, recv, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _ReturnImages.apply(grad, *ctx.args), None, None, None, None
-
-
-class _ReturnImages(torch.autograd.Function):
-    """Forward: the inverse move (``recv`` splits sent back, rows put at ``order``).
-    Backward: :class:`_MoveImages`."""
-
-    @staticmethod
-    def forward(ctx, y, order, send, recv, group):
-        ctx.args = (order, send, recv, group)
-        got = _all_to_all(y, recv, send, group)
-        out = torch.empty_like(got)
-        out[order.to(y.device)] = got
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _MoveImages.apply(grad, *ctx.args), None, None, None, None
 
 
 def _check_rows(name: str, t: object, rows: int, what: str) -> torch.Tensor:
@@ -262,8 +223,7 @@ def move_images(x: torch.Tensor, plan: BalancePlan, replica: int, group) -> torc
     _check_rows("x", x, sum(plan.tokens[replica]), "the source")
     if plan.moved_images == 0:
         return x
-    send, recv = plan.send_rows(replica), plan.recv_rows(replica)
-    return _MoveImages.apply(x, plan.send_order(replica), send, recv, group)
+    return adjoint_move(x, plan.row_move(replica), group)
 
 
 def return_images(y: torch.Tensor, plan: BalancePlan, replica: int, group) -> torch.Tensor:
@@ -271,8 +231,7 @@ def return_images(y: torch.Tensor, plan: BalancePlan, replica: int, group) -> to
     _check_rows("y", y, sum(plan.tokens_after(replica)), "the encoded")
     if plan.moved_images == 0:
         return y
-    send, recv = plan.send_rows(replica), plan.recv_rows(replica)
-    return _ReturnImages.apply(y, plan.send_order(replica), send, recv, group)
+    return adjoint_move(y, plan.row_move(replica).inverse(), group)
 
 
 class ImageBalancer:
@@ -302,7 +261,7 @@ class ImageBalancer:
         if cost is not None and not callable(cost):
             raise TypeError(f"cost must be None or a callable on token counts, got {cost!r}")
         self.cost, self.cap = cost, check_int("cap", cap, low=1)
-        self.cache = RouteCache(check_int("cache_size", cache_size, low=1))
+        self.cache = PlanCache(check_int("cache_size", cache_size, low=1))
         self.replica, self.replicas = group_rank(dp_group), group_size(dp_group)
 
     def spec(self, x: torch.Tensor) -> BalanceSpec:

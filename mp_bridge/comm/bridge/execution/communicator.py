@@ -35,12 +35,12 @@ from mp_bridge.comm.bridge.execution.call_specs import (
 from mp_bridge.comm.bridge.execution.dense import bridge_dense, check_dim_mapping
 from mp_bridge.comm.bridge.execution.names import bridge_names
 from mp_bridge.comm.bridge.execution.ragged import bridge_ragged
-from mp_bridge.comm.bridge.execution.route import read_route_args, run_route
-from mp_bridge.comm.bridge.execution.stage import deliver_rows, ragged_dest_counts, stage_rows
+from mp_bridge.comm.bridge.execution.route import parse_route_trusted, run_route
+from mp_bridge.comm.bridge.execution.stage import deliver_rows, ragged_dest_counts
 from mp_bridge.comm.bridge.plans.balance_plan import BalancePlan
 from mp_bridge.comm.bridge.plans.bridge_plan import BridgePlan, plan_bridge
 from mp_bridge.comm.bridge.plans.layouts import BridgeDirection
-from mp_bridge.comm.bridge.plans.route_plan import RouteCache
+from mp_bridge.comm.bridge.plans.plan_cache import PlanCache
 from mp_bridge.comm.bridge.plans.stage_plan import StageDelivery, plan_stage_delivery
 from mp_bridge.comm.bridge.plans.token_counts import check_tokens_per_sample
 from mp_bridge.comm.sequence.padding import PaddedLayout
@@ -125,7 +125,7 @@ class ColocatedBridgeCommunicator:
             )
         self._rank = dist.get_rank()
         self.src_grid, self.dest_grid = src_grid, dest_grid
-        self._route_cache = RouteCache(maxsize=8)
+        self._route_cache = PlanCache(maxsize=8)
         self._destroyed = False
         spec = CommunicatorSpec(
             layout_key(src), layout_key(dest), tuple(sorted(self._dim_mapping.items()))
@@ -225,13 +225,10 @@ class ColocatedBridgeCommunicator:
         spec = RowsSpec(tuple(x.shape), x.dtype, x.device.type)
         if self._stage is not None:  # every rank's batch: one exchange over the world
             self._agree("communicate", spec, groups.world)
-            rows = stage_rows(self._stage, self._rank, [1] * x.shape[dim], [1] * (
+            move = self._stage.row_move(self._rank, [1] * x.shape[dim], [1] * (
                 x.shape[dim] // len(self._stage.src_pieces(self._rank))
                 * len(self._stage.dest_pieces(self._rank))))  # fmt: skip
-            y = deliver_rows(
-                x.movedim(dim, 0), rows, group=groups.world, ranks=self._plan.src.ranks,
-                cp_group=groups.cp,
-            )  # fmt: skip
+            y = deliver_rows(x.movedim(dim, 0), move, group=groups.world, cp_group=groups.cp)
             return y.movedim(0, dim)
         self._agree("communicate", spec, groups.gather if k > 1 else groups.cp)
         return bridge_dense(
@@ -304,8 +301,8 @@ class ColocatedBridgeCommunicator:
         world, ranks = self._groups.world, self._plan.src.ranks
         dest = ragged_dest_counts(x, counts, self._stage, rank=self._rank, group=world,
                                   ranks=ranks)  # fmt: skip
-        rows = stage_rows(self._stage, self._rank, counts, dest)
-        y = deliver_rows(x, rows, group=world, ranks=ranks, cp_group=self._groups.cp)
+        move = self._stage.row_move(self._rank, counts, dest)
+        y = deliver_rows(x, move, group=world, cp_group=self._groups.cp)
         return y, torch.tensor(dest, dtype=torch.int64)
 
     @agreed("mp_bridge.comm.ColocatedBridgeCommunicator.route")
@@ -355,7 +352,7 @@ class ColocatedBridgeCommunicator:
         source_rows = None
         if balance is not None:
             source_rows = check_balance(balance, x, self._plan, self._rank)
-        call = read_route_args(
+        call = parse_route_trusted(
             x, tokens_per_sample, image_mask, partition, cu_seqlens=cu_seqlens, layout=layout,
             plan=self._plan, rank=self._rank, source_rows=source_rows,
         )  # fmt: skip

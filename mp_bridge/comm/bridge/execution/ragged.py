@@ -5,8 +5,8 @@
 =========  ==============================================  ===================================
 direction  forward                                         backward (adjoint)
 =========  ==============================================  ===================================
-FAN_IN     header all-gather, then ``_GatherRows``         [CP all-reduce] ``_NarrowRows``
-FAN_OUT    ``_NarrowRows`` (local copy of own slot)        [CP all-reduce] ``_GatherRows``
+FAN_IN     header all-gather, then the counted gather      [CP all-reduce] narrow
+FAN_OUT    narrow (local copy of own slot)                 [CP all-reduce] gather
 EQUAL      copy                                            [CP all-reduce]
 =========  ==============================================  ===================================
 
@@ -27,8 +27,13 @@ size from its local counts: no forward collective, one exchange backward.
 
 The CP all-reduce (dest CP > 1) is ``copy_to_group`` applied after the direction step, so
 backward sums the incoming gradient over the dest CP group first (see ``dense.py``).
-Each Function's backward applies its adjoint Function (gather-keep <-> narrow), so
-``backward(create_graph=True)`` records the backward collective too.
+The gather and the narrow are one :class:`~mp_bridge.comm.bridge.plans.row_move.RowMove`
+and its inverse (:func:`~mp_bridge.comm.bridge.plans.row_move.gather_move`), run by
+:func:`~mp_bridge.comm.bridge.execution.row_moves.adjoint_move`, whose backward applies
+the inverse move, so ``backward(create_graph=True)`` records the backward collective too.
+FAN_IN's forward keeps its own Function (``_GatherCounted``) only because it carries the
+counts in the byte message: folding them into the row move would cost a second
+collective (another dtype, sizes the receiver learns from them), or a padded count row.
 """
 
 from __future__ import annotations
@@ -42,17 +47,15 @@ import torch
 import torch.distributed as dist
 
 from mp_bridge.checks import FrozenSpec, agree, agreed
+from mp_bridge.comm.bridge.execution.headers import differing_field, gather_headers, show_field
+from mp_bridge.comm.bridge.execution.row_moves import adjoint_move, run_leg
 from mp_bridge.comm.bridge.plans.bridge_plan import BridgePlan
 from mp_bridge.comm.bridge.plans.layouts import BridgeDirection
-from mp_bridge.comm.bridge.plans.ragged_plan import check_member_headers, ragged_route_of
-from mp_bridge.comm.collectives.primitives import (
-    all_gather_tensor,
-    copy_to_group,
-    group_rank,
-    group_size,
-)
+from mp_bridge.comm.bridge.plans.ragged_plan import check_member_headers, route_ragged_trusted
+from mp_bridge.comm.bridge.plans.row_move import gather_move
+from mp_bridge.comm.collectives.primitives import copy_to_group, group_rank, group_size
 
-__all__ = ["bridge_ragged", "exchange_rows"]
+__all__ = ["bridge_ragged", "exchange_rows", "exchange_rows_trusted"]
 
 HEADER_FIELDS = ("samples", "tokens", "row numel", "row code")
 
@@ -94,10 +97,10 @@ def exchange_rows(
     n = None if counts is None else counts.numel()
     spec = _ExchangeSpec(tuple(slot_rows), tuple(x.shape[1:]), x.dtype, n)
     agree("exchange_rows", group, spec, device=x.device)
-    return _exchange(x, group, slot_rows, counts)
+    return exchange_rows_trusted(x, group, slot_rows, counts)
 
 
-def _exchange(
+def exchange_rows_trusted(
     x: torch.Tensor,
     group: dist.ProcessGroup | None,
     slot_rows: Sequence[int],
@@ -107,13 +110,10 @@ def _exchange(
     k = len(slot_rows)
     if k == 1:  # a single process (group None or of size 1): nothing to exchange
         return x.clone(), None if counts is None else counts.reshape(1, -1).clone()
+    if counts is None:  # the plain gather: a RowMove, run by row_moves
+        return run_leg(x, gather_move(slot_rows, group_rank(group)).forward, group), None
     rest = tuple(x.shape[1:])
     y = x.new_empty((sum(slot_rows), *rest))
-    if counts is None:
-        dist.all_to_all_single(
-            y, torch.cat([x] * k), list(slot_rows), [x.shape[0]] * k, group=group
-        )
-        return y, None
     # Counts and tokens in one message of bytes: [counts (8n bytes) | tokens], written
     # once per member straight into the send buffer (no intermediate message copy).
     row_bytes = math.prod(rest) * x.element_size()
@@ -141,16 +141,12 @@ def _as_bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 def _exchange_headers(
-    x: torch.Tensor, n_samples: int, group: dist.ProcessGroup | None, k: int
+    x: torch.Tensor, n_samples: int, group: dist.ProcessGroup | None
 ) -> list[list[int]]:
-    """All-gather one fixed-size int64 header per member (``HEADER_FIELDS``; the row code
-    is a CRC of the row shape and dtype, so the header is the call's whole agreement)."""
-    header = torch.tensor(
-        [n_samples, x.shape[0], math.prod(x.shape[1:]), _row_code(x)],
-        dtype=torch.int64,
-        device=x.device,
-    )
-    return all_gather_tensor(header, group, 0).reshape(k, len(HEADER_FIELDS)).tolist()
+    """One fixed-size int64 header per member (``HEADER_FIELDS``; the row code is a CRC
+    of the row shape and dtype, so the header is the call's whole agreement)."""
+    header = [n_samples, x.shape[0], math.prod(x.shape[1:]), _row_code(x)]
+    return gather_headers(header, group, device=x.device)
 
 
 def _row_code(x: torch.Tensor) -> int:
@@ -158,12 +154,11 @@ def _row_code(x: torch.Tensor) -> int:
 
 
 def _check_rows(members: Sequence[int], headers: list[list[int]]) -> None:
-    if len({h[2] for h in headers}) > 1:
-        what = "sizes"
-        per_rank = ", ".join(f"rank {r}: {h[2]} elements" for r, h in zip(members, headers))
-    elif len({h[3] for h in headers}) > 1:
-        what = "shapes or dtypes"
-        per_rank = ", ".join(f"rank {r}: code {h[3]:#x}" for r, h in zip(members, headers))
+    what = differing_field(headers, {"sizes": 2, "shapes or dtypes": 3})
+    if what == "sizes":
+        per_rank = show_field(members, headers, 2, lambda n: f"{n} elements")
+    elif what is not None:
+        per_rank = show_field(members, headers, 3, lambda c: f"code {c:#x}")
     else:
         return
     raise ValueError(
@@ -174,40 +169,23 @@ def _check_rows(members: Sequence[int], headers: list[list[int]]) -> None:
 
 
 # ----------------------------------------------------------------- autograd ops
-class _GatherRows(torch.autograd.Function):
-    """Forward: ``exchange_rows`` (every member's rows, slot order; optional counts).
-    Backward: ``_NarrowRows`` — keep this rank's slot of the (group-replicated) gradient."""
+class _GatherCounted(torch.autograd.Function):
+    """Forward: :func:`exchange_rows_trusted` with the counts in the byte message (every
+    member's rows, slot order, and its counts). Backward: the narrow to this rank's slot
+    (``adjoint_move`` of ``gather_move(...).inverse()``, whose own backward is the gather:
+    double-differentiable like every ragged step)."""
 
     @staticmethod
     def forward(ctx, x, group, slot, slot_rows, counts):
         ctx.group, ctx.slot, ctx.slot_rows = group, slot, slot_rows
-        y, received = _exchange(x, group, slot_rows, counts)
-        if received is None:
-            received = torch.empty(0, dtype=torch.int64, device=x.device)
+        y, received = exchange_rows_trusted(x, group, slot_rows, counts)
         ctx.mark_non_differentiable(received)
         return y, received
 
     @staticmethod
     def backward(ctx, grad, _grad_counts):
-        grad_x = _NarrowRows.apply(grad, ctx.group, ctx.slot, ctx.slot_rows)
-        return grad_x, None, None, None, None
-
-
-class _NarrowRows(torch.autograd.Function):
-    """Forward: a copy of this rank's slot rows of ``x`` (no communication).
-    Backward: ``_GatherRows`` — every member's slot gradient, slot order."""
-
-    @staticmethod
-    def forward(ctx, x, group, slot, slot_rows):
-        ctx.group, ctx.slot, ctx.slot_rows = group, slot, slot_rows
-        start = sum(slot_rows[:slot])
-        # A copy, not a view: the output must not alias the caller's input.
-        return x[start : start + slot_rows[slot]].clone(memory_format=torch.contiguous_format)
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad_x, _ = _GatherRows.apply(grad, ctx.group, ctx.slot, ctx.slot_rows, None)
-        return grad_x, None, None, None
+        narrow = gather_move(ctx.slot_rows, ctx.slot).inverse()
+        return adjoint_move(grad, narrow, ctx.group), None, None, None, None
 
 
 def bridge_ragged(
@@ -230,21 +208,22 @@ def bridge_ragged(
     k, slot, direction = plan.scale, plan.slot_of(rank), plan.direction
     if direction is BridgeDirection.FAN_IN:
         members = plan.gather_group_of(rank)
-        headers = _exchange_headers(x, len(counts), gather_group, k)
+        headers = _exchange_headers(x, len(counts), gather_group)
         # The header is the call's one agreement: every member sees the same headers, so
         # every member raises the same error; after it nothing is checked again.
         check_member_headers(members, [h[0] for h in headers])
         _check_rows(members, headers)
         slot_tokens = tuple(h[1] for h in headers)
         own = torch.tensor(counts, dtype=torch.int64)
-        y, received = _GatherRows.apply(x, gather_group, slot, slot_tokens, own)
-        route = ragged_route_of(plan, rank, [tuple(c) for c in received.tolist()])
+        y, received = _GatherCounted.apply(x, gather_group, slot, slot_tokens, own)
+        route = route_ragged_trusted(plan, rank, [tuple(c) for c in received.tolist()])
         assert route.slot_tokens == slot_tokens, (route, slot_tokens)
     else:
         # FAN_OUT members are one src DP replica: they all hold these counts.
-        route = ragged_route_of(plan, rank, [counts] * k)
+        route = route_ragged_trusted(plan, rank, [counts] * k)
         if direction is BridgeDirection.FAN_OUT:
-            y = _NarrowRows.apply(x, gather_group, slot, route.slot_tokens)
+            narrow = gather_move(route.slot_tokens, slot).inverse()
+            y = adjoint_move(x, narrow, gather_group)
         else:
             y = x.clone(memory_format=torch.contiguous_format)
     # Identity forward; backward all-reduces the gradient over dest CP (before the step).

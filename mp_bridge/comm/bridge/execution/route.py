@@ -27,77 +27,40 @@ One rank's step (the plan is :mod:`mp_bridge.comm.bridge.plans.route_plan`):
    (``forbid_double_backward``): the backward exchange is not the forward's adjoint
    (it fans each gradient out to every encoder TP replica).
 
+The route's rows are a :class:`~mp_bridge.comm.bridge.plans.row_move.RowMove`
+(:meth:`RankRoute.move`), run by
+:func:`~mp_bridge.comm.bridge.execution.row_moves.one_way_move`.
+
 The plan depends only on each member's token total, the shard ids of the LLM batches and
-the SP pieces: the communicator keeps the last 8 plans (:class:`RouteCache`), so steps
+the SP pieces: the communicator keeps the last 8 plans (:class:`PlanCache`), so steps
 with a repeated layout skip planning.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from mp_bridge.checks import forbid_double_backward
+from mp_bridge.comm.bridge.execution.row_moves import one_way_move
 from mp_bridge.comm.bridge.execution.sample_counts import check_sample_counts
 from mp_bridge.comm.bridge.plans.bridge_plan import BridgePlan
 from mp_bridge.comm.bridge.plans.layouts import BridgeDirection
+from mp_bridge.comm.bridge.plans.plan_cache import PlanCache
 from mp_bridge.comm.bridge.plans.route_plan import (
     RankRoute,
-    RouteCache,
     image_token_shards,
     plan_route,
     route_needs,
 )
 from mp_bridge.comm.bridge.plans.token_counts import check_tokens_per_sample
-from mp_bridge.comm.collectives.primitives import all_gather_tensor, group_size
+from mp_bridge.comm.collectives.primitives import all_gather_tensor
 from mp_bridge.comm.sequence.padding import PaddedLayout
 from mp_bridge.comm.sequence.partition import PartitionAdapter
 from mp_bridge.comm.sequence.samples import sample_sums
 
-__all__ = ["RouteCall", "apply_route", "parse_route", "read_route_args", "run_route"]
-
-
-def _exchange(rows: torch.Tensor, send: Sequence[torch.Tensor], recv: Sequence[int], group):
-    """Send ``rows[send[m]]`` to member ``m``; return the received rows, member order."""
-    out = rows.new_empty((sum(recv), *rows.shape[1:]))
-    payload = torch.cat([rows[s.to(rows.device)] for s in send]) if send else rows[:0]
-    dist.all_to_all_single(
-        out, payload.contiguous(), list(recv), [len(s) for s in send], group=group
-    )
-    return out
-
-
-class _RouteRows(torch.autograd.Function):
-    """Forward: own rows plus (if ``exchange``) the rows the plan routes here.
-    Backward: one exchange of gradient rows to every holder (see the module docstring)."""
-
-    @staticmethod
-    def forward(ctx, x, route: RankRoute, group, exchange: bool):
-        ctx.route, ctx.group = route, group
-        y = x.new_empty((route.n_local, *x.shape[1:]))
-        y[route.keep_y.to(x.device)] = x[route.keep_x.to(x.device)]
-        if exchange:
-            got = _exchange(x, route.send_x, route.fwd_rows()[1], group)
-            if len(got):
-                y[torch.cat(route.recv_y).to(x.device)] = got
-        return y
-
-    @staticmethod
-    def backward(ctx, grad):
-        forbid_double_backward(
-            "ColocatedBridgeCommunicator.route", "its backward fans each gradient out"
-        )
-        route = ctx.route
-        grad_x = grad.new_zeros((route.x_rows, *grad.shape[1:]))
-        grad_x[route.bwd_keep_x.to(grad.device)] = grad[route.bwd_keep_y.to(grad.device)]
-        if group_size(ctx.group) > 1:
-            got = _exchange(grad, route.bwd_send_y, route.bwd_rows()[1], ctx.group)
-            if len(got):
-                grad_x[torch.cat(route.bwd_recv_x).to(grad.device)] = got
-        return grad_x, None, None, None
+__all__ = ["RouteCall", "apply_route", "parse_route", "parse_route_trusted", "run_route"]
 
 
 @dataclass(frozen=True)
@@ -142,18 +105,18 @@ def parse_route(
     rank: int,
     **options: object,
 ) -> RouteCall:
-    """:func:`read_route_args` (``options``: its ``cu_seqlens``, ``layout``,
+    """:func:`parse_route_trusted` (``options``: its ``cu_seqlens``, ``layout``,
     ``source_rows``) behind the membership check, for a caller that plans and runs
     ``route`` itself (``parse_route`` then :func:`run_route`): ``ValueError`` unless
     ``rank`` is one of the bridged ranks. The communicator's entry guard checks that once
-    and calls :func:`read_route_args` directly."""
+    and calls :func:`parse_route_trusted` directly."""
     plan.check_member(rank, "route()")
-    return read_route_args(
+    return parse_route_trusted(
         x, tokens_per_sample, image_mask, partition, plan=plan, rank=rank, **options
     )
 
 
-def read_route_args(
+def parse_route_trusted(
     x: object,
     tokens_per_sample: object,
     image_mask: object,
@@ -236,7 +199,7 @@ def run_route(
     group: dist.ProcessGroup | None,
     members: tuple[int, ...],
     world_group: dist.ProcessGroup | None,
-    cache: RouteCache | None = None,
+    cache: PlanCache | None = None,
 ) -> torch.Tensor:
     """The collectives of one rank's ``route`` on parsed arguments (module docstring)."""
     x, layout, mask, pieces = call.x, call.layout, call.mask, call.pieces
@@ -290,4 +253,7 @@ def apply_route(x: torch.Tensor, route: RankRoute, group, *, exchange: bool) -> 
     ``[route.x_rows, *rest] -> [route.n_local, *rest]``; ``exchange=False`` when every
     row it needs is held (only the backward exchanges then)."""
     assert route.x_rows == x.shape[0], (route, x.shape)
-    return _RouteRows.apply(x, route, group, exchange)
+    return one_way_move(
+        x, route.move(exchange=exchange), group, where="ColocatedBridgeCommunicator.route",
+        why="its backward fans each gradient out",
+    )  # fmt: skip

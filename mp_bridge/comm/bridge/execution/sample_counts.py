@@ -13,6 +13,7 @@ from dataclasses import astuple
 import torch
 import torch.distributed as dist
 
+from mp_bridge.comm.bridge.execution.headers import gather_headers
 from mp_bridge.comm.bridge.plans.bridge_plan import BridgePlan
 from mp_bridge.comm.bridge.plans.count_rows import (
     CountRow,
@@ -20,7 +21,7 @@ from mp_bridge.comm.bridge.plans.count_rows import (
     count_row,
     counts_agree,
 )
-from mp_bridge.comm.collectives.primitives import all_gather_tensor, group_size
+from mp_bridge.comm.collectives.primitives import group_size
 
 __all__ = ["check_sample_counts"]
 
@@ -44,12 +45,7 @@ def check_sample_counts(
     ``all_gather_object``. Returns every rank's :class:`CountRow` (group order), checked.
     """
     row = count_row(rank, encoder_counts, llm_counts)
-    if group_size(world_group) > 1:
-        local = torch.tensor([astuple(row)], dtype=torch.int64, device=device)
-        gathered = all_gather_tensor(local, world_group, 0).cpu().tolist()
-        rows = tuple(CountRow(*r) for r in gathered)
-    else:
-        rows = (row,)
+    rows = tuple(CountRow(*r) for r in gather_headers(astuple(row), world_group, device=device))
     if counts_agree(plan, rows):
         return rows
     mine = (rank, tuple(encoder_counts), tuple(llm_counts))

@@ -3,11 +3,13 @@
 No module here imports ``torch.distributed`` (``tests/unit/test_architecture.py`` checks
 it): every plan is a frozen value computed from coordinates, unit-testable with no process
 group. ``layouts``: whether two layouts bridge (direction, DP ratio, nesting);
-``bridge_plan``: :class:`BridgePlan` and :func:`plan_bridge`; ``dense_plan``: the dense
-gather groups and the readable table; ``ragged_plan``, ``token_counts``: the ragged step
-and its per-sample counts; ``route_plan``: the routed rows; ``stage_plan``: delivery to a
-pipelined LLM's first stage; ``balance_plan``: the encoder image balance; ``count_rows``:
-the per-sample count rows every rank compares.
+``bridge_plan``: :class:`BridgePlan` and :func:`plan_bridge`; ``plan_groups``: the base
+plan's gather and CP groups and its readable table; ``ragged_plan``, ``token_counts``: the
+ragged step and its per-sample counts; ``route_plan``: the routed rows; ``stage_plan``:
+delivery to a pipelined LLM's first stage; ``balance_plan``: the encoder image balance;
+``count_rows``: the per-sample count rows every rank compares; ``plan_cache``: the LRU of
+route and balance plans; ``row_move``: :class:`RowMove`, which rows go where forward and
+backward, the one type the route, stage, balance and ragged plans produce.
 """
 
 from .balance_plan import BalancePlan, ImageMove, image_costs, plan_balance
@@ -20,17 +22,18 @@ from .count_rows import (
     counts_agree,
     counts_fingerprint,
 )
-from .dense_plan import format_rank_table
 from .layouts import BridgeDirection
+from .plan_cache import PlanCache, RouteCache
+from .plan_groups import format_rank_table
 from .ragged_plan import RaggedRoute, check_member_headers, route_ragged
 from .route_plan import (
     RankRoute,
-    RouteCache,
     image_token_shards,
     plan_route,
     route_groups,
     route_needs,
 )
+from .row_move import MoveLeg, RowMove, gather_move
 from .stage_plan import Piece, StageDelivery, Transfer, plan_stage_delivery
 from .token_counts import check_tokens_per_sample
 
@@ -53,11 +56,15 @@ __all__ = [
     "check_member_headers",
     "route_ragged",
     "RankRoute",
+    "PlanCache",
     "RouteCache",
     "image_token_shards",
     "plan_route",
     "route_groups",
     "route_needs",
+    "MoveLeg",
+    "RowMove",
+    "gather_move",
     "Piece",
     "StageDelivery",
     "Transfer",

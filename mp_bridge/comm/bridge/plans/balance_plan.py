@@ -65,6 +65,7 @@ from dataclasses import dataclass
 import torch
 
 from mp_bridge.checks import check_float, check_ints
+from mp_bridge.comm.bridge.plans.row_move import MoveLeg, RowMove
 
 __all__ = ["BalancePlan", "ImageMove", "image_costs", "plan_balance"]
 
@@ -151,6 +152,24 @@ class BalancePlan:
         by_dest = sorted(range(len(dest)), key=lambda j: (dest[j], j))
         parts = [torch.arange(starts[j], starts[j + 1]) for j in by_dest]
         return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
+
+    def row_move(self, replica: int) -> RowMove:
+        """``replica``'s :class:`RowMove` over the DP group (group rank = replica): forward
+        each image's rows to the replica that encodes it (received in source order, its
+        kept rows copied locally), backward the inverse move (``forward.reversed()``)."""
+        order, send_rows = self.send_order(replica), self.send_rows(replica)
+        recv_rows = self.recv_rows(replica)
+        cut = [sum(send_rows[:e]) for e in range(self.replicas + 1)]
+        at = [sum(recv_rows[:d]) for d in range(self.replicas + 1)]
+        empty = order[:0]
+        send = tuple(empty if e == replica else order[cut[e] : cut[e + 1]]
+                     for e in range(self.replicas))  # fmt: skip
+        recv = tuple(empty if d == replica else torch.arange(at[d], at[d + 1])
+                     for d in range(self.replicas))  # fmt: skip
+        keep_x = order[cut[replica] : cut[replica + 1]]
+        keep_y = torch.arange(at[replica], at[replica + 1])
+        forward = MoveLeg(len(order), at[-1], keep_x, keep_y, send, recv, exchange=True)
+        return RowMove(forward, forward.reversed())
 
     def tokens_after(self, replica: int) -> tuple[int, ...]:
         """Tokens per image of ``replica``'s batch after the plan (its new image order)."""

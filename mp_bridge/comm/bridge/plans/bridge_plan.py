@@ -16,7 +16,7 @@ LLM's first stage consumes encoder rows; the gather groups and nesting rule are 
 each piece to each first-stage consumer, so later stages receive nothing.
 
 The layouts' checks and direction are :mod:`~mp_bridge.comm.bridge.plans.layouts`; the
-dense gather groups and the readable table :mod:`~mp_bridge.comm.bridge.plans.dense_plan`.
+plan's gather and CP groups and its readable table :mod:`~mp_bridge.comm.bridge.plans.plan_groups`.
 This module never imports ``torch.distributed``: everything is computed from coordinates,
 so any ``axis_names`` order works whenever the two layouts nest, and it is unit-testable.
 """
@@ -26,13 +26,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mp_bridge.checks import check_bool, check_int
-from mp_bridge.comm.bridge.plans.dense_plan import describe_plan, dest_cp_groups, gather_groups
 from mp_bridge.comm.bridge.plans.layouts import (
     BridgeDirection,
     as_layout,
     bridge_direction,
     check_layouts,
 )
+from mp_bridge.comm.bridge.plans.plan_groups import describe_plan, dest_cp_groups, gather_groups
 from mp_bridge.grid import GridLayout
 
 __all__ = ["BridgePlan", "plan_bridge"]

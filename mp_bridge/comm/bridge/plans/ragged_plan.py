@@ -35,7 +35,7 @@ from mp_bridge.checks import is_int
 from mp_bridge.comm.bridge.plans.bridge_plan import BridgePlan
 from mp_bridge.comm.bridge.plans.layouts import BridgeDirection
 
-__all__ = ["RaggedRoute", "check_member_headers", "ragged_route_of", "route_ragged"]
+__all__ = ["RaggedRoute", "check_member_headers", "route_ragged", "route_ragged_trusted"]
 
 
 @dataclass(frozen=True)
@@ -121,10 +121,10 @@ def route_ragged(
             f"member_counts={[list(c) for c in counts]}: the members {list(members)} of a "
             f"{plan.direction.name} group hold the same src batch, so their counts must be equal"
         )
-    return ragged_route_of(plan, rank, counts)
+    return route_ragged_trusted(plan, rank, counts)
 
 
-def ragged_route_of(
+def route_ragged_trusted(
     plan: BridgePlan, rank: int, member_counts: Sequence[tuple[int, ...]]
 ) -> RaggedRoute:
     """:func:`route_ragged` on counts already checked (the communicator's path: its counts

@@ -29,19 +29,18 @@ agree without exchanging indices.
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 
 import torch
 
 from mp_bridge.comm.bridge.plans.bridge_plan import BridgePlan
 from mp_bridge.comm.bridge.plans.layouts import BridgeDirection
+from mp_bridge.comm.bridge.plans.row_move import MoveLeg, RowMove
 from mp_bridge.comm.sequence.padding import PaddedLayout
 
 __all__ = [
     "RankRoute",
-    "RouteCache",
     "image_token_shards",
     "plan_route",
     "route_groups",
@@ -51,7 +50,8 @@ __all__ = [
 
 @dataclass(frozen=True)
 class RankRoute:
-    """One rank's ``route`` step (LongTensor indices; ``[...]`` per group member).
+    """One rank's ``route`` step: its group's ``members`` and its :class:`RowMove`
+    ``rows`` (LongTensor indices; ``[...]`` per group member), read by the names below.
 
     - ``n_local``: output rows (image tokens of the local shard); ``x_rows``: input rows.
     - forward: ``keep_y``/``keep_x`` own rows; ``send_x[m]`` x rows for member ``m``;
@@ -61,24 +61,32 @@ class RankRoute:
     """
 
     members: tuple[int, ...]
-    n_local: int
-    x_rows: int
-    keep_y: torch.Tensor
-    keep_x: torch.Tensor
-    send_x: tuple[torch.Tensor, ...]
-    recv_y: tuple[torch.Tensor, ...]
-    bwd_keep_y: torch.Tensor
-    bwd_keep_x: torch.Tensor
-    bwd_send_y: tuple[torch.Tensor, ...]
-    bwd_recv_x: tuple[torch.Tensor, ...]
+    rows: RowMove
+
+    n_local = property(lambda self: self.rows.forward.dst_rows)
+    x_rows = property(lambda self: self.rows.forward.src_rows)
+    keep_y = property(lambda self: self.rows.forward.keep_dst)
+    keep_x = property(lambda self: self.rows.forward.keep_src)
+    send_x = property(lambda self: self.rows.forward.send)
+    recv_y = property(lambda self: self.rows.forward.recv)
+    bwd_keep_y = property(lambda self: self.rows.backward.keep_src)
+    bwd_keep_x = property(lambda self: self.rows.backward.keep_dst)
+    bwd_send_y = property(lambda self: self.rows.backward.send)
+    bwd_recv_x = property(lambda self: self.rows.backward.recv)
 
     def fwd_rows(self) -> tuple[list[int], list[int]]:
         """Rows sent to / received from each member in the forward exchange."""
-        return [len(s) for s in self.send_x], [len(r) for r in self.recv_y]
+        return self.rows.forward.send_counts(), self.rows.forward.recv_counts()
 
     def bwd_rows(self) -> tuple[list[int], list[int]]:
         """Rows sent to / received from each member in the backward exchange."""
-        return [len(s) for s in self.bwd_send_y], [len(r) for r in self.bwd_recv_x]
+        return self.rows.backward.send_counts(), self.rows.backward.recv_counts()
+
+    def move(self, *, exchange: bool) -> RowMove:
+        """The :class:`RowMove` to run over the members' group. ``exchange``: whether the
+        forward leg runs its collective (``False`` when every member holds every row it
+        needs: FAN_OUT, EQUAL); the backward leg always does (group of > 1 rank)."""
+        return RowMove(replace(self.rows.forward, exchange=exchange), self.rows.backward)
 
 
 def image_token_shards(image_mask: torch.Tensor, layout: PaddedLayout) -> torch.Tensor:
@@ -260,41 +268,8 @@ def plan_route(
         bwd_send_y.append(pos[unused_by_m & (m % count[mine] == before[me])])
         unused_by_me = held(me, theirs) & ~needed_by_me[theirs]
         bwd_recv_x.append(local(theirs[unused_by_me & (me % count[theirs] == before[m])]))
-    kept = pos[held_me]
-    return RankRoute(
-        members=members,
-        n_local=len(mine),
-        x_rows=held_by[me].rows,
-        keep_y=kept,
-        keep_x=local(mine[held_me]),
-        send_x=tuple(send_x),
-        recv_y=tuple(recv_y),
-        bwd_keep_y=kept,
-        bwd_keep_x=local(mine[held_me]),
-        bwd_send_y=tuple(bwd_send_y),
-        bwd_recv_x=tuple(bwd_recv_x),
-    )
-
-
-class RouteCache:
-    """A small LRU of :class:`RankRoute` (the communicator's: repeated steps with the same
-    layout skip planning). ``get(key, make)``: the cached route, else ``make()`` stored."""
-
-    def __init__(self, maxsize: int = 8) -> None:
-        self.maxsize = maxsize
-        self._routes: OrderedDict[object, RankRoute] = OrderedDict()
-
-    def get(self, key: object, make: Callable[[], RankRoute]) -> RankRoute:
-        route = self._routes.get(key)
-        if route is None:
-            route = self._routes[key] = make()
-            while len(self._routes) > self.maxsize:
-                self._routes.popitem(last=False)
-        self._routes.move_to_end(key)
-        return route
-
-    def __len__(self) -> int:
-        return len(self._routes)
-
-    def clear(self) -> None:
-        self._routes.clear()
+    kept, keep_x = pos[held_me], local(mine[held_me])
+    x_rows, n_local = held_by[me].rows, len(mine)
+    forward = MoveLeg(x_rows, n_local, keep_x, kept, tuple(send_x), tuple(recv_y), True)
+    backward = MoveLeg(n_local, x_rows, kept, keep_x, tuple(bwd_send_y), tuple(bwd_recv_x), True)
+    return RankRoute(members, RowMove(forward, backward))

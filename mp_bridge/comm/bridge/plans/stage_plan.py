@@ -37,6 +37,7 @@ from dataclasses import dataclass
 
 from mp_bridge.comm.bridge.plans.bridge_plan import BridgePlan
 from mp_bridge.comm.bridge.plans.layouts import BridgeDirection
+from mp_bridge.comm.bridge.plans.row_move import MoveLeg, RowMove, span_index
 from mp_bridge.table import format_table
 
 __all__ = ["Piece", "StageDelivery", "Transfer", "plan_stage_delivery"]
@@ -111,6 +112,47 @@ class StageDelivery:
         per, at = n // len(pieces), pieces.index(piece)
         start = sum(rows_per_sample[: at * per])
         return start, start + sum(rows_per_sample[at * per : (at + 1) * per])
+
+    def row_move(
+        self,
+        rank: int,
+        src_rows: Sequence[int],
+        dest_rows: Sequence[int],
+        *,
+        exchange: bool = True,
+    ) -> RowMove:
+        """``rank``'s :class:`RowMove` over every rank of the grids (group order = rank
+        order), from its src batch's rows per sample (``src_rows``) and its dest batch's
+        (``dest_rows``; ignored off the first stage). Forward: the pieces it holds and
+        consumes are kept, the others received; backward: its own pieces' gradients kept,
+        the others sent to their holders. ``exchange``: whether the forward leg runs its
+        collective (the backward's always does)."""
+        consumes = self.plan.consumes(rank)
+        ranks = self.plan.src.ranks
+
+        def x_span(piece):
+            return self.piece_rows(rank, piece, src_rows, side="src")
+
+        def y_span(piece):
+            return self.piece_rows(rank, piece, dest_rows, side="dest")
+
+        held = set(self.src_pieces(rank))
+        keep = [(x_span(p), y_span(p)) for p in self.consumed(rank) if p in held]
+        keep_x, keep_y = span_index([k[0] for k in keep]), span_index([k[1] for k in keep])
+
+        def per_member(by_peer, span):
+            spans = {peer: [span(p) for p in pieces] for peer, pieces in by_peer.items()}
+            return tuple(span_index(spans.get(m, ())) for m in ranks)
+
+        x_rows, y_rows = sum(src_rows), sum(dest_rows) if consumes else 0
+        forward = MoveLeg(x_rows, y_rows, keep_x, keep_y, per_member(self.sends(rank), x_span),
+                          per_member(self.receives(rank), y_span), exchange)  # fmt: skip
+        backward = MoveLeg(
+            y_rows, x_rows, keep_y, keep_x,
+            per_member(self.sends(rank, backward=True), y_span),
+            per_member(self.receives(rank, backward=True), x_span), True,
+        )  # fmt: skip
+        return RowMove(forward, backward)
 
     # -------------------------------------------------------------- messages
     def sends(self, rank: int, *, backward: bool = False) -> dict[int, tuple[Piece, ...]]:

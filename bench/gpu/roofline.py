@@ -1,0 +1,377 @@
+"""Roofline model of the triton LM-head engine on an H200, *predicted* (no GPU measured it):
+every kernel of both modes, mean cross-entropy forward + backward, bf16.
+
+For each kernel at ``N x H x V`` (TP 1, or one rank's share at TP 8: ``V_local = V / 8``):
+
+- FLOPs: ``2 N V_local H`` per GEMM-like pass;
+- HBM bytes from the grid order, with an L2 of ``L2_BYTES`` (50 MB): an operand tile whose
+  users run next to each other in launch order is read once; one whose users are a grid
+  row apart is read once if the bytes the grid touches in between fit in L2, else once per
+  user group (``reads``). Outputs are written once. Programs in flight at once: ``SMS x``
+  the CTAs per SM of the compiled build;
+- L2 -> SM bytes (Triton kernels): every program streams its operand tiles, no reuse
+  between programs counted; for cuBLAS passes this traffic is inside the measured rate;
+- the compiled facts (``bench/gpu/compiled_facts.json``, ``tests/triton_facts.py``): MMA
+  kind, pipelining stages, CTAs per SM; the kind picks the rate;
+- at TP 8, the collectives' bytes per rank, printed beside the per-rank compute, never
+  inside it.
+
+Fixed rates (so the model cannot be tuned to the target): cuBLAS ``RATE_CUBLAS_BF16`` /
+``RATE_CUBLAS_F32OUT`` TFLOP/s, measured for this project on an H200 (torch 2.11); Triton
+wgmma kernels exactly 80 % of cuBLAS bf16, ``mma.sync`` kernels exactly 45 %; HBM 4.8 TB/s x
+85 %; L2 -> SM 7 TB/s. A kernel takes the longest of its compute, HBM and L2 times. Torch
+launches of the invariant mode's statistics fold: ``LAUNCH_S`` each (stated here; not in
+the issue's list). New kernels are a new entry in ``MODES``.
+
+    python bench/gpu/roofline.py                 # the table of bench/RESULTS.md
+    python bench/gpu/roofline.py --vocab 131072 --tp 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+FACTS = Path(__file__).resolve().parent / "compiled_facts.json"
+ARCH = "sm_90"
+DEVICE = "NVIDIA H200 (SXM, 132 SMs, 50 MB L2, 4.8 TB/s HBM3e)"
+SMS = 132
+L2_BYTES = 50e6
+RATE_CUBLAS_BF16 = 786e12  # FLOP/s, bf16 out (measured for this project, H200, torch 2.11)
+RATE_CUBLAS_F32OUT = 755e12  # FLOP/s, out_dtype=float32 (same source)
+RATE = {
+    "cublas_bf16": RATE_CUBLAS_BF16,
+    "cublas_f32out": RATE_CUBLAS_F32OUT,
+    "wgmma": 0.80 * RATE_CUBLAS_BF16,
+    "mma.sync": 0.45 * RATE_CUBLAS_BF16,
+}
+HBM_BPS = 4.8e12 * 0.85
+L2_BPS = 7e12
+LAUNCH_S = 4e-6  # one small torch launch (host-bound), the fold's unit of time
+#: torch ops of one ``formulas.merge_stats`` level (plain cross-entropy, S = 4)
+MERGE_OPS = 12
+BF16 = 2
+F32 = 4
+#: Issue 36's time targets: invariant <= 1.25 x default (TP 1 and per rank at TP 8), and
+#: default <= 52 ms at 8192 x 4096 x 131072 (0.95 x Liger's 54.6 ms measured so far).
+INVARIANT_LIMIT = 1.25
+DEFAULT_MS = 52.0
+#: The default mode's and the invariant mode's tiles (the code's constants; the facts
+#: file is keyed by kernel name).
+SLAB_ELEMENTS = 1 << 24  # triton_default.SLAB_ELEMENTS
+VOCAB_BLOCK = 256  # blocks.VOCAB_BLOCK
+TILE_M, BH, BVW = 32, 64, 64  # block_stats.TILE_M, block_dhidden.BH, block_dweight.BVW
+CHUNK = 1024  # triton_invariant.DEFAULT_CHUNK_TOKENS
+STATS = 4  # S: (m, s, target, sum z) for plain cross-entropy
+
+
+@dataclass(frozen=True)
+class Shape:
+    n: int
+    h: int
+    v: int  # the whole vocab
+    tp: int = 1
+
+    @property
+    def v_local(self) -> int:
+        return self.v // self.tp
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """One kernel's work over a whole call (all slabs / chunks) and how it is bound."""
+
+    mode: str
+    name: str
+    kind: str  # a RATE key, "memory" (element-wise) or "launches"
+    flops: float = 0.0
+    hbm: float = 0.0  # bytes
+    l2: float = 0.0  # bytes, L2 -> SM (Triton kernels only)
+    launches: int = 0  # host-bound torch launches ("launches" kind)
+    facts: str = ""
+
+    @property
+    def times(self) -> dict[str, float]:
+        return {
+            "compute": self.flops / RATE[self.kind] if self.kind in RATE else 0.0,
+            "hbm": self.hbm / HBM_BPS,
+            "l2": self.l2 / L2_BPS,
+            "launch": self.launches * LAUNCH_S,
+        }
+
+    @property
+    def seconds(self) -> float:
+        return max(self.times.values())
+
+    @property
+    def bound(self) -> str:
+        t = self.times
+        return max(t, key=t.get)
+
+
+def load_facts(path: Path = FACTS) -> dict[str, dict]:
+    return json.loads(path.read_text())[ARCH]["builds"]
+
+
+def _fact(facts, name: str) -> dict:
+    return facts[f"{name} bf16 spec"]
+
+
+def _triton_kind(f: dict) -> str:
+    return {"wgmma": "wgmma", "mma.sync": "mma.sync"}[f["kind"]]
+
+
+def _facts_text(f: dict) -> str:
+    return f"{f['kind']} {f['mma'][0].split('.')[0]}, {f['stages']} st, {f['ctas_per_sm']} CTA/SM"
+
+
+def fits(touched: float) -> bool:
+    """Whether ``touched`` bytes between two uses of a tile leave it in L2."""
+    return touched <= L2_BYTES
+
+
+# --- default mode: triton_default (cuBLAS over slabs of Vs rows; row_stats / row_grad) -------
+
+
+def slab_rows(n: int, v_local: int) -> int:
+    return min(max(256, SLAB_ELEMENTS // max(n, 1) // 256 * 256), v_local)
+
+
+def _gemm_slabs(
+    s: Shape, name: str, kind: str, extra_per_slab: float, reads_h: bool = True
+) -> Kernel:
+    """A cuBLAS pass over the slabs: the weight read once, ``h`` (N x H, where it is an
+    operand) re-read per slab unless it fits in L2 with a slab, ``extra_per_slab`` bytes of
+    ``g`` / fp32 output / accumulator traffic."""
+    vs = slab_rows(s.n, s.v_local)
+    slabs = math.ceil(s.v_local / vs)
+    h_bytes = s.n * s.h * BF16 if reads_h else 0
+    hbm = h_bytes * (1 if fits(h_bytes + vs * s.h * BF16) else slabs)
+    hbm += s.v_local * s.h * BF16 + slabs * extra_per_slab
+    return Kernel("default", name, kind, 2.0 * s.n * s.v_local * s.h, hbm, facts="cuBLAS")
+
+
+def dw_to_bf16(s: Shape, mode: str, name: str) -> Kernel:
+    """An fp32 ``[V_local, H]`` ``d W`` read and written once in bf16 (a torch copy)."""
+    return Kernel(mode, name, "memory", hbm=s.v_local * s.h * (F32 + BF16), facts="torch copy")
+
+
+def default_mode(s: Shape, facts) -> list[Kernel]:
+    vs = slab_rows(s.n, s.v_local)
+    z = s.n * vs * F32  # one slab's fp32 logits
+    slabs = math.ceil(s.v_local / vs)
+    return [
+        _gemm_slabs(s, "fwd: z = h W_s^T (mm out_dtype=fp32)", "cublas_f32out", z),
+        Kernel("default", "fwd: row_stats", "memory", hbm=slabs * z, facts="element-wise"),
+        _gemm_slabs(s, "bwd: z again (mm out_dtype=fp32)", "cublas_f32out", z),
+        Kernel(
+            "default",
+            "bwd: row_grad (z -> g bf16)",
+            "memory",
+            hbm=slabs * 1.5 * z,
+            facts="element-wise",
+        ),
+        _gemm_slabs(
+            s, "bwd: dW_s = g^T h (mm out_dtype=fp32)", "cublas_f32out", z / 2 + vs * s.h * F32
+        ),
+        dw_to_bf16(s, "default", "bwd: dW_s fp32 -> bf16 copy"),
+        _gemm_slabs(
+            s,
+            "bwd: dh += g W_s (addmm out_dtype=fp32)",
+            "cublas_f32out",
+            z / 2 + 2 * s.n * s.h * F32,  # g in; the fp32 acc in and out
+            reads_h=False,
+        ),
+    ]
+
+
+# --- invariant mode: triton_invariant (fixed Triton tiles over 256-row blocks, chunks of C) -----
+
+
+def _window(f: dict) -> int:
+    """Programs in flight at once."""
+    return SMS * f["ctas_per_sm"]
+
+
+def block_logits_pass(s: Shape, facts, name: str, label: str, out_bytes: float) -> Kernel:
+    """``block_stats`` / ``block_grad``: grid ``(C / TILE_M, K)``, token tiles fastest;
+    each program streams its ``[TILE_M, H]`` hidden tile and ``[256, H]`` weight block."""
+    f = _fact(facts, name)
+    c, k = min(CHUNK, s.n), s.v_local // VOCAB_BLOCK
+    chunks = math.ceil(s.n / c)
+    programs = chunks * math.ceil(c / TILE_M) * k
+    w_block = VOCAB_BLOCK * s.h * BF16
+    h_chunk = c * s.h * BF16
+    # W block j: its C / TILE_M users are consecutive -> once per chunk; the hidden chunk
+    # is reused one grid row (C / TILE_M programs) later, touching itself + one block
+    h_reads = 1 if fits(h_chunk + w_block) else k
+    hbm = chunks * (s.v_local * s.h * BF16 + h_reads * h_chunk) + out_bytes
+    l2 = programs * (TILE_M + VOCAB_BLOCK) * s.h * BF16
+    return Kernel("invariant", label, _triton_kind(f), 2.0 * s.n * s.v_local * s.h, hbm, l2,
+                  facts=_facts_text(f))  # fmt: skip
+
+
+def stack_depth(k: int) -> int:
+    return max(1, k.bit_length()) + 1  # block_dhidden.stack_depth
+
+
+def block_dhidden_pass(s: Shape, facts) -> Kernel:
+    """Grid ``(C / TILE_M, H / BH)``, token tiles fastest; each program walks all ``K``
+    blocks: ``g [TILE_M, 256]`` and ``W [256, BH]`` per block, and its tree stack of fp32
+    ``[TILE_M, BH]`` partial sums in global memory (one store per leaf, one load per merge:
+    ``K - 1`` merges; both counted at the L2 rate)."""
+    f = _fact(facts, "_block_dhidden_kernel")
+    c, k = min(CHUNK, s.n), s.v_local // VOCAB_BLOCK
+    chunks = math.ceil(s.n / c)
+    tiles, cols = math.ceil(c / TILE_M), math.ceil(s.h / BH)
+    programs = chunks * tiles * cols
+    node = TILE_M * BH * F32
+    stack = programs * (k + (k - 1)) * node  # stores + loads of the stack
+    # g tile row i is reused by the H / BH programs of row i, C / TILE_M apart: the ones in
+    # flight together share a read; W[block, slice] users are consecutive: once per chunk
+    g_chunk = c * s.v_local * BF16
+    g_reads = math.ceil(cols / max(1, _window(f) // tiles))
+    live_stack = _window(f) * stack_depth(k) * node
+    hbm = chunks * (g_reads * g_chunk + s.v_local * s.h * BF16)
+    hbm += stack if not fits(live_stack) else chunks * stack_depth(k) * c * s.h * F32
+    l2 = programs * k * (TILE_M * VOCAB_BLOCK + VOCAB_BLOCK * BH) * BF16 + stack
+    return Kernel("invariant", "bwd: block_dhidden (g W, tree stack)", _triton_kind(f),
+                  2.0 * s.n * s.v_local * s.h, hbm, l2, facts=_facts_text(f))  # fmt: skip
+
+
+def block_dweight_pass(s: Shape, facts) -> Kernel:
+    """Grid ``(R / BVW, H / BH)``, weight-row tiles fastest; each program loads its fp32
+    ``[BVW, BH]`` accumulator, adds ``g^T h`` over the chunk's token tiles, stores it."""
+    f = _fact(facts, "_block_dweight_kernel")
+    c = min(CHUNK, s.n)
+    chunks = math.ceil(s.n / c)
+    rows, cols = math.ceil(s.v_local / BVW), math.ceil(s.h / BH)
+    programs = chunks * rows * cols
+    g_chunk = c * s.v_local * BF16
+    # g[:, v-tile] is reused by the programs (v, c + 1): one grid row (R / BVW programs)
+    # later, having touched the whole g chunk; h[:, c-tile]: consecutive users
+    g_reads = 1 if fits(g_chunk) else cols
+    acc = s.v_local * s.h * F32
+    hbm = chunks * (g_reads * g_chunk + c * s.h * BF16 + 2 * acc)
+    l2 = programs * math.ceil(c / TILE_M) * (BVW + BH) * TILE_M * BF16
+    return Kernel("invariant", "bwd: block_dweight (dW += g^T h, fp32 acc)", _triton_kind(f),
+                  2.0 * s.n * s.v_local * s.h, hbm, l2, facts=_facts_text(f))  # fmt: skip
+
+
+def invariant_mode(s: Shape, facts) -> list[Kernel]:
+    c, k = min(CHUNK, s.n), s.v_local // VOCAB_BLOCK
+    chunks = math.ceil(s.n / c)
+    levels = int(math.log2(k)) + int(math.log2(s.tp))  # this rank's subtree, then the ranks'
+    return [
+        block_logits_pass(
+            s, facts, "_block_stats_kernel", "fwd: block_stats", chunks * STATS * k * c * F32
+        ),
+        Kernel(
+            "invariant",
+            "fwd: fold_blocks (torch)",
+            "launches",
+            launches=chunks * levels * MERGE_OPS,
+            facts="~12 launches per level",
+        ),
+        block_logits_pass(
+            s, facts, "_block_grad_kernel", "bwd: block_grad (g bf16)", s.n * s.v_local * BF16
+        ),
+        block_dhidden_pass(s, facts),
+        block_dweight_pass(s, facts),
+        dw_to_bf16(s, "invariant", "bwd: dW fp32 acc -> bf16"),
+    ]
+
+
+#: Each mode's kernels, in call order: a new kernel is a new entry.
+MODES: dict[str, Callable[[Shape, dict], list[Kernel]]] = {
+    "default": default_mode,
+    "invariant": invariant_mode,
+}
+
+
+def collective_bytes(s: Shape) -> dict[str, float]:
+    """Bytes each rank receives in the TP collectives of one call (0 at TP 1)."""
+    if s.tp == 1:
+        return {"default": 0.0, "invariant": 0.0}
+    peers = s.tp - 1
+    stats = peers * STATS * s.n * F32  # the forward statistics all-gather (both modes)
+    dh = s.n * s.h * F32
+    return {
+        "default": stats + 2 * peers / s.tp * dh,  # d h all-reduce (ring)
+        "invariant": stats + peers * dh,  # d h pieces all-gathered, folded in tree order
+    }
+
+
+def predict(s: Shape, facts) -> dict[str, list[Kernel]]:
+    return {mode: fn(s, facts) for mode, fn in MODES.items()}
+
+
+def _ms(x: float) -> str:
+    return f"{x * 1e3:.2f}"
+
+
+def table(shapes: list[Shape], facts) -> str:
+    from report import Verdict, markdown_table, verdict_lines
+
+    rows, totals, verdicts = [], [], []
+    for s in shapes:
+        res = predict(s, facts)
+        tag = f"{s.n}x{s.h}x{s.v}, TP {s.tp}" + (" per rank" if s.tp > 1 else "")
+        for mode, kernels in res.items():
+            for kn in kernels:
+                t = kn.times
+                rows.append((tag, mode, kn.name, kn.facts, f"{kn.flops / 1e12:.2f}",
+                             f"{kn.hbm / 1e9:.1f}", f"{kn.l2 / 1e9:.1f}", _ms(t["compute"]),
+                             _ms(t["hbm"]), _ms(t["l2"]), _ms(kn.seconds), kn.bound))  # fmt: skip
+        total = {m: sum(kn.seconds for kn in ks) for m, ks in res.items()}
+        coll = collective_bytes(s)
+        ratio = total["invariant"] / total["default"]
+        verdicts.append(Verdict(f"predicted invariant / default, {tag}", ratio, INVARIANT_LIMIT))
+        if s.v == 131072 and s.tp == 1:
+            ms = total["default"] * 1e3
+            verdicts.append(Verdict(f"predicted default ms / {DEFAULT_MS}, {tag}",
+                                    ms / DEFAULT_MS, 1.0))  # fmt: skip
+        totals.append((tag, _ms(total["default"]), _ms(total["invariant"]),
+                       f"{total['invariant'] / total['default']:.2f}",
+                       f"{coll['default'] / 1e6:.0f}",
+                       f"{coll['invariant'] / 1e6:.0f}"))  # fmt: skip
+    head = ("shape", "mode", "kernel", "compiled", "TFLOP", "HBM GB", "L2->SM GB",
+            "compute ms", "HBM ms", "L2 ms", "predicted ms", "bound")  # fmt: skip
+    tot_head = ("shape", "default ms", "invariant ms", "invariant / default",
+                "default TP collectives MB/rank", "invariant TP collectives MB/rank")  # fmt: skip
+    return (
+        f"{markdown_table(tot_head, totals)}\n\nIssue 36's time targets, as predicted:\n\n"
+        f"{verdict_lines(verdicts)}\n\n{markdown_table(head, rows)}\n"
+    )
+
+
+def predicted_ms(n: int, h: int, v: int, tp: int = 1, facts=None) -> dict[str, float]:
+    """``{"ours_default": ms, "ours_invariant": ms}`` of one call (the speed stage's
+    predicted column; per rank at ``tp > 1``, collectives excluded)."""
+    res = predict(Shape(n, h, v, tp), facts or load_facts())
+    return {f"ours_{m}": 1e3 * sum(k.seconds for k in ks) for m, ks in res.items()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--n", type=int, default=8192)
+    p.add_argument("--hidden", type=int, default=4096)
+    p.add_argument("--vocab", type=int, nargs="+", default=[131072, 262144])
+    p.add_argument("--tp", type=int, nargs="+", default=[1, 8])
+    args = p.parse_args(argv)
+    facts = load_facts()
+    shapes = [Shape(args.n, args.hidden, v, tp) for v in args.vocab for tp in args.tp]
+    print(f"*Predicted* (roofline, no measurement), {DEVICE}, bf16 mean cross-entropy fwd+bwd;")
+    print(f"command: `python bench/gpu/roofline.py {' '.join(argv or sys.argv[1:])}`\n")
+    print(table(shapes, facts))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    sys.exit(main())

@@ -1,0 +1,282 @@
+"""The ``@triton.jit`` math every kernel of the triton engine shares (no launches here).
+
+A tile is ``[R, C]`` fp32 raw logits ``x`` (rows: tokens, columns: vocab ids) with
+per-row vectors ``[R]``. The math is ``formulas``'s docstring, in the same statistic
+layout (``formulas.STATS``), so the torch-side merges, folds and ``stats_values`` apply
+unchanged to what the kernels write:
+
+- ``transform``: ``z = softcap(x) / T`` with ``softcap(x) = c tanh(x / c)``; returns ``z``
+  and ``d softcap / dx = 1 - tanh**2`` (``tanh`` from one ``exp``: ``tl`` has none that the
+  interpreter also runs);
+- ``tile_stats``: per row over the tile's true columns, shifted by the tile's own max
+  ``m``: ``(m, s = sum e, target z, sum z, u = sum e (z - m), q = sum e**2)``,
+  ``e = exp(z - m)``; a row with no true column is the merge identity ``(-inf, 0, 0, 0,
+  0, 0)``;
+- ``merge_stats2``: the online log-sum-exp merge of two such partials (left, right);
+- ``tile_grad``: ``d/dx`` of ``w value + w_ent H`` per row (``w`` already holds ``1 /
+  T`` and the upstream gradient): ``(p k + c w [true]) - w_ent p log p + (w b) [target]``
+  with ``k = (a + 2 zw lse) w - w_ent H`` and ``p = exp(z - lse)``, times the soft-cap
+  derivative.
+- ``rounded``: ``g`` in the dtype of the pointer it is stored to, round to nearest even (the
+  GPU's conversion; the interpreter truncates fp32 -> bf16, so there it is done on the
+  bits).
+- ``dot_acc``: ``acc + x @ y`` with fp32 accumulation. On a GPU ``tl.dot`` (bf16 / fp16
+  operands as they are, their products exact in fp32; fp32 operands in ``"ieee"``
+  precision, never TF32). Under ``TRITON_INTERPRET=1`` the interpreter's ``tl.dot`` is
+  numpy's BLAS matmul, whose bits depend on a row's position in the tile (and which
+  misreads bf16): the stand-in multiplies and sums over ``k`` with a broadcast, the same
+  exact products and an fp32 sum in a fixed ``k`` order, so the same code path keeps its
+  row-by-row bits there too.
+"""
+
+from __future__ import annotations
+
+import os
+
+import triton
+import triton.language as tl
+
+from mp_bridge.layers.loss.formulas import LossSpec
+
+__all__ = [
+    "FP_FUSION",
+    "INTERPRET",
+    "block_logits",
+    "dot_acc",
+    "grad_of",
+    "grad_params",
+    "rounded",
+    "stats_of",
+    "stats_params",
+    "merge_stats2",
+    "tile_grad",
+    "tile_stats",
+    "transform",
+]
+
+#: Whether the kernels run under Triton's CPU interpreter (read once, at import: the
+#: interpreter itself is chosen by the same variable when the kernels are decorated).
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+#: Every launch passes ``enable_fp_fusion=FP_FUSION``: no FMA contraction of the
+#: element-wise math, whatever ``TRITON_DEFAULT_FP_FUSION`` says or Triton's default is
+#: (on in 3.9, off from 3.10). ``False``, not ``True``: ``TRITON_FORCE_DISABLE_FP_FUSION=1``
+#: overrides a pinned ``True`` but agrees with ``False``, so no variable can move a bit;
+#: and each multiply and add rounds once, as under the interpreter.
+FP_FUSION = False
+
+
+@triton.jit
+def dot_acc(x, y, acc, INTERPRET: tl.constexpr):
+    """``acc [M, N] + x [M, K] @ y [K, N]`` in fp32 (see the module docstring)."""
+    if INTERPRET:
+        xf = x.to(tl.float32)
+        yf = y.to(tl.float32)
+        return acc + tl.sum(xf[:, :, None] * yf[None, :, :], axis=1)
+    else:  # "ieee": fp32 operands never in TF32; bf16 / fp16 ones are exact either way
+        return tl.dot(x, y, acc, input_precision="ieee")
+
+
+@triton.jit
+def rounded(g, ptr, INTERPRET: tl.constexpr):
+    """fp32 ``g`` in ``ptr``'s element dtype, rounded to nearest even (see the module
+    docstring: under the interpreter a bf16 target is rounded on the fp32 bits)."""
+    if INTERPRET and ptr.dtype.element_ty == tl.bfloat16:
+        bits = g.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16  # finite values: RTNE to 16 bits
+        return bits.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    else:
+        return g.to(ptr.dtype.element_ty)
+
+
+@triton.jit
+def transform(x, temp, cap, HAS_CAP: tl.constexpr):
+    """``(softcap(x) / temp[:, None], d softcap / dx)`` (the derivative 1 without a cap)."""
+    if HAS_CAP:
+        y = x / cap
+        e = tl.exp(-2.0 * tl.abs(y))  # tanh |y| = (1 - e) / (1 + e), no overflow
+        t = (1.0 - e) / (1.0 + e)
+        t = tl.where(y < 0, -t, t)
+        z = cap * t
+        deriv = 1.0 - t * t
+    else:
+        z = x
+        deriv = tl.full(x.shape, 1.0, tl.float32)
+    return z / temp[:, None], deriv
+
+
+@triton.jit
+def tile_stats(z, valid, is_target):
+    """Per-row ``(m, s, tl, sz, u, q)`` of the true columns ``valid`` of ``z [R, C]``."""
+    zm = tl.where(valid, z, float("-inf"))
+    m = tl.max(zm, 1)
+    shift = tl.where(m == float("-inf"), 0.0, m)
+    d = zm - shift[:, None]
+    e = tl.exp(d)  # 0 off the true columns
+    s = tl.sum(e, 1)
+    tlg = tl.sum(tl.where(is_target, z, 0.0), 1)
+    sz = tl.sum(tl.where(valid, z, 0.0), 1)
+    u = tl.sum(e * tl.where(e > 0, d, 0.0), 1)  # 0 log 0 = 0, no nan
+    q = tl.sum(e * e, 1)
+    return m, s, tlg, sz, u, q
+
+
+@triton.jit
+def merge_stats2(m1, s1, t1, z1, u1, q1, m2, s2, t2, z2, u2, q2):
+    """Online log-sum-exp merge of two per-row partials (``formulas.merge_stats``)."""
+    m = tl.maximum(m1, m2)
+    shift = tl.where(m == float("-inf"), 0.0, m)
+    d1 = m1 - shift
+    d2 = m2 - shift
+    c1 = tl.exp(d1)
+    c2 = tl.exp(d2)
+    u = (u1 + tl.where(s1 > 0, d1, 0.0) * s1) * c1 + (u2 + tl.where(s2 > 0, d2, 0.0) * s2) * c2
+    return m, s1 * c1 + s2 * c2, t1 + t2, z1 + z2, u, q1 * c1 * c1 + q2 * c2 * c2
+
+
+@triton.jit
+def tile_grad(
+    z,
+    deriv,
+    valid,
+    is_target,
+    lse,
+    w,
+    w_ent,
+    ent,
+    coef_a,
+    coef_b,
+    coef_c,
+    zw2,
+    HAS_Z: tl.constexpr,
+    HAS_ENT: tl.constexpr,
+    HAS_CAP: tl.constexpr,
+):
+    """``d loss / d x [R, C]`` of transformed logits ``z`` (see the module docstring);
+    ``zw2 = 2 z_loss_weight``; 0 on columns that are not ``valid``."""
+    logp = z - lse[:, None]
+    p = tl.where(valid, tl.exp(logp), 0.0)
+    k = w * coef_a
+    if HAS_Z:
+        k += w * lse * zw2
+    if HAS_ENT:
+        k -= w_ent * ent
+    g = p * k[:, None] + tl.where(valid, (w * coef_c)[:, None], 0.0)
+    if HAS_ENT:
+        g -= tl.where(p > 0, p * logp, 0.0) * w_ent[:, None]
+    g += tl.where(is_target, (w * coef_b)[:, None], 0.0)
+    if HAS_CAP:
+        g = g * deriv
+    return g
+
+
+@triton.jit
+def block_logits(
+    h_ptr,
+    h_stride,
+    w_ptr,
+    w_stride,
+    rows,
+    rmask,
+    cols,
+    w_rows,
+    hidden,
+    TILE_M: tl.constexpr,
+    BLOCK: tl.constexpr,
+    BK: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    """Raw fp32 logits ``[TILE_M, BLOCK]`` of token ``rows`` against weight rows ``cols``:
+    ``sum_k h[r, k] W[c, k]`` over ``k`` in steps of ``BK`` from 0, in order (no split-K);
+    rows past the tokens and weight rows past ``w_rows`` load zeros. Every element's
+    bits depend on its own row and column alone (fixed tile shapes, one program each)."""
+    acc = tl.zeros((TILE_M, BLOCK), tl.float32)
+    cmask = cols < w_rows
+    for k0 in range(0, hidden, BK):
+        ks = k0 + tl.arange(0, BK)
+        kmask = ks < hidden
+        x = tl.load(
+            h_ptr + rows[:, None] * h_stride + ks[None, :],
+            mask=rmask[:, None] & kmask[None, :],
+            other=0.0,
+        )
+        y = tl.load(
+            w_ptr + cols[None, :] * w_stride + ks[:, None],
+            mask=cmask[None, :] & kmask[:, None],
+            other=0.0,
+        )
+        acc = dot_acc(x, y, acc, INTERPRET)
+    return acc
+
+
+@triton.jit
+def stats_of(
+    x, ids, inside, rows, rmask, temp_ptr, tcol_ptr, num_valid, cap, HAS_CAP: tl.constexpr
+):
+    """``tile_stats`` of raw logits ``x [R, C]``: rows ``rows`` (``rmask``: real
+    tokens), columns the shard's local ids ``ids [C]`` (true below ``num_valid``),
+    ``inside``: the tile's elements that exist."""
+    temp = tl.load(temp_ptr + rows, mask=rmask, other=1.0)
+    tcol = tl.load(tcol_ptr + rows, mask=rmask, other=-1)
+    z, _ = transform(x, temp, cap, HAS_CAP)
+    valid = inside & (ids < num_valid)[None, :]
+    return tile_stats(z, valid, valid & (ids[None, :] == tcol[:, None]))
+
+
+@triton.jit
+def grad_of(
+    x,
+    ids,
+    inside,
+    rows,
+    rmask,
+    temp_ptr,
+    tcol_ptr,
+    lse_ptr,
+    w_ptr,
+    went_ptr,
+    ent_ptr,
+    num_valid,
+    cap,
+    coef_a,
+    coef_b,
+    coef_c,
+    zw2,
+    HAS_CAP: tl.constexpr,
+    HAS_Z: tl.constexpr,
+    HAS_ENT: tl.constexpr,
+):
+    """``tile_grad`` of raw logits ``x [R, C]`` (rows, ids, masks: ``stats_of``), the
+    per-row inputs loaded from their ``[N]`` vectors (``went`` / ``ent``: with
+    ``HAS_ENT``)."""
+    temp = tl.load(temp_ptr + rows, mask=rmask, other=1.0)
+    tcol = tl.load(tcol_ptr + rows, mask=rmask, other=-1)
+    lse = tl.load(lse_ptr + rows, mask=rmask, other=0.0)
+    w = tl.load(w_ptr + rows, mask=rmask, other=0.0)
+    w_ent = w * 0.0
+    ent = w * 0.0
+    if HAS_ENT:
+        w_ent = tl.load(went_ptr + rows, mask=rmask, other=0.0)
+        ent = tl.load(ent_ptr + rows, mask=rmask, other=0.0)
+    z, deriv = transform(x, temp, cap, HAS_CAP)
+    valid = inside & (ids < num_valid)[None, :]
+    is_target = valid & (ids[None, :] == tcol[:, None])
+    return tile_grad(
+        z, deriv, valid, is_target, lse, w, w_ent, ent, coef_a, coef_b, coef_c, zw2,
+        HAS_Z, HAS_ENT, HAS_CAP,
+    )  # fmt: skip
+
+
+def stats_params(spec: LossSpec) -> tuple[tuple[float], dict[str, bool]]:
+    """The statistics kernels' spec arguments: ``(cap,)`` and their constexpr flags."""
+    flags = dict(HAS_CAP=spec.softcap is not None, WITH_ENT=spec.entropy)
+    return (float(spec.softcap or 1.0),), dict(flags, WITH_SQ=spec.sum_pi_squared)
+
+
+def grad_params(spec: LossSpec, w, w_ent, ent) -> tuple[tuple, dict[str, bool]]:
+    """The gradient kernels' trailing arguments ``(w, w_ent, ent, cap, a, b, c, 2 zw)``
+    (``w`` stands in for the absent entropy vectors) and their constexpr flags."""
+    a, b, c = spec.coefficients
+    args = (w, w if w_ent is None else w_ent, w if ent is None else ent)
+    args += (float(spec.softcap or 1.0), a, b, c, 2.0 * spec.z_loss_weight)
+    flags = dict(HAS_CAP=spec.softcap is not None, HAS_Z=spec.z_loss_weight != 0.0)
+    return args, dict(flags, HAS_ENT=spec.entropy)

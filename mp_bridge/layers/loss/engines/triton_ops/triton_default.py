@@ -1,0 +1,211 @@
+"""Default mode (``invariant=False``): vocab-major slabs, cuBLAS GEMMs with fp32 output,
+one Triton pass per slab for the statistics and one for the logits' gradient.
+
+The shard's weight rows are cut into slabs of ``Vs`` rows (``slab_rows``: about
+``SLAB_ELEMENTS`` fp32 logits, whole 256-row multiples). All ``N`` tokens meet each slab:
+
+- forward: ``z = h @ W_s^T`` ``[N, Vs]`` fp32 (``mm_f32``), ``row_stats_`` merges the slab
+  into the running ``[S, N]`` statistics; after the last slab, one all-gather merges the
+  ranks' statistics (``reduce.gather_merge_stats``). 1 GEMM; ``lse`` (and the entropy)
+  are kept for backward.
+- backward: per slab, ``z`` again, ``row_grad`` writes ``g = d loss / d z`` in the input
+  dtype, ``d W_s = g^T @ h`` is **complete** (every token is in it) and is written once in
+  the weight's dtype, ``d h += g @ W_s`` in fp32 (``addmm_f32_``); one all-reduce of ``d h``.
+  3 GEMMs.
+
+``chunk_size`` does not apply (the slab, not a token chunk, bounds the logits held). So
+4 GEMMs of ``N x V_local x H`` per call, no ``[N, V_local]`` buffer, no fp32 copy of
+the weight and no fp32 ``d W`` accumulator. Extra memory at ``N x H x V = 8192 x 4096 x
+131072`` bf16, TP 1 (``Vs = 2048``), during the slab loop of backward: ``d W`` 1 GiB (bf16,
+the gradient itself), ``d h``'s fp32 accumulator 128 MiB, the slab's ``z`` 64 MiB, ``g``
+32 MiB and ``d W_s``'s fp32 product 32 MiB: about 1.25 GiB (+128 MiB of fp32 ``d h``
+product where ``addmm`` lacks ``out_dtype``); the bf16 ``d h`` (64 MiB) is made after the
+slabs are freed. The floor of any method is the two bf16 gradients, 1.06 GiB (issue 29
+measured CCE there and Liger at 1.13 GiB on an H200); the fp32 ``d h`` accumulator is
+most of our gap. Unmeasured on a GPU.
+
+``mm_f32``: ``torch.mm(a, b, out_dtype=torch.float32)`` on CUDA (bf16 / fp16 operands,
+fp32 accumulate and output, never rounded to the input dtype); elsewhere ``a.float() @
+b.float()`` of the same operands, the same exact products (a bf16 / fp16 product is exact
+in fp32) summed in fp32: the stand-in that lets the CPU interpreter run this code path.
+fp32 operands on CUDA go through cuBLAS inside ``exact_fp32``: never TF32, whatever the
+caller set (``allow_tf32``, ``set_float32_matmul_precision``).
+
+``addmm_path``: which product ``addmm_f32_`` uses on CUDA, checked once per process by a
+tiny call (``ADDMM_OUT_DTYPE``, or ``MM_THEN_ADD`` with a warning naming the error where
+this torch's ``addmm`` has no ``out_dtype``); the runbook prints it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from mp_bridge.layers.loss.engines.triton_ops.row_grad import row_grad
+from mp_bridge.layers.loss.engines.triton_ops.row_stats import row_stats_
+from mp_bridge.layers.loss.formulas import LossSpec
+from mp_bridge.layers.loss.reduce import all_reduce_sum_, gather_merge_stats
+from mp_bridge.layers.vocab_shards import VocabShard
+
+__all__ = [
+    "ADDMM_OUT_DTYPE",
+    "MM_THEN_ADD",
+    "SLAB_ELEMENTS",
+    "TritonDefaultRunner",
+    "addmm_f32_",
+    "addmm_path",
+    "choose_addmm_path",
+    "exact_fp32",
+    "mm_f32",
+    "slab_rows",
+]
+
+#: fp32 logits per slab (64 MiB): slabs of 2048 rows at N = 8192, large enough GEMMs.
+SLAB_ELEMENTS = 1 << 24
+
+
+#: ``addmm_path`` values: cuBLAS accumulates into the fp32 ``acc`` itself, or (a torch
+#: whose ``addmm`` lacks ``out_dtype``) an fp32 ``[N, H]`` product then ``add_``: +128 MiB
+#: and about +7 ms at 8192 x 4096 x 131072 bf16 (predicted).
+ADDMM_OUT_DTYPE = "addmm(out_dtype=float32, out=acc)"
+MM_THEN_ADD = "mm(out_dtype=float32) + add_"
+
+
+@contextlib.contextmanager
+def exact_fp32():
+    """cuBLAS fp32 matmuls in IEEE fp32 (no TF32) inside, the caller's setting restored
+    after. Through ``fp32_precision`` where torch has it (the legacy ``allow_tf32`` and
+    ``set_float32_matmul_precision`` map onto it; writing the legacy flag after a user set
+    the new one is an error in torch >= 2.9), else through ``allow_tf32``."""
+    mm = torch.backends.cuda.matmul
+    name = "fp32_precision" if hasattr(mm, "fp32_precision") else "allow_tf32"
+    old = getattr(mm, name)
+    setattr(mm, name, "ieee" if name == "fp32_precision" else False)
+    try:
+        yield
+    finally:
+        setattr(mm, name, old)
+
+
+def choose_addmm_path(try_addmm: Callable[[], object]) -> str:
+    """``ADDMM_OUT_DTYPE`` if ``try_addmm()`` runs, else ``MM_THEN_ADD`` with a warning
+    naming the error (never silent)."""
+    try:
+        try_addmm()
+    except (RuntimeError, TypeError) as exc:  # NotImplementedError is a RuntimeError
+        warnings.warn(
+            f"torch {torch.__version__}: addmm(out_dtype=float32) failed ({type(exc).__name__}: "
+            f"{str(exc).splitlines()[0][:120]}); the triton engine's default mode adds an fp32 "
+            "d h product instead (more memory and time)",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return MM_THEN_ADD
+    return ADDMM_OUT_DTYPE
+
+
+@functools.cache
+def addmm_path(device_type: str = "cuda") -> str:
+    """The product ``addmm_f32_`` uses for bf16 / fp16 operands on ``device_type``,
+    checked once per process (CPU: fp32 operands, the interpreter's stand-in)."""
+    if device_type != "cuda":
+        return "addmm_ on fp32 operands (CPU stand-in)"
+
+    def tiny():
+        a = torch.ones((16, 16), dtype=torch.bfloat16, device=device_type)
+        acc = torch.ones((16, 16), dtype=torch.float32, device=device_type)
+        torch.addmm(acc, a, a, out_dtype=torch.float32, out=acc)
+        if not bool((acc == 17.0).all()):
+            raise AssertionError(f"addmm(out_dtype=float32, out=acc) gave {acc[0, 0].item()}")
+
+    return choose_addmm_path(tiny)
+
+
+def mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` accumulated and returned in fp32 (see the module docstring)."""
+    if a.dtype == torch.float32:
+        if a.is_cuda:
+            with exact_fp32():
+                return torch.mm(a, b)
+        return torch.mm(a, b)
+    if a.is_cuda:
+        return torch.mm(a, b, out_dtype=torch.float32)
+    return torch.mm(a.float(), b.float())
+
+
+def addmm_f32_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``acc += a @ b`` into fp32 ``acc`` (``mm_f32``'s math; on CUDA cuBLAS accumulates into
+    ``acc`` itself, no ``[N, H]`` fp32 product, where this torch has ``addmm``'s
+    ``out_dtype``)."""
+    if a.dtype == torch.float32:
+        if a.is_cuda:
+            with exact_fp32():
+                return acc.addmm_(a, b)
+        return acc.addmm_(a, b)
+    if a.is_cuda:
+        if addmm_path("cuda") == ADDMM_OUT_DTYPE:
+            return torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+        return acc.add_(mm_f32(a, b))  # MM_THEN_ADD: addmm_path warned once
+    return acc.addmm_(a.float(), b.float())
+
+
+def slab_rows(n: int, v_local: int) -> int:
+    """Weight rows per slab: ``SLAB_ELEMENTS / n`` rounded down to 256s, at least 256."""
+    rows = max(256, SLAB_ELEMENTS // max(n, 1) // 256 * 256)
+    return min(rows, max(v_local, 1))
+
+
+@dataclass(frozen=True, eq=False)
+class TritonDefaultRunner:
+    """The default runner: ``stats`` (forward) and ``grads`` (backward) of one call."""
+
+    weight: torch.Tensor  # [V_local, H], this rank's shard
+    tp_group: dist.ProcessGroup | None
+    shard: VocabShard
+    spec: LossSpec
+
+    def columns(self, target: torch.Tensor) -> torch.Tensor:
+        """Local column of each target in this shard, else -1 (``int64 [N]``)."""
+        inside = (target >= self.shard.start) & (target < self.shard.stop)
+        return torch.where(inside, target - self.shard.start, -1).contiguous()
+
+    def _slabs(self, n: int):
+        v, rows = self.weight.shape[0], slab_rows(n, self.weight.shape[0])
+        for v0 in range(0, v, rows):
+            yield v0, self.weight.detach()[v0 : v0 + rows]
+
+    def stats(self, h: torch.Tensor, tcol: torch.Tensor, temp: torch.Tensor) -> torch.Tensor:
+        """Global ``[S, N]`` statistics (one all-gather over ``tp_group``)."""
+        stats = h.new_empty((self.spec.num_stats, h.shape[0]), dtype=torch.float32)
+        for i, (v0, w_s) in enumerate(self._slabs(h.shape[0])):
+            z = mm_f32(h, w_s.t())  # (N, H) @ (H, Vs)
+            row_stats_(
+                z, stats, temp, tcol, num_valid=self.shard.num_real, col0=v0,
+                spec=self.spec, first=i == 0,
+            )  # fmt: skip
+            del z
+        return gather_merge_stats(stats, self.tp_group, self.spec.merge)
+
+    def grads(self, h, tcol, temp, lse, w, w_ent, ent, want_gw: bool):
+        """``(d h [N, H] fp32, reduced over TP; d W [V_local, H] in the weight's dtype or
+        None)`` for per-token factors ``w`` (and ``w_ent``)."""
+        gh = torch.zeros(h.shape, dtype=torch.float32, device=h.device)
+        gw = torch.empty_like(self.weight) if want_gw else None
+        for v0, w_s in self._slabs(h.shape[0]):
+            z = mm_f32(h, w_s.t())
+            g = z if h.dtype == torch.float32 else torch.empty_like(z, dtype=h.dtype)
+            row_grad(
+                z, g, temp, tcol, lse, w, w_ent, ent, num_valid=self.shard.num_real,
+                col0=v0, spec=self.spec,
+            )  # fmt: skip
+            del z
+            if gw is not None:
+                gw[v0 : v0 + w_s.shape[0]] = mm_f32(g.t(), h)  # (Vs, N) @ (N, H): complete
+            addmm_f32_(gh, g, w_s)  # (N, Vs) @ (Vs, H)
+        return all_reduce_sum_(gh, self.tp_group), gw

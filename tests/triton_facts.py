@@ -1,0 +1,227 @@
+"""What Triton compiles for sm_90 (H100 / H200) from the triton engine's GEMM-like kernels
+*as they are launched*, read on a machine without a GPU.
+
+Each kernel with a ``tl.dot`` (``GEMM_KERNELS``) is launched through its own wrapper on
+``meta`` tensors (no memory) with the kernel's ``run`` replaced by a recorder, so the
+arguments, the grid and the launch options (``num_warps``, ``num_stages``,
+``enable_fp_fusion``) are exactly the wrapper's. The arguments are then specialized as the
+JIT specializes them at launch (``native_specialize_impl``: integers and pointers
+divisible by 16 get ``tt.divisibility = 16``, an integer equal to 1 becomes a constant)
+and compiled for ``GPUTarget("cuda", 90, 32)`` with the bundled ``ptxas``. Two builds per
+kernel and dtype:
+
+- ``spec``: the production shape, chunk ``C = 1024`` tokens, ``H = 4096``, ``V_local =
+  131072`` (the build that runs: vectorized loads, ``cp.async`` pipelining);
+- ``odd``: ``C = 1023``, ``H = 4095`` (what a call with an odd ``N`` or ``H`` compiles).
+
+``facts`` reads from the PTX, the TTGIR, ``cuobjdump -res-usage`` and the SASS: the MMA
+instructions (``wgmma.mma_async`` or ``mma.sync`` with their shapes), the pipelining
+depth (shared-memory buffers of the k-loop's operands), registers, stack, ``LDL`` /
+``STL``, shared memory and the CTAs per SM that registers and shared memory allow.
+``bench/gpu/compiled_facts.json`` records them per architecture (``--record`` rewrites
+it); ``tests/unit/test_triton_compile.py`` compares a fresh compile with the record, and
+``bench/gpu/roofline.py`` reads it. Run without ``TRITON_INTERPRET`` (under it the
+kernels are interpreted functions with nothing to compile)::
+
+    python -m tests.triton_facts            # JSON of the fresh facts
+    python -m tests.triton_facts --record   # rewrite the record (then re-check bits on a GPU)
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+import triton
+from triton.backends.compiler import BaseBackend, GPUTarget
+from triton.compiler import ASTSource
+from triton.runtime.jit import native_specialize_impl
+
+from mp_bridge.layers.loss.engines.triton_ops import (
+    block_dhidden,
+    block_dweight,
+    block_grad,
+    block_stats,
+)
+from mp_bridge.layers.loss.formulas import LossSpec
+
+ARCH = 90
+RECORD = Path(__file__).resolve().parents[1] / "bench" / "gpu" / "compiled_facts.json"
+#: ``(name, C, H)``: the production chunk and an odd one (no divisibility specialization).
+BUILDS = (("spec", 1024, 4096), ("odd", 1023, 4095))
+V_LOCAL = 131072
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+#: sm_90 per SM: 64 Ki registers (allocated per warp in 256s), 228 KiB shared memory,
+#: 2048 threads, 32 CTAs.
+SM_REGS, SM_SMEM, SM_THREADS, SM_CTAS = 65536, 228 * 1024, 2048, 32
+_BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+
+
+def _calls(dt: torch.dtype, c: int, hd: int):
+    """``(kernel, launching call)`` of every GEMM-like kernel at chunk ``c``, hidden ``hd``."""
+    spec = LossSpec.cross_entropy(V_LOCAL, -100, 0.0)  # mean CE: the benchmarked call
+    k = V_LOCAL // 256
+
+    def m(*shape, dtype=dt):
+        return torch.empty(shape, dtype=dtype, device="meta")
+
+    h, w, g = m(c, hd), m(V_LOCAL, hd), m(c, k * 256)
+    f, t = m(c, dtype=torch.float32), m(c, dtype=torch.int64)
+    yield (
+        block_stats._block_stats_kernel,
+        lambda: block_stats.block_stats(h, w, f, t, n_blocks=k, num_valid=V_LOCAL, spec=spec),
+    )
+    yield (
+        block_grad._block_grad_kernel,
+        lambda: block_grad.block_grad(
+            h, w, f, t, f, f, None, None, n_blocks=k, num_valid=V_LOCAL, spec=spec
+        ),
+    )
+    yield (
+        block_dhidden._block_dhidden_kernel,
+        lambda: block_dhidden.block_dhidden(g, w, n_blocks=k, first=0),
+    )
+    yield (
+        block_dweight._block_dweight_kernel,
+        lambda: block_dweight.block_dweight_(m(V_LOCAL, hd, dtype=torch.float32), g, h),
+    )
+
+
+#: The kernels ``_calls`` launches (every kernel of the engine with a ``tl.dot``).
+GEMM_KERNELS = tuple(fn.__name__ for fn, _ in _calls(torch.bfloat16, 1, 1))
+
+
+def launch_source(kernel, call) -> tuple[ASTSource, dict]:
+    """``(ASTSource, compile options)`` of ``kernel`` as ``call`` launches it, specialized
+    the way ``JITFunction.run`` specializes the arguments."""
+    got = {}
+
+    def record(*args, grid, warmup, **kw):
+        got.update(args=args, kw=kw)
+
+    kernel.run = record
+    try:
+        call()
+    finally:
+        del kernel.run
+    kw = dict(got["kw"])
+    values = dict(zip(kernel.arg_names, got["args"]))
+    values.update({k: kw.pop(k) for k in list(kw) if k in kernel.arg_names})
+    sig, consts, attrs = {}, {}, {}
+    for i, p in enumerate(kernel.params):
+        v = values[p.name]
+        if p.is_constexpr:
+            sig[p.name], consts[p.name] = "constexpr", v
+            continue
+        ty, key = native_specialize_impl(
+            BaseBackend, v, False, not p.do_not_specialize, not p.do_not_specialize_on_alignment
+        )
+        if ty == "constexpr":  # an integer equal to 1
+            sig[p.name], consts[p.name] = "constexpr", key
+            continue
+        sig[p.name] = ty
+        if isinstance(key, str):
+            attrs[(i,)] = BaseBackend.parse_attr(key)
+    return ASTSource(kernel, sig, consts, attrs), kw
+
+
+def _tool(name: str, cubin: bytes, *args: str) -> str:
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        out = subprocess.run([str(_BIN / name), *args, f.name], capture_output=True, text=True)
+    return out.stdout
+
+
+def ctas_per_sm(regs: int, warps: int, shared: int) -> int:
+    """CTAs one sm_90 SM holds by registers (per warp, in 256s), shared memory, threads."""
+    per_warp = math.ceil(regs * 32 / 256) * 256
+    by_regs = SM_REGS // (per_warp * warps) if regs else SM_CTAS
+    by_smem = SM_SMEM // shared if shared else SM_CTAS
+    return min(by_regs, by_smem, SM_THREADS // (32 * warps), SM_CTAS)
+
+
+def facts(compiled, options: dict) -> dict:
+    """The compiled facts of one kernel build (see the module docstring)."""
+    ptx, ttgir, cubin = compiled.asm["ptx"], compiled.asm["ttgir"], compiled.asm["cubin"]
+    mma = sorted(set(re.findall(r"\b(wgmma\.mma_async\.\S+|mma\.sync\.\S+)", ptx)))
+    kind = "wgmma" if any(i.startswith("wgmma") for i in mma) else "mma.sync" if mma else "none"
+    res = _tool("cuobjdump", cubin, "-res-usage")
+    usage = dict(re.findall(r"\b(REG|STACK|SHARED|LOCAL):(\d+)", res))
+    sass = _tool("cuobjdump", cubin, "-sass")
+    # k-loop operand buffers: the leading dim of the 3-d shared allocations (2 = loads for
+    # the next iteration in flight while this one computes; 1 or none: not pipelined)
+    bufs = max((int(d) for d in re.findall(r"memdesc<(\d+)x\d+x\d+x", ttgir)), default=1)
+    pipelined = bufs >= 2 and "cp.async" in ptx
+    warps = compiled.metadata.num_warps
+    shared = compiled.metadata.shared + int(usage.get("SHARED", 0))
+    return {
+        "mma": [re.sub(r"^(wgmma\.mma_async|mma\.sync)\.(sync\.)?aligned\.", "", i) for i in mma],
+        "kind": kind,
+        "tf32": "tf32" in ptx,
+        "num_warps": warps,
+        "num_stages": compiled.metadata.num_stages,
+        "fp_fusion": compiled.metadata.enable_fp_fusion,
+        "buffers": bufs,
+        "cp_async": "cp.async" in ptx,
+        # Triton's stages: loads issued num_stages - 1 iterations ahead (mma.sync: that
+        # many buffers; wgmma: one more); 1 = the k-loop is not software-pipelined
+        "stages": compiled.metadata.num_stages if pipelined else 1,
+        "fma": len(re.findall(r"\bfma\.rn\.f32\b", ptx)),
+        "regs": int(usage["REG"]),
+        "stack": int(usage["STACK"]),
+        "ldl_stl": len(re.findall(r"\b(?:LDL|STL)\b", sass)),
+        "shared": shared,
+        "ctas_per_sm": ctas_per_sm(int(usage["REG"]), warps, shared),
+        "options": options,
+    }
+
+
+def all_facts() -> dict[str, dict]:
+    """``{"<kernel> <dtype> <build>": facts}``: bf16 / fp16 in both builds, fp32 ``spec``."""
+    target = GPUTarget("cuda", ARCH, 32)
+    out = {}
+    for dname, dt in DTYPES.items():
+        for build, c, hd in BUILDS[:1] if dname == "fp32" else BUILDS:
+            for kernel, call in _calls(dt, c, hd):
+                src, opts = launch_source(kernel, call)
+                compiled = triton.compile(src, target=target, options=opts)
+                out[f"{kernel.__name__} {dname} {build}"] = facts(compiled, opts)
+    return out
+
+
+def record_entry(found: dict[str, dict]) -> dict:
+    return {"triton": triton.__version__, "builds": found}
+
+
+def dump_record(data: dict) -> str:
+    """The record's text: one line per build, so a diff shows what moved."""
+    lines = ["{"]
+    for i, (arch, entry) in enumerate(sorted(data.items())):
+        lines.append(f' "{arch}": {{"triton": "{entry["triton"]}", "builds": {{')
+        builds = sorted(entry["builds"].items())
+        for j, (key, f) in enumerate(builds):
+            comma = "," if j < len(builds) - 1 else ""
+            lines.append(f"  {json.dumps(key)}: {json.dumps(f, sort_keys=True)}{comma}")
+        lines.append(" }}" + ("," if i < len(data) - 1 else ""))
+    return "\n".join([*lines, "}"]) + "\n"
+
+
+if __name__ == "__main__":
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        sys.exit("unset TRITON_INTERPRET: interpreted kernels do not compile")
+    found = all_facts()
+    if "--record" in sys.argv:
+        data = json.loads(RECORD.read_text()) if RECORD.exists() else {}
+        data[f"sm_{ARCH}"] = record_entry(found)
+        RECORD.write_text(dump_record(data))
+        print(f"recorded {len(found)} builds in {RECORD}")
+    else:
+        print(json.dumps(found, indent=1, sort_keys=True))
