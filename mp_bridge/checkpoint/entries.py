@@ -14,7 +14,9 @@ Keys (the checkpoint's namespace, under the single-process parameter names):
 A parameter that is tensor-parallel in megatron's own marking (``tensor_model_parallel``)
 but declares no ``ShardSpec``, or whose megatron ``partition_stride`` is not 1 while it
 declares plain contiguous rows, is refused by name: saving it as replicated or as
-contiguous rows would write a wrong global tensor. No collective here.
+contiguous rows would write a wrong global tensor. So is a ``DTensor`` parameter (FSDP2's
+``fully_shard``): its global shape is one TP shard's, and the TP ranks' rows would be
+written under one key. No collective here.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from mp_bridge.checkpoint.dcp_adapter import PiecesTensor
 from mp_bridge.layers import ShardSpec, shard_spec
@@ -56,6 +59,13 @@ class Entry:
 
 
 def _check_declared(name: str, param: torch.Tensor, spec: ShardSpec | None) -> None:
+    if isinstance(param, DTensor):  # FSDP2's shard of a TP shard: DCP would dedup TP rows
+        raise ValueError(
+            f"parameter {name!r} is a DTensor ({param.placements} over {param.device_mesh}), "
+            f"as fully_shard (FSDP2) makes it; mp_bridge.checkpoint saves and loads plain TP "
+            f"shards only: save the full tensors of gather_full_state(model) (every TP "
+            f"rank's rows), or the model before fully_shard"
+        )
     if getattr(param, "tensor_model_parallel", False) and spec is None:
         raise ValueError(
             f"parameter {name!r} is tensor-parallel (megatron's tensor_model_parallel) but "

@@ -14,6 +14,10 @@ Meshes: FSDP over all 4 ranks (TP 1), or a ``("dp", "tp")`` mesh of 2 x 2: FSDP 
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -23,6 +27,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
+from mp_bridge.checkpoint import load, save
 from mp_bridge.layers import (
     ShardSpec,
     VocabParallelEmbedding,
@@ -125,6 +130,33 @@ def test_vocab_layers_under_fully_shard_train_like_one_process(tp):
     load_full_state(model, _full_weights())  # into the DTensor shards, and back: exact
     back = gather_full_state(model)
     assert all(torch.equal(back[k].cpu(), v) for k, v in _full_weights().items())
+
+
+@world.case
+def test_checkpoint_save_and_load_refuse_an_fsdp2_model_by_name():
+    """FSDP x TP on the 2 x 2 mesh: each parameter is a DTensor whose global shape is one
+    TP shard, so writing it as is would keep one TP rank's rows (DCP dedups equal chunks):
+    ``save`` and ``load`` refuse it on every rank, and the checkpoint already at the path
+    (saved before wrapping) is left whole: it still loads, exactly."""
+    mesh = _mesh(2)
+    tp_group = mesh.get_group("tp")
+    model = TinyLM(tp_group, _full_weights())
+    path = os.path.join(tempfile.gettempdir(), f"mp_bridge_fsdp2_{os.getppid()}", "ckpt")
+    save(path, model)  # plain TP shards: fine
+    for part in (model.emb, model.head, model):
+        fully_shard(part, mesh=mesh["dp"])
+    message = r"parameter 'emb.weight' is a DTensor .* gather_full_state\(model\)"
+    with pytest.raises(ValueError, match=message):
+        save(path, model)
+    with pytest.raises(ValueError, match=message):
+        load(path, model)
+    fresh = TinyLM(tp_group, {k: torch.zeros_like(v) for k, v in _full_weights().items()})
+    load(path, fresh)
+    back = gather_full_state(fresh)
+    assert all(torch.equal(back[k].cpu(), v) for k, v in _full_weights().items())
+    dist.barrier()
+    if dist.get_rank() == 0:
+        shutil.rmtree(os.path.dirname(path))
 
 
 @world.case
