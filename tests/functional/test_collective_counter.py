@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 import torch.distributed.distributed_c10d as c10d
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
@@ -63,3 +64,28 @@ def test_dtensor_functional_collectives_are_counted_once():
         lin(torch.ones(3, 4, device=dev)).sum().backward()
     assert counter.counts() == {"all_gather": 1, "reduce_scatter": 1}, counter.calls
     assert torch_mode.get_total_counts() == 2
+
+
+@world.case
+def test_each_functional_collective_counts_its_received_bytes():
+    """Functional ops called directly (``torch.distributed._functional_collectives``), with
+    the bytes each rank receives from the other: all-gather of ``[4, 6]`` fp32 -> 96; its
+    adjoint, reduce-scatter of ``[8, 6]`` -> 96 (the other rank's half); all-reduce of
+    ``[3]`` -> 12; all-to-all of ``[2 + 3, 2]`` with splits: the piece the other rank sends."""
+    rank, dev = dist.get_rank(), current_device()
+    x = torch.ones(4, 6, device=dev, requires_grad=True)
+    with CollectiveCounter() as counter:
+        funcol.all_gather_tensor_autograd(x, 0, dist.group.WORLD).sum().backward()
+    assert [(c.name, c.bytes_received) for c in counter.calls] == [
+        ("all_gather", 96), ("reduce_scatter", 96)]  # fmt: skip
+    assert torch.equal(x.grad, torch.full_like(x, 2.0))  # the gradient went through
+    with CollectiveCounter() as counter:
+        summed = funcol.all_reduce(torch.ones(3, device=dev), "sum", dist.group.WORLD)
+        out_rows = [2, 3] if rank == 0 else [3, 3]  # rows from rank 0, rows from rank 1
+        sent = torch.full((5 if rank == 0 else 6, 2), float(rank), device=dev)
+        in_rows = [2, 3] if rank == 0 else [3, 3]
+        moved = funcol.all_to_all_single(sent, out_rows, in_rows, dist.group.WORLD)
+    assert torch.equal(summed.cpu(), torch.full((3,), 2.0)) and moved.shape[0] == sum(out_rows)
+    other = out_rows[1 - rank] * 2 * 4
+    assert [(c.name, c.bytes_received) for c in counter.calls] == [
+        ("all_reduce", 12), ("all_to_all", other)]  # fmt: skip
