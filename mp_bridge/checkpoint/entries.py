@@ -30,7 +30,7 @@ from torch.distributed.tensor import DTensor
 from mp_bridge.checkpoint.dcp_adapter import PiecesTensor
 from mp_bridge.layers import ShardSpec, shard_spec
 
-__all__ = ["Entry", "model_entries", "optimizer_entries", "param_names"]
+__all__ = ["Entry", "model_entries", "optimizer_entries", "param_name", "param_names"]
 
 MODEL, OPTIM, OPTIM_GROUP = "model.", "optim.", "optim_group."
 
@@ -86,6 +86,19 @@ def param_names(model: nn.Module, prefix: str = "") -> dict[int, str]:
     return {id(p): prefix + name for name, p in model.named_parameters()}
 
 
+def param_name(names: dict[int, str], param: torch.Tensor, group: int) -> str:
+    """``param``'s name in ``names`` (:func:`param_names`); ``ValueError`` for a parameter of
+    ``optimizer.param_groups[group]`` that the model does not hold."""
+    name = names.get(id(param))
+    if name is None:
+        raise ValueError(
+            f"optimizer.param_groups[{group}] holds a parameter of shape {tuple(param.shape)} "
+            f"that is not a parameter of the model; pass the optimizer built over "
+            f"model.parameters()"
+        )
+    return name
+
+
 def model_entries(model: nn.Module, prefix: str = "") -> dict[str, Entry]:
     """The ``model.`` entries of ``model``'s parameters and persistent buffers, named
     ``model.<prefix><name>``. ``ValueError`` naming a parameter whose layout is unknown."""
@@ -117,13 +130,7 @@ def optimizer_entries(
     for g, group in enumerate(optimizer.param_groups):
         hyper = {k: v for k, v in group.items() if k != "params"}
         for param in group["params"]:
-            name = names.get(id(param))
-            if name is None:
-                raise ValueError(
-                    f"optimizer.param_groups[{g}] holds a parameter of shape "
-                    f"{tuple(param.shape)} that is not a parameter of the model; pass the "
-                    f"optimizer built over model.parameters()"
-                )
+            name = param_name(names, param, g)
             objects[OPTIM_GROUP + name] = hyper
             for state_key, value in optimizer.state.get(param, {}).items():
                 key = f"{OPTIM}{name}.{state_key}"
