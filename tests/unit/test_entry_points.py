@@ -97,6 +97,8 @@ EXEMPT: dict[str, str] = {
     "mp_bridge.layers.ShardSpec.__init__": _NO_COLLECTIVE,
     "mp_bridge.layers.ShardSpec.rows": "pure: rows of a rank",
     "mp_bridge.layers.ShardSpec.full_shape": "pure: a shape",
+    "mp_bridge.layers.ShardSpec.pieces": "pure: the real rows of a rank, per fused part",
+    "mp_bridge.layers.ShardSpec.local_pieces": "reads the group size and rank; no collective",
     "mp_bridge.layers.mark_sharded": "attaches a ShardSpec to a tensor; no collective",
     "mp_bridge.layers.VocabParallelEmbedding.__init__": _NO_COLLECTIVE,
     "mp_bridge.layers.VocabParallelEmbedding.from_full": "copies this rank's rows; no collective",
