@@ -158,13 +158,13 @@ def load(
     names then lack the prefix); RNG states are restored only without a prefix. A model-
     only load (``optimizer=None``) of a checkpoint with optimizer state is fine.
     """
-    path = check_common(path, model, optimizer, stateful)
-    prefix = check_prefix(prefix)
     group = checkpoint_group()
     rank = 0 if group is None else dist.get_rank(group)
     error = info = metadata = None
     entries: dict[str, Entry] = {}
-    try:
+    try:  # local checks; a bad argument on one rank is the same error on every rank
+        path = check_common(path, model, optimizer, stateful)
+        prefix = check_prefix(prefix)
         info, metadata = read_checkpoint(path)
         if optimizer is not None and not info.has_optimizer:
             raise ValueError(

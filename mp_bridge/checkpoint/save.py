@@ -183,12 +183,12 @@ def save(
     Returns ``None`` once published, or with ``async_save=True`` an :class:`AsyncSave`
     whose ``wait()`` returns once published (see the module).
     """
-    path = check_common(path, model, optimizer, stateful)
-    check_extra(step, extra, async_save)
     group = checkpoint_group()
     rank = 0 if group is None else dist.get_rank(group)
     error, entries, objects = None, {}, {}
-    try:
+    try:  # local checks; a bad argument on one rank is the same error on every rank
+        path = check_common(path, model, optimizer, stateful)
+        check_extra(step, extra, async_save)
         entries, objects = _collect(model, optimizer, stateful, rank)
     except (ValueError, TypeError) as exc:
         error = exc

@@ -82,13 +82,13 @@ class Run:
 
     def full(self) -> dict[str, torch.Tensor]:
         """Every weight and Adam state tensor this rank holds, gathered over TP (padding
-        dropped), keyed ``name`` / ``name:exp_avg`` / ``name:step``."""
+        dropped), keyed ``name`` / ``name:exp_avg`` / ``name:step``; CPU copies."""
         out = dict(self.model.to_full())
         for name, p in self.model.named_parameters():
             for key, value in self.optimizer.state.get(p, {}).items():
-                full = value if value.dim() == 0 else gather_shard(value, shard_spec(p))
+                full = value.clone() if value.dim() == 0 else gather_shard(value, shard_spec(p))
                 out[f"{name}:{key}"] = full
-        return out
+        return {k: v.cpu() for k, v in out.items()}
 
     def destroy(self) -> None:
         destroy_colocated_mimo(self.model, *self.grids)
@@ -132,7 +132,7 @@ def max_rel(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> tupl
     worst, name = 0.0, ""
     for key in sorted(set(got) & set(want)):
         scale = float(want[key].abs().max()) or 1.0
-        rel = float((got[key].float() - want[key].float()).abs().max()) / scale
+        rel = float((got[key].cpu().float() - want[key].cpu().float()).abs().max()) / scale
         if rel >= worst:
             worst, name = rel, key
     return worst, name
@@ -140,7 +140,8 @@ def max_rel(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> tupl
 
 def unequal(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> list[str]:
     """Names both hold whose tensors are not bitwise equal."""
-    return [k for k in sorted(set(got) & set(want)) if not torch.equal(got[k], want[k])]
+    both = sorted(set(got) & set(want))
+    return [k for k in both if not torch.equal(got[k].cpu(), want[k].cpu())]
 
 
 def world_max(value: float) -> float:

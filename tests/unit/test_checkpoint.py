@@ -324,3 +324,28 @@ def test_sgd_momentum_round_trip(tmp_path):
     load(tmp_path / "ck", other, other_opt)
     for p, q in zip(model.parameters(), other.parameters()):
         assert torch.equal(opt.state[p]["momentum_buffer"], other_opt.state[q]["momentum_buffer"])
+
+
+# ------------------------------------------------------------------ inspect
+def test_inspect_prints_version_step_layout_and_every_key(saved, capsys):
+    from mp_bridge.cli import main
+
+    assert main(["checkpoint", "inspect", saved]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(
+        f"checkpoint {saved}: format version {FORMAT_VERSION}, step 3, saved by 1 rank, "
+        "with optimizer state\nextra: null\n"
+    )
+    rows = {line.split()[0]: line.split()[1:] for line in out.splitlines()[4:]}
+    assert rows["model.embed.weight"] == ["(1001,", "8)", "torch.float32", "1"]
+    assert rows["optim.gate_up.exp_avg"] == ["(32,", "8)", "torch.float32", "1"]
+    assert rows["optim.gate_up.step"] == ["()", "torch.float32", "-"]
+    assert rows["model.norm.bias"] == ["(8,)", "torch.float32", "-"]
+    assert rows["rng.0"] == ["-", "object", "-"]
+
+
+def test_inspect_of_a_missing_path_is_one_line_naming_it(tmp_path, capsys):
+    from mp_bridge.cli import main
+
+    assert main(["checkpoint", "inspect", str(tmp_path / "nope")]) == 2
+    assert f"no checkpoint at '{tmp_path / 'nope'}'" in capsys.readouterr().err
