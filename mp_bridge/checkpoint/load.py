@@ -104,7 +104,13 @@ def _optimizer_targets(
     for group in optimizer.param_groups:
         on_device = group.get("capturable") or group.get("fused")
         for param in group["params"]:
-            name = names[id(param)]
+            name = names.get(id(param))
+            if name is None:
+                raise ValueError(
+                    f"the optimizer holds a parameter of shape {tuple(param.shape)} that is "
+                    f"not a parameter of the model; pass the optimizer built over "
+                    f"model.parameters()"
+                )
             if OPTIM_GROUP + name in saved:
                 objects[OPTIM_GROUP + name] = None
             head = f"{OPTIM}{name}."
@@ -130,16 +136,24 @@ def _optimizer_targets(
     return entries, objects, where
 
 
-def _apply_optimizer(optimizer, state: dict, where: dict[str, tuple]) -> None:
+def _apply_optimizer(optimizer, loaded: dict, where: dict[str, tuple], state: dict, names) -> None:
+    """Step 4 for the optimizer: each parameter's loaded state (none when it had none at
+    save), and each group's hyper-parameters from its first parameter's saved group."""
     by_param: dict[int, dict] = {}
     for key, (param, state_key) in where.items():
-        by_param.setdefault(id(param), {})[state_key] = state[key]
+        by_param.setdefault(id(param), {})[state_key] = loaded[key]
     for group in optimizer.param_groups:
         for param in group["params"]:
             if id(param) in by_param:
                 optimizer.state[param] = by_param[id(param)]
             else:  # not stepped when saved: no state, as then
                 optimizer.state.pop(param, None)
+        hyper = next(
+            (state[k] for p in group["params"] if (k := OPTIM_GROUP + names[id(p)]) in state),
+            None,
+        )
+        if hyper is not None:
+            group.update(hyper)
 
 
 def load(
@@ -216,19 +230,10 @@ def load(
                 entry.local.copy_(buffers[key])
     if optimizer is not None:
         loaded = {k: buffers.get(k, state[k]) for k in where}
-        _apply_optimizer(optimizer, loaded, where)
-        names = param_names(model, prefix)
-        for group_ in optimizer.param_groups:
-            for param in group_["params"]:
-                hyper = state.get(OPTIM_GROUP + names[id(param)])
-                if hyper is not None:
-                    group_.update(hyper)
-                    break
+        _apply_optimizer(optimizer, loaded, where, state, param_names(model, prefix))
     if state.get(f"rng.{rank}") is not None:
         rng.restore(state[f"rng.{rank}"])
     for key, obj in (stateful or {}).items():
-        found = (
-            f"stateful.{key}.{rank}" if f"stateful.{key}.{rank}" in state else f"stateful.{key}.0"
-        )
-        obj.load_state_dict(state[found])
+        mine = f"stateful.{key}.{rank}"
+        obj.load_state_dict(state[mine if mine in state else f"stateful.{key}.0"])
     return info

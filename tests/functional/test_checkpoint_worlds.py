@@ -7,8 +7,9 @@ colocated MIMO model 2 steps and save *asynchronously* while they train a third 
 into the single-process ``ReferenceMimo`` with its Adam and saves; 8 ranks at a third
 layout load that. Every load is checked bitwise against the weights and Adam state the
 8 ranks held at the first save (gathered over TP; a pipeline stage checks its own names).
-On the 4 ranks, a checkpoint of a 2-layer LLM loaded into the 4-layer model raises the
-same ``ValueError`` on every rank (the key check runs over the union of the stages' keys).
+On the 4 ranks, three bad loads raise the same ``ValueError`` on every rank: a checkpoint
+of a 2-layer LLM into the 4-layer model (the key check runs over the union of the stages'
+keys), a checkpoint with a truncated data file, and a bad ``prefix`` passed on rank 1 only.
 
 Killed save: 4 ranks save a vocab-parallel model (step 1), then save again and one rank
 (or every rank) dies after writing its data file: the launcher reports the death, the
@@ -20,6 +21,8 @@ from __future__ import annotations
 
 import glob
 import os
+import re
+import shutil
 
 import pytest
 import torch
@@ -30,8 +33,14 @@ from torch.distributed.checkpoint import FileSystemWriter
 from mp_bridge.checkpoint import load, save
 from mp_bridge.layers import VocabParallelEmbedding
 from mp_bridge.models import MimoConfig, ReferenceMimo
-from mp_bridge.testing import DistributedError, run_distributed
+from mp_bridge.testing import DistributedError, run_distributed, under_torchrun
 from tests.functional.checkpoint_runs import CFG, EPS, LR, build, seed_all, unequal
+
+# Under torchrun every launched process would start its own worlds here: these tests run
+# their worlds themselves (8, 4, 1 ranks), so they run without torchrun only.
+pytestmark = pytest.mark.skipif(
+    under_torchrun(), reason="starts its own worlds of 8, 4 and 1 ranks; run without torchrun"
+)
 
 LAYOUT_8 = dict(encoder_tp=2, encoder_dp=4, llm_tp=2, llm_cp=2, llm_dp=2)
 LAYOUT_4 = dict(encoder_tp=4, encoder_dp=1, llm_tp=2, llm_pp=2, microbatches=2)
@@ -51,18 +60,27 @@ def _save_8(path: str) -> dict:
     return at_save
 
 
-def _load_4(path: str, bad: str, out: str, want: dict):
-    run = build(LAYOUT_4, seed=7)
+def _error(fn, *args, **kwargs) -> str | None:
     try:
-        load(bad, run.model)
-        message = None
+        fn(*args, **kwargs)
     except ValueError as exc:
-        message = str(exc)
+        return str(exc)
+    return None
+
+
+def _load_4(path: str, bad: str, damaged: str, out: str, want: dict):
+    run = build(LAYOUT_4, seed=7)
+    errors = (
+        _error(load, bad, run.model),  # other layer count: keys of every stage checked
+        _error(load, damaged, run.model),  # a truncated data file
+        # A bad argument on rank 1 only: every rank raises, none waits for rank 1.
+        _error(load, path, run.model, prefix="llm" if dist.get_rank() == 1 else None),
+    )
     info = load(path, run.model, run.optimizer)
     got = run.full()
     save(out, run.model, run.optimizer, step=info.step, extra={"via": "4 ranks"})
     run.destroy()
-    return message, unequal(got, want), len(set(got) & set(want)), info
+    return errors, unequal(got, want), len(set(got) & set(want)), info
 
 
 def _load_8(path: str, want: dict):
@@ -77,12 +95,19 @@ def test_world_size_changes_8_to_4_to_1_and_back(tmp_path):
     bad = str(tmp_path / "two_layers")
     save(bad, ReferenceMimo(MimoConfig(llm_layers=2)))
     want = run_distributed(_save_8, 8, str(tmp_path / "w8"))[0]
-    results = run_distributed(_load_4, 4, str(tmp_path / "w8"), bad, str(tmp_path / "w4"), want)
-    messages = {r[0] for r in results}
-    assert len(messages) == 1, messages  # the same error on every rank
-    assert "model.llm.blocks.2.attn.qkv.weight: saved nothing, expected (48, 16)" in (
-        messages.pop() or ""
+    damaged = str(tmp_path / "damaged")
+    shutil.copytree(str(tmp_path / "w8"), damaged)
+    with open(glob.glob(f"{damaged}/*.distcp")[0], "r+b") as f:
+        f.truncate(10)
+    results = run_distributed(
+        _load_4, 4, str(tmp_path / "w8"), bad, damaged, str(tmp_path / "w4"), want
     )
+    errors = {r[0] for r in results}
+    assert len(errors) == 1, errors  # the same three errors on every rank
+    layers, damage, prefix = errors.pop()
+    assert "model.llm.blocks.2.attn.qkv.weight: saved nothing, expected (48, 16)" in layers
+    assert re.search(rf"damaged checkpoint at '{damaged}': __\d_0.distcp is 10 bytes", damage)
+    assert re.search(r"prefix='llm': pass the name .* \(rank 1\)$", prefix), prefix
     for _, moved, shared, info in results:
         assert shared > 0 and not moved, moved
         assert info.world_size == 8 and info.grids["llm"]["shape"] == [2, 2, 1, 2]

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import json
 import os
+import random
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -103,15 +105,16 @@ def test_round_trip_restores_weights_adam_state_lr_rng_and_stateful(tmp_path):
     torch.manual_seed(11)
     path = str(tmp_path / "ck")
     save(path, model, opt, step=5, extra={"run": "a"}, stateful={"sched": sched})
-    draws = torch.rand(3)  # what the run draws next
+    draws = (torch.rand(3), random.random(), float(np.random.rand()))  # the run's next draws
     weights = {k: v.clone() for k, v in model.state_dict().items()}
     state = {k: {n: t.clone() for n, t in s.items()} for k, s in opt.state_dict()["state"].items()}
 
     other, other_opt = _trained(seed=1)
     other_sched = torch.optim.lr_scheduler.StepLR(other_opt, step_size=1, gamma=0.5)
-    torch.manual_seed(99)
+    torch.manual_seed(99), random.seed(99), np.random.seed(99)
     info = load(path, other, other_opt, stateful={"sched": other_sched})
-    assert torch.equal(torch.rand(3), draws)  # RNG restored
+    again = (torch.rand(3), random.random(), float(np.random.rand()))
+    assert torch.equal(again[0], draws[0]) and again[1:] == draws[1:]  # RNG restored
     assert info == CheckpointInfo(
         step=5, extra={"run": "a"}, format_version=FORMAT_VERSION, world_size=1,
         group_sizes={"embed.weight": 1, "gate_up": 1}, grids={}, has_optimizer=True, path=path,
@@ -349,3 +352,10 @@ def test_inspect_of_a_missing_path_is_one_line_naming_it(tmp_path, capsys):
 
     assert main(["checkpoint", "inspect", str(tmp_path / "nope")]) == 2
     assert f"no checkpoint at '{tmp_path / 'nope'}'" in capsys.readouterr().err
+
+
+def test_a_load_with_an_optimizer_over_other_parameters_is_refused(saved):
+    model = Toy()
+    opt = torch.optim.Adam([*model.parameters(), nn.Parameter(torch.zeros(3))])
+    with pytest.raises(ValueError, match=r"optimizer holds a parameter of shape \(3,\)"):
+        load(saved, model, opt)
