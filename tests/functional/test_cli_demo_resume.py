@@ -102,3 +102,8 @@ def test_resume_refuses_other_data_options(saved_at_step_3, capfd, flags, match)
 def test_resume_names_a_directory_without_checkpoints(tmp_path, capfd):
     assert main(["demo", "--resume", str(tmp_path)]) == 2
     assert f"--resume {tmp_path}: no complete checkpoint there" in capfd.readouterr().err
+
+
+def test_save_every_needs_a_directory(capfd):
+    assert main(["demo", "--save-every", "2"]) == 2
+    assert "--save-every needs --save DIR" in capfd.readouterr().err
