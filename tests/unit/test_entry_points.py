@@ -112,11 +112,17 @@ EXEMPT: dict[str, str] = {
     "mp_bridge.layers.VocabParallelEmbedding.new_rows": "allocates a local shard",
     "mp_bridge.layers.VocabParallelEmbedding.check_full": "validates a local tensor",
     "mp_bridge.layers.VocabParallelEmbedding.extra_repr": "text",
+    "mp_bridge.layers.VocabParallelEmbedding.sharded_state_dict": "megatron metadata of the local "
+    "shard (reads group ranks and sizes); no collective",
+    "mp_bridge.layers.VocabParallelEmbedding.zero_padding_": "zeroes local rows; no collective",
     "mp_bridge.layers.VocabParallelLMHead.__init__": _NO_COLLECTIVE,
     "mp_bridge.layers.VocabParallelLMHead.from_full": "copies this rank's rows; no collective",
     "mp_bridge.layers.VocabParallelLMHead.new_rows": "allocates a local shard",
     "mp_bridge.layers.VocabParallelLMHead.check_full": "validates a local tensor",
     "mp_bridge.layers.VocabParallelLMHead.extra_repr": "text",
+    "mp_bridge.layers.VocabParallelLMHead.sharded_state_dict": "megatron metadata of the local "
+    "shard (reads group ranks and sizes); no collective",
+    "mp_bridge.layers.VocabParallelLMHead.zero_padding_": "zeroes local rows; no collective",
     # models
     "mp_bridge.checkpoint.save": "its own agreement: every rank's argument error is exchanged "
     "(checkpoint/ranks.py agree_errors) before any DCP collective, so all raise the same one",
