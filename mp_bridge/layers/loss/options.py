@@ -37,6 +37,7 @@ import torch.distributed as dist
 
 from mp_bridge.checks import FrozenSpec, agree, check_choice, check_float
 from mp_bridge.layers.loss.arguments import (
+    check_ce_weight,
     check_fused_inputs,
     check_logits,
     check_options,
@@ -45,6 +46,7 @@ from mp_bridge.layers.loss.arguments import (
     check_target,
     check_temperature,
 )
+from mp_bridge.layers.loss.class_weights import target_weights
 from mp_bridge.layers.loss.formulas import LossSpec
 from mp_bridge.layers.loss.outputs import TokenOutputs, counted_tokens, returned
 from mp_bridge.layers.vocab_shards import VocabShard
@@ -135,6 +137,7 @@ class LossOptions(FrozenSpec):
         disagrees would otherwise hang or silently compute a wrong loss."""
         identical = {**(replicated or {}), "target": self.target}
         identical["temperature"] = self.token_temperature
+        identical["ce_weight"] = self.spec.class_weight
         same = {k: t for k, t in identical.items() if t is not None}
         agree(where, self.tp_group, self, identical=same, device=device)
 
@@ -142,6 +145,8 @@ class LossOptions(FrozenSpec):
         """The requested outputs ``[...]`` of an engine's per-token ``out``, reduced by
         ``reduction``: one tensor or a tuple (see ``outputs``)."""
         counted = counted_tokens(self.target, self.spec.ignore_index)
+        if self.kind == "ce" and self.spec.class_weight is not None:
+            counted = target_weights(self.spec, self.target)  # torch's weighted mean
         if self.kind == "entropy":
             return returned([out.entropy], counted, self.reduction)
         if self.kind == "logprob":
@@ -172,10 +177,16 @@ def _check_precision(logits_precision: object) -> str:
 
 def _spec(kind: str, vocab: int, target, args: Mapping[str, object], scalars) -> LossSpec:
     """The ``LossSpec`` of a ``kind`` call over ``vocab`` true classes."""
-    softcap, zw, ignore_index, eps, temp = scalars
+    softcap, zw, ignore_index, eps, temp, ce_weight = scalars
     if kind == "ce":
         return LossSpec.cross_entropy(
-            vocab, ignore_index, eps, temperature=temp, softcap=softcap, z_loss_weight=zw
+            vocab,
+            ignore_index,
+            eps,
+            temperature=temp,
+            softcap=softcap,
+            z_loss_weight=zw,
+            class_weight=ce_weight,
         )
     entropy = kind == "entropy"
     return LossSpec.logprob(
@@ -218,11 +229,12 @@ def parse_loss_options(
         inputs = (("logits", like),)
         shape_of = f"logits shape {tuple(like.shape)} without the vocab dim "
     tokens = tuple(like.shape[:-1])
-    eps = 0.0
+    eps, ce_weight = 0.0, None
     if kind == "ce":
         eps = check_float(
             "label_smoothing", args["label_smoothing"], low=0.0, high=1.0, open_low=False
         )
+        ce_weight = check_ce_weight(args["ce_weight"], shard.vocab_size, like)
     flags = {k: v for k, v in args.items() if k == "invariant" or k.startswith("return_")}
     softcap, zw, ignore_index = check_options(
         softcap=args["softcap"],
@@ -238,7 +250,10 @@ def parse_loss_options(
     token_temp = None
     if isinstance(temp, torch.Tensor):
         token_temp = token_temperature_of(temp, like.dtype, fused or bool(flags["invariant"]))
-    scalars = (softcap, zw, ignore_index, eps, 1.0 if token_temp is not None else temp)
+    if ce_weight is not None:  # in the dtype the call computes in, like the temperature
+        ce_weight = token_temperature_of(ce_weight, like.dtype, fused or bool(flags["invariant"]))
+        inputs = (*inputs, ("ce_weight", ce_weight))
+    scalars = (softcap, zw, ignore_index, eps, 1.0 if token_temp is not None else temp, ce_weight)
     described = tuple((name, tuple(t.shape), t.dtype) for name, t in inputs)
     engine = "torch"
     if fused:

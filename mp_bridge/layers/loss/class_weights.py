@@ -1,0 +1,68 @@
+"""Per-class cross-entropy weights (``ce_weight``, torch's ``F.cross_entropy(weight=)``) on
+the affine form of ``formulas``. No collectives.
+
+With ``w [V]`` the class weights (``LossSpec.class_weight``, identical on every rank),
+``omega = w[target]`` per token (0 at ``ignore_index``), ``W = sum_c w_c`` and smoothing
+``eps``, the cross-entropy of one token is torch's::
+
+    value = (1 - eps) omega (lse - z_t) + eps / V sum_c w_c (lse - z_c)  [+ zw lse**2]
+          = a lse + b z_t + c sum_c w_c z_c  [+ zw lse**2]
+    a = (1 - eps) omega + eps W / V,   b = -(1 - eps) omega,   c = -eps / V
+    d value / d z_j = (a + 2 zw lse) p_j + b onehot_j + c w_j
+
+so the per-token coefficients ``a``, ``b`` come from ``token_coefficients``, the statistic
+``sum`` becomes the weighted ``sum_c w_c z_c`` (``column_weights`` of this shard's columns,
+0 on padding), and the z-loss stays unweighted. ``reduction="mean"`` divides by the sum of
+``omega`` over the counted tokens (``target_weights``), as torch does, smoothing or not.
+Without class weights every function returns ``None`` / the spec's float coefficients, so
+the unweighted math keeps its bits.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from mp_bridge.layers.loss.formulas import LossSpec
+
+__all__ = ["column_weights", "target_weights", "token_coefficients"]
+
+
+def target_weights(spec: LossSpec, target: torch.Tensor) -> torch.Tensor | None:
+    """``omega = w[target]`` per token (the dtype of ``w``), 0 where the target is
+    ``ignore_index`` or no class (placeholder ids ``-1``); ``None`` without class weights."""
+    w = spec.class_weight
+    if w is None:
+        return None
+    real = (target >= 0) & (target < spec.vocab_size)
+    if spec.ignore_index is not None:
+        real &= target != spec.ignore_index
+    omega = w[target.clamp(0, spec.vocab_size - 1)]
+    return torch.where(real, omega, torch.zeros((), dtype=w.dtype, device=w.device))
+
+
+def column_weights(spec: LossSpec, start: int, size: int) -> torch.Tensor | None:
+    """The class weights of global columns ``[start, start + size)``, ``[size]``, 0 past the
+    true vocab (padding); ``None`` without class weights."""
+    w = spec.class_weight
+    if w is None:
+        return None
+    part = w[start : start + size]
+    if part.shape[0] == size:
+        return part
+    out = w.new_zeros(size)
+    out[: part.shape[0]] = part
+    return out
+
+
+def token_coefficients(spec: LossSpec, omega: torch.Tensor | None):
+    """``(a, b, c)`` of the module docstring: per-token tensors ``a``, ``b`` shaped like
+    ``omega`` with class weights, else the spec's floats (``LossSpec.coefficients``)."""
+    a, b, c = spec.coefficients
+    if omega is None or spec.class_weight is None:
+        return a, b, c
+    eps = spec.label_smoothing
+    total = spec.class_weight.sum()
+    return omega * (1.0 - eps) + total * (eps / spec.vocab_size), omega * -(1.0 - eps), c
