@@ -12,8 +12,11 @@ With ``w [V]`` the class weights (``LossSpec.class_weight``, identical on every 
 
 so the per-token coefficients ``a``, ``b`` come from ``token_coefficients``, the statistic
 ``sum`` becomes the weighted ``sum_c w_c z_c`` (``column_weights`` of this shard's columns,
-0 on padding), and the z-loss stays unweighted. ``reduction="mean"`` divides by the sum of
-``omega`` over the counted tokens (``target_weights``), as torch does, smoothing or not.
+0 on padding), and the z-loss stays unweighted. ``reduction="mean"`` divides the weighted
+cross-entropy by the sum of ``omega`` over the ``n`` counted tokens, as torch does,
+smoothing or not, and the z-loss by ``n`` (as Liger-Kernel: it stays unweighted): the parse
+scales the weights by ``n / sum omega`` (``mean_scaled``), then every path takes its usual
+mean over ``n``.
 Without class weights every function returns ``None`` / the spec's float coefficients, so
 the unweighted math keeps its bits.
 """
@@ -27,7 +30,7 @@ import torch
 if TYPE_CHECKING:
     from mp_bridge.layers.loss.formulas import LossSpec
 
-__all__ = ["column_weights", "target_weights", "token_coefficients"]
+__all__ = ["column_weights", "mean_scaled", "target_weights", "token_coefficients"]
 
 
 def target_weights(spec: LossSpec, target: torch.Tensor) -> torch.Tensor | None:
@@ -41,6 +44,23 @@ def target_weights(spec: LossSpec, target: torch.Tensor) -> torch.Tensor | None:
         real &= target != spec.ignore_index
     omega = w[target.clamp(0, spec.vocab_size - 1)]
     return torch.where(real, omega, torch.zeros((), dtype=w.dtype, device=w.device))
+
+
+def mean_scaled(
+    weight: torch.Tensor, target: torch.Tensor, ignore_index: int | None
+) -> torch.Tensor:
+    """``weight * n / sum omega`` for ``reduction="mean"`` (no host sync): ``n`` counted
+    tokens (not at ``ignore_index``), ``omega = weight[target]`` theirs. With ``sum omega =
+    0`` the scale is nan if a token counts (torch's ``0 / 0``: nan values and gradients),
+    else 1 (no token counts: the usual nan mean with zero gradients)."""
+    counted = torch.ones_like(target, dtype=torch.bool)
+    if ignore_index is not None:
+        counted = target != ignore_index
+    omega = torch.where(counted, weight[torch.where(counted, target, 0)], 0.0)
+    total, n = omega.sum(), counted.sum().to(weight.dtype)
+    idle = torch.where(n > 0, torch.full_like(n, float("nan")), 1.0)
+    scale = torch.where(total > 0, n / torch.where(total > 0, total, 1.0), idle)
+    return weight * scale
 
 
 def column_weights(spec: LossSpec, start: int, size: int) -> torch.Tensor | None:

@@ -98,7 +98,8 @@ def fused_linear_cross_entropy(
     twice differentiable; with "mean" / "sum" one backward per call (gradients are made
     in forward). ``ce_weight``: per-class weights ``[vocab_size]`` as
     ``vocab_parallel_cross_entropy``'s (``F.cross_entropy(weight=)``, with smoothing; "mean"
-    divides by the sum of the counted targets' weights; the z-loss is not weighted); the
+    divides it by the sum of the counted targets' weights; the z-loss is not weighted and its
+    "mean" is over the counted tokens); the
     ``"torch"`` engine only for now (``engine="triton"`` refuses it, ``"auto"`` picks torch).
     """
     options = parse_loss_options("ce", locals(), choose_engine)

@@ -46,7 +46,7 @@ from mp_bridge.layers.loss.arguments import (
     check_target,
     check_temperature,
 )
-from mp_bridge.layers.loss.class_weights import target_weights
+from mp_bridge.layers.loss.class_weights import mean_scaled
 from mp_bridge.layers.loss.formulas import LossSpec
 from mp_bridge.layers.loss.outputs import TokenOutputs, counted_tokens, returned
 from mp_bridge.layers.vocab_shards import VocabShard
@@ -145,8 +145,6 @@ class LossOptions(FrozenSpec):
         """The requested outputs ``[...]`` of an engine's per-token ``out``, reduced by
         ``reduction``: one tensor or a tuple (see ``outputs``)."""
         counted = counted_tokens(self.target, self.spec.ignore_index)
-        if self.kind == "ce" and self.spec.class_weight is not None:
-            counted = target_weights(self.spec, self.target)  # torch's weighted mean
         if self.kind == "entropy":
             return returned([out.entropy], counted, self.reduction)
         if self.kind == "logprob":
@@ -252,6 +250,8 @@ def parse_loss_options(
         token_temp = token_temperature_of(temp, like.dtype, fused or bool(flags["invariant"]))
     if ce_weight is not None:  # in the dtype the call computes in, like the temperature
         ce_weight = token_temperature_of(ce_weight, like.dtype, fused or bool(flags["invariant"]))
+        if reduction == "mean" and target is not None:
+            ce_weight = mean_scaled(ce_weight, target, ignore_index)
         inputs = (*inputs, ("ce_weight", ce_weight))
     scalars = (softcap, zw, ignore_index, eps, 1.0 if token_temp is not None else temp, ce_weight)
     described = tuple((name, tuple(t.shape), t.dtype) for name, t in inputs)

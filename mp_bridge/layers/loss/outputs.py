@@ -3,13 +3,11 @@
 Every loss API returns its per-token outputs ``[...]`` (``reduction="none"``) or reduces
 each of them the same way: ``"sum"`` over all tokens, ``"mean"`` over the counted tokens
 (those whose target is not ``ignore_index``; all tokens without targets), like
-``F.cross_entropy``; a cross-entropy with ``ce_weight`` divides by the sum of the
-counted targets' class weights instead (torch's weighted mean). A mean over no counted
-token is nan with zero gradients (no nan gradient leaks into the logits). Outputs are
-returned in a fixed order, the first alone when nothing else was asked for: value (loss
-or log-probs), entropy, ``sum_pi_squared`` (log-probs), or loss, z-loss (cross-entropy).
-No collective: the reduction is local to this rank's tokens (combine across DP / CP
-with ``masked_mean``).
+``F.cross_entropy``. A mean over no counted token is nan with zero gradients (no nan
+gradient leaks into the logits). Outputs are returned in a fixed order, the first alone
+when nothing else was asked for: value (loss or log-probs), entropy, ``sum_pi_squared``
+(log-probs), or loss, z-loss (cross-entropy). No collective: the reduction is local to
+this rank's tokens (combine across DP / CP with ``masked_mean``).
 
 Per-token results travel as one record, :class:`TokenOutputs`, from the formulas
 (``formulas.stats_values``) through both engines' autograd Functions to the door
@@ -79,18 +77,16 @@ def counted_tokens(target: torch.Tensor | None, ignore_index: int | None) -> tor
 def reduce_tokens(
     value: torch.Tensor, counted: torch.Tensor | None, reduction: str
 ) -> torch.Tensor:
-    """``value [...]`` (0 at ignored tokens) reduced by ``reduction`` (no host sync).
-    ``counted``: the bool mask of counted tokens, or their float weights (0 where not
-    counted), whose sum divides the mean; ``None``: every token counts once."""
+    """``value [...]`` (0 at ignored tokens) reduced by ``reduction`` (no host sync)."""
     if reduction == "none":
         return value
     total = value.sum()
     if reduction == "sum":
         return total
     count = value.new_tensor(value.numel()) if counted is None else counted.sum().to(total)
-    # Divide by 1 when nothing counts, so the gradient is 0, not nan; the value itself is
-    # nan then, like F.cross_entropy.
-    mean = total / torch.where(count > 0, count, 1.0)
+    # Divide by max(count, 1) so the gradient is 0, not nan, when nothing counts; the
+    # value itself is nan then, like F.cross_entropy.
+    mean = total / count.clamp(min=1)
     return torch.where(count > 0, mean, torch.full_like(mean, float("nan")))
 
 

@@ -109,9 +109,9 @@ def vocab_parallel_cross_entropy(
     weights ``[vocab_size]`` (full vocab, identical on every TP rank, floating, >= 0, no
     gradient), exactly ``F.cross_entropy(weight=ce_weight)``: with ``label_smoothing=eps``
     the per-token loss is ``(1 - eps) w_t (lse - z_t) + eps / V sum_c w_c (lse - z_c)`` and
-    "mean" divides by the sum of the counted targets' weights ``w_t``; with temperature and
+    "mean" divides it by the sum of the counted targets' weights ``w_t``; with temperature and
     soft-cap the weight multiplies each token's cross-entropy term of ``z``; the z-loss is
-    not weighted.
+    not weighted ("mean" divides it by the number of counted tokens, as Liger-Kernel).
     """
     options = parse_loss_options("ce", locals())
     return _run("vocab_parallel_cross_entropy", logits, options)

@@ -21,7 +21,6 @@ from typing import NamedTuple, Protocol
 import torch
 
 from mp_bridge.layers.loss.arguments import forbid_double_backward
-from mp_bridge.layers.loss.class_weights import target_weights
 from mp_bridge.layers.loss.outputs import TokenOutputs
 
 __all__ = ["ChunkRunner", "ChunkState", "FusedLinearLoss", "chunks"]
@@ -122,11 +121,9 @@ class FusedLinearLoss(torch.autograd.Function):
         total = out.value.sum()
         z_total = None if out.z_loss is None else out.z_loss.sum()
         if reduction == "mean":
-            # the counted tokens, or with class weights the sum of their weights (torch's)
-            omega = target_weights(spec, target)
-            count = (w != 0).sum().to(torch.float32) if omega is None else omega.sum()
+            count = (w != 0).sum().to(torch.float32)
             # Every gradient is 0 when no token counts: divide it by 1, not 0 (no nan).
-            ctx.count = torch.where(count > 0, count, 1.0)
+            ctx.count = count.clamp(min=1.0)
             # nan when every token is ignored, like F.cross_entropy
             total = total / count
             z_total = None if z_total is None else z_total / count
