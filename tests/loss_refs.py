@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["Checks", "fp64_oracle", "reference", "sum_pi_squared"]
+__all__ = ["Checks", "fp64_oracle", "reference", "sum_pi_squared", "weighted_cross_entropy"]
 
 
 def reference(
@@ -49,6 +49,42 @@ def reference(
         value = picked
     zero = torch.zeros((), dtype=z.dtype, device=z.device)
     return tuple(torch.where(keep, v, zero) for v in (value, entropy, z_loss))
+
+
+def weighted_cross_entropy(
+    z: torch.Tensor,
+    target: torch.Tensor,
+    ce_weight: torch.Tensor,
+    *,
+    reduction: str,
+    temperature: float | torch.Tensor = 1.0,
+    softcap: float | None = None,
+    label_smoothing: float = 0.0,
+    z_loss_weight: float = 0.0,
+    ignore_index: int = -100,
+) -> torch.Tensor:
+    """Per-class weighted cross-entropy of ``z [..., V]`` in fp64: torch's own
+    ``F.cross_entropy(weight=ce_weight, label_smoothing=, ignore_index=, reduction=)`` of
+    the transformed logits, plus the unweighted z-loss ``zw * logsumexp**2`` of the counted
+    tokens ("mean": over their number, as Liger-Kernel)."""
+    zt = _transformed(z, target, temperature, softcap)
+    loss = torch.nn.functional.cross_entropy(
+        zt.flatten(0, -2),
+        target.flatten(),
+        weight=ce_weight.double(),
+        ignore_index=ignore_index,
+        label_smoothing=label_smoothing,
+        reduction=reduction,
+    )
+    if reduction == "none":
+        loss = loss.view(target.shape)
+    if z_loss_weight:
+        keep = target != ignore_index
+        z_loss = torch.where(keep, z_loss_weight * torch.logsumexp(zt, -1) ** 2, 0.0)
+        if reduction == "none":
+            return loss + z_loss
+        return loss + z_loss.sum() / (keep.sum() if reduction == "mean" else 1)
+    return loss
 
 
 def _transformed(z, target, temperature, softcap) -> torch.Tensor:
