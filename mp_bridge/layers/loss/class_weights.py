@@ -17,23 +17,20 @@ cross-entropy by the sum of ``omega`` over the ``n`` counted tokens, as torch do
 smoothing or not, and the z-loss by ``n`` (as Liger-Kernel: it stays unweighted): the parse
 scales the weights by ``n / sum omega`` (``mean_scaled``), then every path takes its usual
 mean over ``n``.
-Without class weights every function returns ``None`` / the spec's float coefficients, so
-the unweighted math keeps its bits.
+
+Each function takes the ``formulas.LossSpec`` (not imported here: ``formulas`` imports
+this module). Without class weights they return ``None`` / the spec's float
+coefficients, so the unweighted math keeps its bits.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
-
-if TYPE_CHECKING:
-    from mp_bridge.layers.loss.formulas import LossSpec
 
 __all__ = ["column_weights", "mean_scaled", "target_weights", "token_coefficients"]
 
 
-def target_weights(spec: LossSpec, target: torch.Tensor) -> torch.Tensor | None:
+def target_weights(spec, target: torch.Tensor) -> torch.Tensor | None:
     """``omega = w[target]`` per token (the dtype of ``w``), 0 where the target is
     ``ignore_index`` or no class (placeholder ids ``-1``); ``None`` without class weights."""
     w = spec.class_weight
@@ -63,7 +60,7 @@ def mean_scaled(
     return weight * scale
 
 
-def column_weights(spec: LossSpec, start: int, size: int) -> torch.Tensor | None:
+def column_weights(spec, start: int, size: int) -> torch.Tensor | None:
     """The class weights of global columns ``[start, start + size)``, ``[size]``, 0 past the
     true vocab (padding); ``None`` without class weights."""
     w = spec.class_weight
@@ -77,7 +74,7 @@ def column_weights(spec: LossSpec, start: int, size: int) -> torch.Tensor | None
     return out
 
 
-def token_coefficients(spec: LossSpec, omega: torch.Tensor | None):
+def token_coefficients(spec, omega: torch.Tensor | None):
     """``(a, b, c)`` of the module docstring: per-token tensors ``a``, ``b`` shaped like
     ``omega`` with class weights, else the spec's floats (``LossSpec.coefficients``)."""
     a, b, c = spec.coefficients
