@@ -57,17 +57,18 @@ def weighted_cross_entropy(
     ce_weight: torch.Tensor,
     *,
     reduction: str,
-    temperature: float | torch.Tensor = 1.0,
-    softcap: float | None = None,
     label_smoothing: float = 0.0,
     z_loss_weight: float = 0.0,
     ignore_index: int = -100,
+    **transform,
 ) -> torch.Tensor:
     """Per-class weighted cross-entropy of ``z [..., V]`` in fp64: torch's own
     ``F.cross_entropy(weight=ce_weight, label_smoothing=, ignore_index=, reduction=)`` of
-    the transformed logits, plus the unweighted z-loss ``zw * logsumexp**2`` of the counted
+    the transformed logits (``transform``: ``temperature``, ``softcap``, as
+    :func:`reference`), plus the unweighted z-loss ``zw * logsumexp**2`` of the counted
     tokens ("mean": over their number, as Liger-Kernel)."""
-    zt = _transformed(z, target, temperature, softcap)
+    kw = {"temperature": 1.0, "softcap": None, **transform}
+    zt = _transformed(z, target, kw["temperature"], kw["softcap"])
     loss = torch.nn.functional.cross_entropy(
         zt.flatten(0, -2),
         target.flatten(),
@@ -150,6 +151,19 @@ class Checks:
             torch.testing.assert_close(actual.double(), expected.double(), **tol)
         except AssertionError as exc:
             self.failures.append(f"{what}: {exc}")
+
+    def tp_point(self, what, got, ref, base, invariant: bool):
+        """One TP size of a sweep: ``got`` and ``ref`` ``(outputs, grads)`` close (the fp32
+        tolerance of the TP tests, 2e-5); with ``invariant`` bitwise equal to ``base`` (the
+        first TP size's ``got``, which this returns for the next one)."""
+        for i, (a, b) in enumerate(zip(got[0] + got[1], ref[0] + ref[1], strict=True)):
+            self.close(a, b, f"{what} tensor {i} vs fp64", rtol=2e-5, atol=2e-5)
+        if not invariant:
+            return base
+        base = got if base is None else base
+        for i, (a, b) in enumerate(zip(got[0] + got[1], base[0] + base[1], strict=True)):
+            self.equal(a, b, f"{what} tensor {i} vs the first TP size")
+        return base
 
     def equal(self, actual, expected, what) -> None:
         if actual.shape != expected.shape:

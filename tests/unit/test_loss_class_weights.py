@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from mp_bridge.layers import fused_linear_cross_entropy, vocab_parallel_cross_entropy
-from tests.loss_refs import weighted_cross_entropy
+from tests.loss_refs import fp64_oracle, weighted_cross_entropy
 
 V, H, B, S = 600, 24, 5, 9
 PATHS = ("materialized", "materialized_inv", "fused", "fused_inv")
@@ -73,13 +73,17 @@ def _ours(path, hidden, weight, target, ce_weight, opts):
 
 
 def _oracle(path, hidden, weight, target, ce_weight, opts):
-    if path.startswith("materialized"):
-        leaves = [(hidden @ weight.t()).double().requires_grad_()]
-        z = leaves[0]
-    else:
-        leaves = [hidden.double().requires_grad_(), weight.double().requires_grad_()]
-        z = leaves[0] @ leaves[1].t()
-    return weighted_cross_entropy(z, target, ce_weight, **opts), leaves
+    """``(outputs, grads)`` of the fp64 reference, upstream gradients ``_up``."""
+
+    def outputs(z):
+        return [weighted_cross_entropy(z, target, ce_weight, **opts)]
+
+    materialized = path.startswith("materialized")
+    return fp64_oracle(materialized, hidden, weight, V, outputs, lambda o: [_up(o[0])])
+
+
+def _up(out):
+    return (torch.rand(out.shape, generator=torch.Generator().manual_seed(7)) + 0.5).to(out)
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -88,14 +92,12 @@ def test_ce_weight_matches_torch_cross_entropy(path, name):
     hidden, weight, target, ce_weight, temp = _inputs()
     opts = _options(name, temp)
     out, leaves = _ours(path, hidden, weight, target, ce_weight, opts)
-    ref, ref_leaves = _oracle(path, hidden, weight, target, ce_weight, opts)
-    up = torch.rand(ref.shape, generator=torch.Generator().manual_seed(7)) + 0.5
-    (out * up).sum().backward()
-    (ref * up.double()).sum().backward()
+    (out * _up(out)).sum().backward()
+    (ref,), ref_grads = _oracle(path, hidden, weight, target, ce_weight, opts)
     assert out.dtype == torch.float32 and out.shape == ref.shape
-    torch.testing.assert_close(out.double(), ref.detach(), **FP32)
-    for ours, theirs in zip(leaves, ref_leaves, strict=True):
-        torch.testing.assert_close(ours.grad.double(), theirs.grad, **FP32)
+    torch.testing.assert_close(out.double(), ref, **FP32)
+    for ours, theirs in zip(leaves, ref_grads, strict=True):
+        torch.testing.assert_close(ours.grad.double(), theirs, **FP32)
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -119,7 +121,7 @@ def test_mean_whose_counted_targets_all_weigh_zero_is_nan_like_torch(path):
     zero = ce_weight.clone()
     zero[target[target >= 0]] = 0.0
     out, _ = _ours(path, hidden, weight, target, zero, {"reduction": "mean"})
-    ref, _ = _oracle(path, hidden, weight, target, zero, {"reduction": "mean"})
+    (ref,), _ = _oracle(path, hidden, weight, target, zero, {"reduction": "mean"})
     assert torch.isnan(ref) and torch.isnan(out)
 
 

@@ -206,16 +206,7 @@ def _check_temperature_tensor(
         raise TypeError(
             f"temperature must be a floating tensor, got dtype={t.dtype}; e.g. temperature.float()"
         )
-    if t.device != like.device:
-        raise ValueError(
-            f"temperature is on {t.device} but the logits / hidden states are on "
-            f"{like.device}; pass temperature.to({like.device!s})"
-        )
-    if t.requires_grad:
-        raise ValueError(
-            "temperature requires grad, but the losses compute no gradient with respect to "
-            "it (it scales the logits as a constant); pass temperature.detach()"
-        )
+    _check_constant("temperature", t, like, "it scales the logits as a constant")
     try:
         ok = torch.broadcast_shapes(tuple(t.shape), shape) == shape
     except RuntimeError:
@@ -258,16 +249,7 @@ def check_ce_weight(ce_weight: object, vocab_size: int, like: torch.Tensor) -> t
             "one weight per true class of the full vocab, identical on every TP rank (not "
             "this rank's shard, no padding rows)"
         )
-    if ce_weight.device != like.device:
-        raise ValueError(
-            f"ce_weight is on {ce_weight.device} but the inputs are on {like.device}; pass "
-            f"ce_weight.to({like.device!s})"
-        )
-    if ce_weight.requires_grad:
-        raise ValueError(
-            "ce_weight requires grad, but the losses compute no gradient with respect to "
-            "it (a constant per-class factor); pass ce_weight.detach()"
-        )
+    _check_constant("ce_weight", ce_weight, like, "a constant per-class factor")
     ok = torch.isfinite(ce_weight) & (ce_weight >= 0)
     if not bool(ok.all()):
         bad = ce_weight[~ok].flatten()[0].item()
@@ -276,6 +258,20 @@ def check_ce_weight(ce_weight: object, vocab_size: int, like: torch.Tensor) -> t
             "ce_weight.clamp(min=0)"
         )
     return ce_weight.detach()
+
+
+def _check_constant(name: str, t: torch.Tensor, like: torch.Tensor, role: str) -> None:
+    """``t`` is on ``like``'s device and does not require grad (no gradient flows to it)."""
+    if t.device != like.device:
+        raise ValueError(
+            f"{name} is on {t.device} but the logits / hidden states are on "
+            f"{like.device}; pass {name}.to({like.device!s})"
+        )
+    if t.requires_grad:
+        raise ValueError(
+            f"{name} requires grad, but the losses compute no gradient with respect to "
+            f"it ({role}); pass {name}.detach()"
+        )
 
 
 def check_options(
