@@ -5,7 +5,8 @@
 are padding and never enter a softmax: the layout of ``VocabParallelLMHead`` or a tied
 ``VocabParallelEmbedding``), ``target [N]``. Options (``LossSpec``; the same names and
 defaults as ``vocab_parallel``): temperature (a float, or a tensor per token / per
-sample), soft-cap, z-loss, ``ignore_index`` (default -100), ``reduction``, and on
+sample), soft-cap, z-loss, ``ignore_index`` (default -100), ``reduction``, on the
+cross-entropy per-class weights ``ce_weight`` (``class_weights``; the torch engine), and on
 log-probs the entropy and ``sum_pi_squared`` of the same distribution from the same pass.
 Outputs are fp32; statistics and gradients accumulate in fp32 whatever the input dtype.
 

@@ -77,17 +77,20 @@ class LossOptions(FrozenSpec):
 
     ``kind``: one of ``KINDS``. ``spec``: the formula constants (``LossSpec``: vocab size,
     ``ignore_index``, label smoothing, the float temperature, soft-cap, z-loss weight,
-    entropy, ``sum_pi_squared``). ``inputs``: ``(name, shape, dtype)`` of ``logits``, or of
-    ``hidden`` and ``weight``. ``shard``: this rank's ``VocabShard`` (``start`` offset,
-    ``num_real`` rows, true ``vocab_size``). ``target``: ``torch.long`` ids of the token
-    shape (``None`` only for an entropy without targets). ``token_temperature``: the
-    per-token temperature, normalised once here (``token_temperature_of``): flat ``[N]``,
-    contiguous, in the dtype the call computes in; or ``None`` (then the float
-    ``spec.temperature``). ``engine``: the engine that runs, ``"torch"`` or ``"triton"``
-    (chosen at the parse by the fused doors' ``choose_engine``: ``"auto"`` resolved, an
-    explicit one checked; always ``"torch"`` on the materialized doors).
-    ``chunk_size`` (``None``: the engine's default) and ``logits_precision`` are the fused
-    doors' options.
+    entropy, ``sum_pi_squared``, and ``class_weight``: the cross-entropy's ``ce_weight``
+    ``[V]`` in the dtype the call computes in, scaled for "mean" by
+    ``class_weights.mean_scaled``; the ranks agree on its bits). ``inputs``: ``(name, shape,
+    dtype)`` of ``logits``, or of ``hidden`` and ``weight``, then of ``ce_weight`` when
+    given (so an engine's ``unsupported`` sees it). ``shard``: this rank's ``VocabShard``
+    (``start`` offset, ``num_real`` rows, true ``vocab_size``). ``target``: ``torch.long``
+    ids of the token shape (``None`` only for an entropy without targets).
+    ``token_temperature``: the per-token temperature, normalised once here
+    (``token_temperature_of``): flat ``[N]``, contiguous, in the dtype the call computes in;
+    or ``None`` (then the float ``spec.temperature``). ``engine``: the engine that runs,
+    ``"torch"`` or ``"triton"`` (chosen at the parse by the fused doors' ``choose_engine``:
+    ``"auto"`` resolved, an explicit one checked; always ``"torch"`` on the materialized
+    doors). ``chunk_size`` (``None``: the engine's default) and ``logits_precision`` are the
+    fused doors' options.
     """
 
     kind: str
@@ -206,11 +209,11 @@ def parse_loss_options(
     ``args``: the door's arguments by name (its ``locals()``): either ``logits``, or (fused)
     ``hidden``, ``weight``, ``chunk_size``, ``logits_precision`` and ``engine``; ``target``,
     ``tp_group``, ``vocab_size``, ``reduction``, ``ignore_index``, ``softcap``,
-    ``temperature``, on the cross-entropy ``label_smoothing`` and ``z_loss_weight``; the
-    bool options ``invariant`` and ``return_*``. ``choose_engine`` (the fused doors pass
-    ``engines.protocol.choose_engine``): ``(engine, inputs, device) -> the engine that
-    runs``, called here, so a bad choice, a missing ``triton`` or an input an explicit
-    engine cannot run raises before any collective.
+    ``temperature``, on the cross-entropy ``label_smoothing``, ``z_loss_weight`` and
+    ``ce_weight``; the bool options ``invariant`` and ``return_*``. ``choose_engine`` (the
+    fused doors pass ``engines.protocol.choose_engine``): ``(engine, inputs, device) -> the
+    engine that runs``, called here, so a bad choice, a missing ``triton`` or an input an
+    explicit engine cannot run raises before any collective.
     """
     tp_group, vocab_size = args["tp_group"], args["vocab_size"]
     fused = "hidden" in args

@@ -7,7 +7,9 @@ not depend on how much padding a TP size needed. Math (per token, over the true 
 vocab of ``C = vocab_size`` classes, in fp32 whatever the input dtype):
 
 - cross-entropy: ``(1 - eps) * (lse - z_t) + eps * (lse - mean_c z_c)``, which is
-  ``F.cross_entropy(..., reduction="none", label_smoothing=eps)``;
+  ``F.cross_entropy(..., reduction="none", label_smoothing=eps)``; with per-class weights
+  ``ce_weight=w`` ``(1 - eps) w_t (lse - z_t) + eps / C sum_c w_c (lse - z_c)``, torch's
+  ``weight=`` (``class_weights``);
 - log-probs: ``log_softmax(z)[t]``;
 - entropy: ``-sum_c p_c log p_c``; gradient ``-p_j (log p_j + H)``.
 
