@@ -333,8 +333,9 @@ def row_stats_(
     if m is not None:
         z.sub_(safe_shift(m).unsqueeze(1))
     tl = torch.where(col >= 0, z.gather(1, col.clamp(min=0).unsqueeze(1)).squeeze(1), 0.0)
-    zv = z[:, :valid] if colw is None else z[:, :valid] * colw[:valid]
-    sz = zv.sum(dim=1) if spec.with_sum and valid else torch.zeros_like(tl)
+    sz = torch.zeros_like(tl)
+    if spec.with_sum and valid:  # weighted: one matrix-vector product, no [C, V] temporary
+        sz = z[:, :valid].sum(dim=1) if colw is None else torch.mv(z[:, :valid], colw[:valid])
     if m is None and valid:
         m = z.amax(dim=1)
         z.sub_(safe_shift(m).unsqueeze(1))
