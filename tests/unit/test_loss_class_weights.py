@@ -165,3 +165,19 @@ def test_triton_engine_refuses_ce_weight_and_auto_picks_torch():
     cuda = torch.device("cuda")
     assert choose_engine("auto", inputs, cuda) == "triton"
     assert choose_engine("auto", (*inputs, ("ce_weight", (V,), torch.float32)), cuda) == "torch"
+
+
+def test_invariant_fused_ce_weight_is_bitwise_the_same_at_every_chunk_size():
+    hidden, weight, target, ce_weight, _ = _inputs()
+    kw = {"label_smoothing": 0.1, "reduction": "none", "invariant": True}
+    outs = []
+    for chunk in (7, 64, None):
+        leaves = [hidden.clone().requires_grad_(), weight.clone().requires_grad_()]
+        out = fused_linear_cross_entropy(
+            *leaves, target, ce_weight=ce_weight, chunk_size=chunk, **kw
+        )
+        (out * _up(out)).sum().backward()
+        outs.append([out.detach(), *(leaf.grad for leaf in leaves)])
+    for other in outs[1:]:
+        for a, b in zip(outs[0], other, strict=True):
+            assert torch.equal(a, b)
