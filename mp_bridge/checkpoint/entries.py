@@ -14,7 +14,9 @@ Keys (the checkpoint's namespace, under the single-process parameter names):
 A parameter that is tensor-parallel in megatron's own marking (``tensor_model_parallel``)
 but declares no ``ShardSpec``, or whose megatron ``partition_stride`` is not 1 while it
 declares plain contiguous rows, is refused by name: saving it as replicated or as
-contiguous rows would write a wrong global tensor. No collective here.
+contiguous rows would write a wrong global tensor. So is a ``DTensor`` parameter (FSDP2's
+``fully_shard``): its global shape is one TP shard's, and the TP ranks' rows would be
+written under one key. No collective here.
 """
 
 from __future__ import annotations
@@ -23,11 +25,12 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from mp_bridge.checkpoint.dcp_adapter import PiecesTensor
 from mp_bridge.layers import ShardSpec, shard_spec
 
-__all__ = ["Entry", "model_entries", "optimizer_entries", "param_names"]
+__all__ = ["Entry", "model_entries", "optimizer_entries", "param_name", "param_names"]
 
 MODEL, OPTIM, OPTIM_GROUP = "model.", "optim.", "optim_group."
 
@@ -56,6 +59,13 @@ class Entry:
 
 
 def _check_declared(name: str, param: torch.Tensor, spec: ShardSpec | None) -> None:
+    if isinstance(param, DTensor):  # FSDP2's shard of a TP shard: DCP would dedup TP rows
+        raise ValueError(
+            f"parameter {name!r} is a DTensor ({param.placements} over {param.device_mesh}), "
+            f"as fully_shard (FSDP2) makes it; mp_bridge.checkpoint saves and loads plain TP "
+            f"shards only: save the full tensors of gather_full_state(model) (every TP "
+            f"rank's rows), or the model before fully_shard"
+        )
     if getattr(param, "tensor_model_parallel", False) and spec is None:
         raise ValueError(
             f"parameter {name!r} is tensor-parallel (megatron's tensor_model_parallel) but "
@@ -74,6 +84,19 @@ def _check_declared(name: str, param: torch.Tensor, spec: ShardSpec | None) -> N
 def param_names(model: nn.Module, prefix: str = "") -> dict[int, str]:
     """``id(param) -> prefix + name`` for every parameter of ``model`` (tied: first name)."""
     return {id(p): prefix + name for name, p in model.named_parameters()}
+
+
+def param_name(names: dict[int, str], param: torch.Tensor, group: int) -> str:
+    """``param``'s name in ``names`` (:func:`param_names`); ``ValueError`` for a parameter of
+    ``optimizer.param_groups[group]`` that the model does not hold."""
+    name = names.get(id(param))
+    if name is None:
+        raise ValueError(
+            f"optimizer.param_groups[{group}] holds a parameter of shape {tuple(param.shape)} "
+            f"that is not a parameter of the model; pass the optimizer built over "
+            f"model.parameters()"
+        )
+    return name
 
 
 def model_entries(model: nn.Module, prefix: str = "") -> dict[str, Entry]:
@@ -107,13 +130,7 @@ def optimizer_entries(
     for g, group in enumerate(optimizer.param_groups):
         hyper = {k: v for k, v in group.items() if k != "params"}
         for param in group["params"]:
-            name = names.get(id(param))
-            if name is None:
-                raise ValueError(
-                    f"optimizer.param_groups[{g}] holds a parameter of shape "
-                    f"{tuple(param.shape)} that is not a parameter of the model; pass the "
-                    f"optimizer built over model.parameters()"
-                )
+            name = param_name(names, param, g)
             objects[OPTIM_GROUP + name] = hyper
             for state_key, value in optimizer.state.get(param, {}).items():
                 key = f"{OPTIM}{name}.{state_key}"

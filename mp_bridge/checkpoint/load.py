@@ -36,6 +36,7 @@ from mp_bridge.checkpoint.entries import (
     OPTIM_GROUP,
     Entry,
     model_entries,
+    param_name,
     param_names,
 )
 from mp_bridge.checkpoint.info import CheckpointInfo, read_info
@@ -101,16 +102,10 @@ def _optimizer_targets(
     entries: dict[str, Entry] = {}
     objects: dict[str, Any] = {}
     where: dict[str, tuple] = {}
-    for group in optimizer.param_groups:
+    for g, group in enumerate(optimizer.param_groups):
         on_device = group.get("capturable") or group.get("fused")
         for param in group["params"]:
-            name = names.get(id(param))
-            if name is None:
-                raise ValueError(
-                    f"the optimizer holds a parameter of shape {tuple(param.shape)} that is "
-                    f"not a parameter of the model; pass the optimizer built over "
-                    f"model.parameters()"
-                )
+            name = param_name(names, param, g)
             if OPTIM_GROUP + name in saved:
                 objects[OPTIM_GROUP + name] = None
             head = f"{OPTIM}{name}."

@@ -16,6 +16,11 @@ Fused parameters (``parts=k``): the full tensor is ``k`` equal parts stacked alo
 after part (``[gate_r; up_r]``): not contiguous rows of the full tensor. The one place that
 maps local rows to full rows is :meth:`ShardSpec.pieces`.
 
+Under FSDP2 (``fully_shard``) a parameter becomes a ``DTensor`` sharded over the
+data-parallel mesh, whose global shape is the TP shard's: :class:`KeepsShardSpecs` (the
+vocab layers' base) puts the declaration back on each parameter FSDP2 swaps in, and
+:func:`gather_shard` / :func:`load_shard_` gather or keep the data-parallel chunk first.
+
 Example (TP 2, a column-parallel ``[8, 4]`` weight, local ``[4, 4]``): rank 0 loads rows
 0..3, rank 1 rows 4..7; :func:`gather_shard` all-gathers them back into ``[8, 4]``.
 A vocab-1001 embedding on TP 4 (local ``[251, H]``): rank 3 holds rows ``[753, 1004)``,
@@ -30,12 +35,15 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from mp_bridge.checks import FrozenSpec, agree, agreed, check_group, check_int, check_tensor
 from mp_bridge.comm import all_gather_tensor, group_rank, group_size
 from mp_bridge.layers.vocab_shards import VocabShard
 
 __all__ = [
+    "KeepsShardSpecs",
     "ShardPiece",
     "ShardSpec",
     "gather_shard",
@@ -149,6 +157,35 @@ def shard_spec(param: torch.Tensor) -> ShardSpec | None:
     return getattr(param, _SPEC_ATTR, None)
 
 
+class KeepsShardSpecs(nn.Module):
+    """A module whose parameters keep their :class:`ShardSpec` when they are swapped.
+
+    FSDP2's ``fully_shard`` replaces every parameter by a new one (the ``DTensor`` shard,
+    and in forward the gathered tensor) and drops the declaration with the old one. It
+    swaps them through ``setattr`` on a module that defines ``__setattr__``; here each
+    declared parameter's spec is recorded by name, and a parameter that later takes that
+    name without a declaration gets it back. E.g. ``VocabParallelEmbedding`` at TP 2 under
+    FSDP2 over 2 data-parallel ranks: ``shard_spec(emb.weight)`` is still
+    ``ShardSpec(0, tp_group, V)``, on a ``DTensor`` of global shape ``[V_local, H]``.
+    """
+
+    def __setattr__(self, name: str, value: object) -> None:
+        if isinstance(value, nn.Parameter):
+            kept = self.__dict__.setdefault("_kept_shard_specs", {})
+            spec = shard_spec(value)
+            if spec is None and name in kept:
+                setattr(value, _SPEC_ATTR, kept[name])
+            elif spec is not None:
+                kept[name] = spec
+        super().__setattr__(name, value)
+
+
+def _data_parallel_full(tensor: torch.Tensor) -> torch.Tensor:
+    """An FSDP2 ``DTensor`` parameter (or gradient) gathered over its data-parallel mesh:
+    this rank's TP shard (collective: every rank of that mesh calls it); else ``tensor``."""
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
 def shard_of(full: torch.Tensor, local_shape: torch.Size, spec: ShardSpec | None) -> torch.Tensor:
     """This rank's slice of ``full`` for a parameter of ``local_shape`` (zero-padded copy;
     ``full`` itself when ``spec`` is ``None``). No collective."""
@@ -177,7 +214,10 @@ def load_shard_(param: torch.Tensor, full: torch.Tensor, *, name: str = "weight"
             f"{expected} for this shard layout; pass the single-process tensor of that shape"
         )
     full = full.to(device=param.device, dtype=param.dtype)
-    param.copy_(shard_of(full, param.shape, spec))
+    local = shard_of(full, param.shape, spec)
+    if isinstance(param, DTensor):  # FSDP2: this rank's chunk of it, no collective
+        local = distribute_tensor(local, param.device_mesh, param.placements, src_data_rank=None)
+    param.copy_(local)
 
 
 @dataclass(frozen=True)
@@ -196,9 +236,11 @@ def gather_shard(local: torch.Tensor, spec: ShardSpec | None) -> torch.Tensor:
 
     Collective: one all-gather along ``spec.dim`` over ``spec.group`` (every member
     calls it, with the same local shape and dtype: agreed first); none when ``spec`` is
-    ``None`` or the group has one rank.
+    ``None`` or the group has one rank. An FSDP2 ``DTensor`` is first gathered over its
+    data-parallel mesh (one more all-gather, which every rank of that mesh calls).
     """
     check_tensor("local", local)
+    local = _data_parallel_full(local)
     if spec is None:
         return local.detach().clone()
     if not isinstance(spec, ShardSpec):

@@ -132,6 +132,21 @@ def test_torch_engine_uneven_and_empty_shards_equal_the_plain_call():
 
 
 @world.case
+def test_ce_weight_with_uneven_and_empty_shards():
+    """Per-class weights ``[V]`` (``class_weights``) over the ``torch.chunk`` shards."""
+    checks = Checks()
+    for tp, vocab in ((2, 9), (4, 5)):
+        hidden, weight, target = _data(vocab)
+        ce_weight = torch.rand(vocab, generator=torch.Generator().manual_seed(3)) + 0.5
+        for reduction in ("mean", "none"):
+            kw = dict(reduction=reduction, ce_weight=ce_weight, engine="torch", chunk_size=8)
+            ours, w = _dtensor("ce", tp, hidden, weight, target, **kw)
+            plain = _plain("ce", tp, hidden, weight, target, **kw)
+            _compare(checks, f"ce_weight {reduction} tp={tp} V={vocab}", ours, plain, w)
+    checks.done()
+
+
+@world.case
 def test_triton_engine_uneven_and_empty_shards_equal_the_plain_call():
     if not HAS_TRITON:
         pytest.skip("triton is not installed, or CUDA is (these meshes are CPU)")

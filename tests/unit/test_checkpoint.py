@@ -357,5 +357,5 @@ def test_inspect_of_a_missing_path_is_one_line_naming_it(tmp_path, capsys):
 def test_a_load_with_an_optimizer_over_other_parameters_is_refused(saved):
     model = Toy()
     opt = torch.optim.Adam([*model.parameters(), nn.Parameter(torch.zeros(3))])
-    with pytest.raises(ValueError, match=r"optimizer holds a parameter of shape \(3,\)"):
+    with pytest.raises(ValueError, match=r"param_groups\[0\] holds a parameter of shape \(3,\)"):
         load(saved, model, opt)

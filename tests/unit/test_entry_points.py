@@ -30,12 +30,19 @@ import torch.distributed as dist
 
 from mp_bridge.checks import ENTRY_POINTS, agreed, agreed_name
 
-PUBLIC_PACKAGES = ("mp_bridge.grid", "mp_bridge.comm", "mp_bridge.layers", "mp_bridge.models")
+PUBLIC_PACKAGES = (
+    "mp_bridge.grid",
+    "mp_bridge.comm",
+    "mp_bridge.layers",
+    "mp_bridge.models",
+    "mp_bridge.checkpoint",
+)
 
 #: Table rows not marked yet (empty: every wing is wired). A row marked already must leave
 #: it (the audit says so).
 PENDING_MARKS: frozenset[str] = frozenset()
 
+_ASYNC = "the async save's own process group (never the training group), on arguments save agreed"
 _PRIMITIVE = "one collective on shapes its caller (an entry point) agreed on; checking each "
 _PRIMITIVE += "primitive would double the collectives the budget tests fix"
 _NO_COLLECTIVE = "stores or reads groups, runs no collective"
@@ -105,12 +112,23 @@ EXEMPT: dict[str, str] = {
     "mp_bridge.layers.VocabParallelEmbedding.new_rows": "allocates a local shard",
     "mp_bridge.layers.VocabParallelEmbedding.check_full": "validates a local tensor",
     "mp_bridge.layers.VocabParallelEmbedding.extra_repr": "text",
+    "mp_bridge.layers.VocabParallelEmbedding.sharded_state_dict": "megatron metadata of the local "
+    "shard (reads group ranks and sizes); no collective",
+    "mp_bridge.layers.VocabParallelEmbedding.zero_padding_": "zeroes local rows; no collective",
     "mp_bridge.layers.VocabParallelLMHead.__init__": _NO_COLLECTIVE,
     "mp_bridge.layers.VocabParallelLMHead.from_full": "copies this rank's rows; no collective",
     "mp_bridge.layers.VocabParallelLMHead.new_rows": "allocates a local shard",
     "mp_bridge.layers.VocabParallelLMHead.check_full": "validates a local tensor",
     "mp_bridge.layers.VocabParallelLMHead.extra_repr": "text",
+    "mp_bridge.layers.VocabParallelLMHead.sharded_state_dict": "megatron metadata of the local "
+    "shard (reads group ranks and sizes); no collective",
+    "mp_bridge.layers.VocabParallelLMHead.zero_padding_": "zeroes local rows; no collective",
     # models
+    "mp_bridge.checkpoint.save": "its own agreement: every rank's argument error is exchanged "
+    "(checkpoint/ranks.py agree_errors) before any DCP collective, so all raise the same one",
+    "mp_bridge.checkpoint.AsyncSave.__init__": _ASYNC,
+    "mp_bridge.checkpoint.AsyncSave.done": _ASYNC,
+    "mp_bridge.checkpoint.AsyncSave.wait": _ASYNC,
     "mp_bridge.models.TPEncoder.__init__": _NO_COLLECTIVE,
     "mp_bridge.models.TPEncoder.forward": _DELEGATES + " (megatron's TP linears' mappings)",
     "mp_bridge.models.TPEncoder.from_full": "copies this rank's shards; no collective",

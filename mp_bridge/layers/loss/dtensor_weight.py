@@ -175,7 +175,7 @@ def local_operands(args: Mapping[str, object]) -> LocalOperands:
     redistribution, after every check."""
     hidden, weight, tp_group = args["hidden"], args["weight"], args["tp_group"]
     vocab_size, mesh_dim = args["vocab_size"], args["vocab_mesh_dim"]
-    _refuse_plain_only(args, ("target", "temperature"), "(the loss takes plain ones)")
+    _refuse_plain_only(args, ("target", "temperature", "ce_weight"), "(the loss takes plain ones)")
     if not isinstance(weight, DTensor):
         _refuse_plain_only(args, ("hidden",), "but weight is not")
         if mesh_dim is not None:

@@ -5,7 +5,8 @@
 are padding and never enter a softmax: the layout of ``VocabParallelLMHead`` or a tied
 ``VocabParallelEmbedding``), ``target [N]``. Options (``LossSpec``; the same names and
 defaults as ``vocab_parallel``): temperature (a float, or a tensor per token / per
-sample), soft-cap, z-loss, ``ignore_index`` (default -100), ``reduction``, and on
+sample), soft-cap, z-loss, ``ignore_index`` (default -100), ``reduction``, on the
+cross-entropy per-class weights ``ce_weight`` (``class_weights``; the torch engine), and on
 log-probs the entropy and ``sum_pi_squared`` of the same distribution from the same pass.
 Outputs are fp32; statistics and gradients accumulate in fp32 whatever the input dtype.
 
@@ -67,6 +68,7 @@ def fused_linear_cross_entropy(
     vocab_size: int | None = None,
     ignore_index: int | None = -100,
     label_smoothing: float = 0.0,
+    ce_weight: torch.Tensor | None = None,
     reduction: str = "mean",
     chunk_size: int | None = None,
     invariant: bool = False,
@@ -103,8 +105,13 @@ def fused_linear_cross_entropy(
     dtype (logits rounded to it: log-prob errors 3e-2 to 5e-2 in bf16, 4e-3 to 8e-3 in fp16
     at logits ~ N(0, 16), against ~5e-6 exact; bench/lm_head_accuracy.py). Not
     twice differentiable; with "mean" / "sum" one backward per call (gradients are made
-    in forward). ``weight`` may be a ``DTensor``: ``Shard(0)`` over the mesh dim ``"tp"``
-    (or ``vocab_mesh_dim=``) is vocab parallelism over it, any other is a ``ValueError``
+    in forward). ``ce_weight``: per-class weights ``[vocab_size]`` as
+    ``vocab_parallel_cross_entropy``'s (``F.cross_entropy(weight=)``, with smoothing; "mean"
+    divides it by the sum of the counted targets' weights; the z-loss is not weighted and its
+    "mean" is over the counted tokens); the
+    ``"torch"`` engine only for now (``engine="triton"`` refuses it, ``"auto"`` picks torch).
+    ``weight`` may be a ``DTensor``: ``Shard(0)`` over the mesh dim ``"tp"`` (or
+    ``vocab_mesh_dim=``) is vocab parallelism over it, any other is a ``ValueError``
     (``dtensor_weight``).
     """
     hidden, weight, tp_group, vocab_size, shard_rows = local_operands(locals())

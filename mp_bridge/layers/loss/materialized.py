@@ -35,6 +35,7 @@ from mp_bridge.layers.loss.blocks import (
     shard_columns,
     target_slots,
 )
+from mp_bridge.layers.loss.class_weights import column_weights, target_weights
 from mp_bridge.layers.loss.formulas import (
     LossSpec,
     block_stats_,
@@ -79,11 +80,13 @@ class DefaultLoss(torch.autograd.Function):
         t = target.reshape(-1)
         m = all_reduce_max_(z.amax(dim=-1), tp_group)  # global row max (-inf: all -inf)
         col = shard_columns(t, shard)
-        stats, _ = row_stats_(z, col, shard.num_real, spec, shift=m)
+        colw = column_weights(spec, shard.start, z.shape[1])
+        stats, _ = row_stats_(z, col, shard.num_real, spec, shift=m, colw=colw)
         del z
         all_reduce_sum_(stats[1:], tp_group)  # every statistic but the max
         ignored = t == spec.ignore_index if spec.ignore_index is not None else None
-        out = stats_values(stats, spec, relative=True).masked(ignored)
+        omega = target_weights(spec, t)
+        out = stats_values(stats, spec, relative=True, omega=omega).masked(ignored)
         lse = out.lse
         # shaped before marking: a view of a marked output would not be marked
         out = out.map(lambda v: v.view(target.shape))
@@ -112,6 +115,8 @@ class DefaultLoss(torch.autograd.Function):
             lse=lse,
             entropy=None if entropy is None else entropy.reshape(-1),
             w_ent=w_ent,
+            omega=target_weights(spec, t),
+            colw=column_weights(spec, shard.start, p.shape[1]),
         )
         if deriv is not None:
             grad.mul_(deriv)
@@ -166,6 +171,13 @@ def _batches(x: torch.Tensor, t: torch.Tensor, layout: BlockLayout, spec: LossSp
         yield i0, i1, z, deriv, slots
 
 
+def _block_weights(spec: LossSpec, layout: BlockLayout) -> torch.Tensor | None:
+    """``[K, B]`` class weights of this rank's real blocks (``None`` without them)."""
+    k, b = layout.num_local, layout.block
+    colw = column_weights(spec, layout.first * b, k * b)
+    return None if colw is None else colw.view(k, b)
+
+
 def _rows(v: torch.Tensor | None, r0: int, r1: int, rows: int) -> torch.Tensor | None:
     """Rows ``[r0, r1)`` of the per-token ``v``, zero padded to ``[rows // TOKEN_TILE,
     TOKEN_TILE]``."""
@@ -185,8 +197,9 @@ class InvariantLoss(torch.autograd.Function):
         n = x.shape[0]
         shape = (spec.num_stats, -(-n // TOKEN_TILE), TOKEN_TILE)
         parts = []
+        colw = _block_weights(spec, layout)
         for _, _, z, _, slots in _batches(x, t, layout, spec, temp):
-            stats, _ = block_stats_(z, layout, slots, spec)
+            stats, _ = block_stats_(z, layout, slots, spec, colw)
             parts.append(fold_blocks(stats, 2, layout, spec.merge))
         pieces = [  # this rank's pieces over all tiles (none when it holds no real block)
             (
@@ -199,7 +212,10 @@ class InvariantLoss(torch.autograd.Function):
         ]
         root = gather_fold(pieces, layout, tp_group, spec.combine, shape, x.device)
         ignored = t == spec.ignore_index if spec.ignore_index is not None else None
-        out = stats_values(root, spec).map(lambda v: v.reshape(-1)[:n]).masked(ignored)
+        omega = _pad(t, shape[1] * TOKEN_TILE, -1).view(-1, TOKEN_TILE)
+        omega = target_weights(spec, omega)
+        out = stats_values(root, spec, omega=omega).map(lambda v: v.reshape(-1)[:n])
+        out = out.masked(ignored)
         ctx.save_for_backward(logits, target, out.lse, out.entropy, temp)
         ctx.layout, ctx.spec = layout, spec
         # shaped before marking: a view of a marked output would not be marked
@@ -217,6 +233,7 @@ class InvariantLoss(torch.autograd.Function):
         w = token * grad_value.reshape(-1).float()
         w_ent = token * grad_entropy.reshape(-1).float() if spec.entropy else None
         grad = torch.zeros_like(x)
+        omega, colw = target_weights(spec, t), _block_weights(spec, layout)
         for i0, i1, z, deriv, slots in _batches(x, t, layout, spec, temp):
             r0, r1, rows = i0 * TOKEN_TILE, min(i1 * TOKEN_TILE, n), (i1 - i0) * TOKEN_TILE
             m = exp_shift_(z, layout)
@@ -230,6 +247,8 @@ class InvariantLoss(torch.autograd.Function):
                 spec,
                 entropy=_rows(entropy, r0, r1, rows),
                 w_ent=_rows(w_ent, r0, r1, rows),
+                omega=_rows(omega, r0, r1, rows),
+                colw=colw,
             )
             if deriv is not None:
                 g.mul_(deriv)

@@ -37,6 +37,7 @@ import torch.distributed as dist
 
 from mp_bridge.checks import FrozenSpec, agree, check_choice, check_float
 from mp_bridge.layers.loss.arguments import (
+    check_ce_weight,
     check_fused_inputs,
     check_logits,
     check_options,
@@ -45,6 +46,7 @@ from mp_bridge.layers.loss.arguments import (
     check_target,
     check_temperature,
 )
+from mp_bridge.layers.loss.class_weights import mean_scaled
 from mp_bridge.layers.loss.formulas import LossSpec
 from mp_bridge.layers.loss.outputs import TokenOutputs, counted_tokens, returned
 from mp_bridge.layers.vocab_shards import VocabShard
@@ -75,18 +77,21 @@ class LossOptions(FrozenSpec):
 
     ``kind``: one of ``KINDS``. ``spec``: the formula constants (``LossSpec``: vocab size,
     ``ignore_index``, label smoothing, the float temperature, soft-cap, z-loss weight,
-    entropy, ``sum_pi_squared``). ``inputs``: ``(name, shape, dtype)`` of ``logits``, or of
-    ``hidden`` and ``weight`` (its rows: ``shard.size``, those of every rank's shard even
-    where a ``DTensor``'s own are fewer). ``shard``: this rank's ``VocabShard`` (``start`` offset,
-    ``num_real`` rows, true ``vocab_size``). ``target``: ``torch.long`` ids of the token
-    shape (``None`` only for an entropy without targets). ``token_temperature``: the
-    per-token temperature, normalised once here (``token_temperature_of``): flat ``[N]``,
-    contiguous, in the dtype the call computes in; or ``None`` (then the float
-    ``spec.temperature``). ``engine``: the engine that runs, ``"torch"`` or ``"triton"``
-    (chosen at the parse by the fused doors' ``choose_engine``: ``"auto"`` resolved, an
-    explicit one checked; always ``"torch"`` on the materialized doors).
-    ``chunk_size`` (``None``: the engine's default) and ``logits_precision`` are the fused
-    doors' options.
+    entropy, ``sum_pi_squared``, and ``class_weight``: the cross-entropy's ``ce_weight``
+    ``[V]`` in the dtype the call computes in, scaled for "mean" by
+    ``class_weights.mean_scaled``; the ranks agree on its bits). ``inputs``: ``(name, shape,
+    dtype)`` of ``logits``, or of ``hidden`` and ``weight`` (its rows: ``shard.size``, every
+    rank's, even where a ``DTensor``'s own are fewer), then of ``ce_weight`` when given (so
+    an engine's ``unsupported`` sees it). ``shard``: this rank's ``VocabShard``
+    (``start`` offset, ``num_real`` rows, true ``vocab_size``). ``target``: ``torch.long``
+    ids of the token shape (``None`` only for an entropy without targets).
+    ``token_temperature``: the per-token temperature, normalised once here
+    (``token_temperature_of``): flat ``[N]``, contiguous, in the dtype the call computes in;
+    or ``None`` (then the float ``spec.temperature``). ``engine``: the engine that runs,
+    ``"torch"`` or ``"triton"`` (chosen at the parse by the fused doors' ``choose_engine``:
+    ``"auto"`` resolved, an explicit one checked; always ``"torch"`` on the materialized
+    doors). ``chunk_size`` (``None``: the engine's default) and ``logits_precision`` are the
+    fused doors' options.
     """
 
     kind: str
@@ -136,6 +141,7 @@ class LossOptions(FrozenSpec):
         disagrees would otherwise hang or silently compute a wrong loss."""
         identical = {**(replicated or {}), "target": self.target}
         identical["temperature"] = self.token_temperature
+        identical["ce_weight"] = self.spec.class_weight
         same = {k: t for k, t in identical.items() if t is not None}
         agree(where, self.tp_group, self, identical=same, device=device)
 
@@ -173,10 +179,16 @@ def _check_precision(logits_precision: object) -> str:
 
 def _spec(kind: str, vocab: int, target, args: Mapping[str, object], scalars) -> LossSpec:
     """The ``LossSpec`` of a ``kind`` call over ``vocab`` true classes."""
-    softcap, zw, ignore_index, eps, temp = scalars
+    softcap, zw, ignore_index, eps, temp, ce_weight = scalars
     if kind == "ce":
         return LossSpec.cross_entropy(
-            vocab, ignore_index, eps, temperature=temp, softcap=softcap, z_loss_weight=zw
+            vocab,
+            ignore_index,
+            eps,
+            temperature=temp,
+            softcap=softcap,
+            z_loss_weight=zw,
+            class_weight=ce_weight,
         )
     entropy = kind == "entropy"
     return LossSpec.logprob(
@@ -200,11 +212,11 @@ def parse_loss_options(
     (``dtensor_weight.local_operands``: ``None``, or a ``DTensor`` weight's rows per rank,
     of which this rank's ``weight`` may hold fewer); ``target``,
     ``tp_group``, ``vocab_size``, ``reduction``, ``ignore_index``, ``softcap``,
-    ``temperature``, on the cross-entropy ``label_smoothing`` and ``z_loss_weight``; the
-    bool options ``invariant`` and ``return_*``. ``choose_engine`` (the fused doors pass
-    ``engines.protocol.choose_engine``): ``(engine, inputs, device) -> the engine that
-    runs``, called here, so a bad choice, a missing ``triton`` or an input an explicit
-    engine cannot run raises before any collective.
+    ``temperature``, on the cross-entropy ``label_smoothing``, ``z_loss_weight`` and
+    ``ce_weight``; the bool options ``invariant`` and ``return_*``. ``choose_engine`` (the
+    fused doors pass ``engines.protocol.choose_engine``): ``(engine, inputs, device) -> the
+    engine that runs``, called here, so a bad choice, a missing ``triton`` or an input an
+    explicit engine cannot run raises before any collective.
     """
     tp_group, vocab_size = args["tp_group"], args["vocab_size"]
     fused = "hidden" in args
@@ -222,11 +234,12 @@ def parse_loss_options(
         inputs = (("logits", like),)
         shape_of = f"logits shape {tuple(like.shape)} without the vocab dim "
     tokens = tuple(like.shape[:-1])
-    eps = 0.0
+    eps, ce_weight = 0.0, None
     if kind == "ce":
         eps = check_float(
             "label_smoothing", args["label_smoothing"], low=0.0, high=1.0, open_low=False
         )
+        ce_weight = check_ce_weight(args["ce_weight"], shard.vocab_size, like)
     flags = {k: v for k, v in args.items() if k == "invariant" or k.startswith("return_")}
     softcap, zw, ignore_index = check_options(
         softcap=args["softcap"],
@@ -242,10 +255,16 @@ def parse_loss_options(
     token_temp = None
     if isinstance(temp, torch.Tensor):
         token_temp = token_temperature_of(temp, like.dtype, fused or bool(flags["invariant"]))
-    scalars = (softcap, zw, ignore_index, eps, 1.0 if token_temp is not None else temp)
+    if ce_weight is not None:  # in the dtype the call computes in, like the temperature
+        ce_weight = token_temperature_of(ce_weight, like.dtype, fused or bool(flags["invariant"]))
+        if reduction == "mean" and target is not None:
+            ce_weight = mean_scaled(ce_weight, target, ignore_index)
+        inputs = (*inputs, ("ce_weight", ce_weight))
+    scalars = (softcap, zw, ignore_index, eps, 1.0 if token_temp is not None else temp, ce_weight)
     described = tuple((name, tuple(t.shape), t.dtype) for name, t in inputs)
     if fused:  # the shard's rows, the same on every rank (a DTensor's may be short or empty)
-        described = (described[0], ("weight", (shard.size, weight.shape[1]), weight.dtype))
+        rows = (shard.size, weight.shape[1])
+        described = tuple((n, rows if n == "weight" else s, d) for n, s, d in described)
     engine = "torch"
     if fused:
         assert choose_engine is not None, "the fused doors pass engines.protocol.choose_engine"

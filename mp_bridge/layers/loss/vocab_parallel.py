@@ -7,7 +7,9 @@ not depend on how much padding a TP size needed. Math (per token, over the true 
 vocab of ``C = vocab_size`` classes, in fp32 whatever the input dtype):
 
 - cross-entropy: ``(1 - eps) * (lse - z_t) + eps * (lse - mean_c z_c)``, which is
-  ``F.cross_entropy(..., reduction="none", label_smoothing=eps)``;
+  ``F.cross_entropy(..., reduction="none", label_smoothing=eps)``; with per-class weights
+  ``ce_weight=w`` ``(1 - eps) w_t (lse - z_t) + eps / C sum_c w_c (lse - z_c)``, torch's
+  ``weight=`` (``class_weights``);
 - log-probs: ``log_softmax(z)[t]``;
 - entropy: ``-sum_c p_c log p_c``; gradient ``-p_j (log p_j + H)``.
 
@@ -82,6 +84,7 @@ def vocab_parallel_cross_entropy(
     vocab_size: int | None = None,
     ignore_index: int | None = -100,
     label_smoothing: float = 0.0,
+    ce_weight: torch.Tensor | None = None,
     invariant: bool = False,
     temperature: float | torch.Tensor = 1.0,
     softcap: float | None = None,
@@ -104,7 +107,13 @@ def vocab_parallel_cross_entropy(
     means every row of the padded vocab is real. ``target`` must be identical on all TP
     ranks, with ids in ``[0, vocab_size)`` or ``ignore_index``. Collectives: all-reduce
     MAX then one batched all-reduce SUM over ``tp_group`` (fwd only). ``invariant=True``:
-    bitwise TP-invariant, one forward all-gather (module docstring).
+    bitwise TP-invariant, one forward all-gather (module docstring). ``ce_weight``: per-class
+    weights ``[vocab_size]`` (full vocab, identical on every TP rank, floating, >= 0, no
+    gradient), exactly ``F.cross_entropy(weight=ce_weight)``: with ``label_smoothing=eps``
+    the per-token loss is ``(1 - eps) w_t (lse - z_t) + eps / V sum_c w_c (lse - z_c)`` and
+    "mean" divides it by the sum of the counted targets' weights ``w_t``; with temperature and
+    soft-cap the weight multiplies each token's cross-entropy term of ``z``; the z-loss is
+    not weighted ("mean" divides it by the number of counted tokens, as Liger-Kernel).
     """
     options = parse_loss_options("ce", locals())
     return _run("vocab_parallel_cross_entropy", logits, options)

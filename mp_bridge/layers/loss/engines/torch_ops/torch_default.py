@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from mp_bridge.layers.loss.blocks import shard_columns
+from mp_bridge.layers.loss.class_weights import column_weights, target_weights
 from mp_bridge.layers.loss.engines.torch_ops.driver import ChunkState
 from mp_bridge.layers.loss.formulas import (
     LossSpec,
@@ -75,9 +76,11 @@ class TorchDefaultRunner:
         z, deriv = self._logits(h, temp)
         col = shard_columns(t, self.shard)
         spec = self.spec
-        stats, m = row_stats_(z, col, self.shard.num_real, spec)
+        colw = column_weights(spec, self.shard.start, z.shape[1])
+        stats, m = row_stats_(z, col, self.shard.num_real, spec, colw=colw)
         merged = gather_merge_stats(stats, self.tp_group, spec.merge)  # z <- exp(z - m)
-        return ChunkState(z, m, None, deriv), stats_values(merged, spec)
+        out = stats_values(merged, spec, omega=target_weights(spec, t))
+        return ChunkState(z, m, None, deriv), out
 
     def recompute(self, h: torch.Tensor, temp=None) -> ChunkState:
         z, deriv = self._logits(h, temp)
@@ -95,7 +98,14 @@ class TorchDefaultRunner:
         else:  # exp(z - m) from forward: softmax = exp(z - m) * exp(m - lse)
             p = z.mul_(torch.exp(m - lse).unsqueeze(1))
         col = shard_columns(t, self.shard)
-        g = softmax_grad_rows_(p, col, w, self.spec, valid, lse=lse, entropy=entropy, w_ent=w_ent)
+        spec = self.spec
+        weights = {
+            "omega": target_weights(spec, t),
+            "colw": column_weights(spec, self.shard.start, p.shape[1]),
+        }
+        g = softmax_grad_rows_(
+            p, col, w, spec, valid, lse=lse, entropy=entropy, w_ent=w_ent, **weights
+        )
         if state.deriv is not None:
             g.mul_(state.deriv)
         g = g.to(h.dtype)[:, : self.weight.shape[0]]  # an empty shard: no padding column

@@ -21,6 +21,7 @@ from mp_bridge.layers.loss.blocks import (
     fold_blocks,
     target_slots,
 )
+from mp_bridge.layers.loss.class_weights import column_weights, target_weights
 from mp_bridge.layers.loss.engines.torch_ops.driver import ChunkState
 from mp_bridge.layers.loss.engines.torch_ops.group_steps import add_, add_weight_grad, settle
 from mp_bridge.layers.loss.formulas import (
@@ -87,6 +88,8 @@ class TorchInvariantRunner:
         object.__setattr__(self, "_hp", hp)
         object.__setattr__(self, "_wb", wb)  # [max(K, G), B, Hp]
         object.__setattr__(self, "_groups", block_groups(k))
+        colw = column_weights(self.spec, self.layout.first * b, k * b)  # [K, B] or None
+        object.__setattr__(self, "_colw", None if colw is None else colw.view(k, b))
 
     def _take(self, x: torch.Tensor, grp: BlockGroup) -> torch.Tensor:
         """The ``G`` slots of ``grp`` from ``x [K, ...]`` (zero padded when ``K < G``)."""
@@ -130,10 +133,13 @@ class TorchInvariantRunner:
             deriv[:, k - 1, :, self.layout.tail :] = 0.0  # padding columns
         return z, deriv
 
-    def _slots(self, t: torch.Tensor, tiles: int):
+    def _padded(self, t: torch.Tensor, tiles: int) -> torch.Tensor:
         padded = t.new_full((tiles * TOKEN_TILE,), -1)
         padded[: t.shape[0]] = t
-        return target_slots(padded, self.layout)
+        return padded
+
+    def _slots(self, t: torch.Tensor, tiles: int):
+        return target_slots(self._padded(t, tiles), self.layout)
 
     def recompute(self, h: torch.Tensor, temp=None) -> ChunkState:
         hb = self._tiles(h)
@@ -147,12 +153,13 @@ class TorchInvariantRunner:
         z, deriv = self._logits(hb, temp)
         tiles, lay, spec = hb.shape[0], self.layout, self.spec
         slots = self._slots(t, tiles)
-        stats, m = block_stats_(z, lay, slots, spec)
+        stats, m = block_stats_(z, lay, slots, spec, self._colw)
         pieces = fold_blocks(stats, 2, lay, spec.merge)  # z <- exp(z - m) above
         shape = (spec.num_stats, tiles, TOKEN_TILE)
         root = gather_fold(pieces, lay, self.tp_group, spec.combine, shape, h.device)
         n = h.shape[0]
-        out = stats_values(root, spec).map(lambda v: v.reshape(-1)[:n])
+        omega = target_weights(spec, self._padded(t, tiles).view(tiles, TOKEN_TILE))
+        out = stats_values(root, spec, omega=omega).map(lambda v: v.reshape(-1)[:n])
         return ChunkState(z, m, hb, deriv), out
 
     def grad_chunk(
@@ -176,6 +183,8 @@ class TorchInvariantRunner:
             self.spec,
             entropy=by_tile(entropy),
             w_ent=by_tile(w_ent),
+            omega=by_tile(target_weights(self.spec, t)),
+            colw=self._colw,
         )
         if deriv is not None:
             g.mul_(deriv)

@@ -11,7 +11,9 @@ runner's ``d h`` (reduced over TP) and ``d W`` (this shard). The reductions ("su
 reduction: no fp32 ``d W`` is held from forward to backward.
 
 Every option of ``LossSpec`` (temperature, float or per token, soft-cap, z-loss, label
-smoothing, ``ignore_index``, the extra per-token outputs) runs in the kernels (``tiles``).
+smoothing, ``ignore_index``, the extra per-token outputs) runs in the kernels (``tiles``),
+except the per-class weights ``ce_weight`` (``class_weights``): ``unsupported`` names them
+(issue 35's kernel work carries them into the tiles).
 What it takes is data (``registry.ENGINE_CAPS["triton"]``: CUDA tensors, CPU ones under
 ``TRITON_INTERPRET=1``; fp32 / bf16 / fp16); ``unsupported`` names the one shape limit, a
 weight shard of ``2**31`` or more elements (int32 offsets). An explicit ``engine="triton"``
@@ -85,6 +87,8 @@ class TritonEngine:
         for name, shape, _ in inputs:
             if name == "weight" and math.prod(shape) >= _MAX_OFFSET:
                 return f"weight {tuple(shape)} of 2**31 or more elements (int32 offsets)"
+            if name == "ce_weight":  # the kernels have no per-class weight yet (issue 35)
+                return "ce_weight (per-class weights) is not in its kernels yet"
         return None
 
     def loss(self, hidden, weight, target, temperature, options: LossOptions) -> TokenOutputs:
