@@ -301,7 +301,10 @@ def test_vocab_mesh_dim_declares_another_name():
     checks = Checks()
     hidden, weight, target = _data(7)
     w = distribute_tensor(weight, _mesh(4, ("model",)), [Shard(0)])
-    ours = _run("ce", hidden, w, target, vocab_mesh_dim="model")
     plain = _plain("ce", 4, hidden, weight, target)
+    ours = _run("ce", hidden, w, target, vocab_mesh_dim="model")
     _compare(checks, "vocab_mesh_dim='model'", ours, plain, w)
+    # a tp_group of the mesh dim's own ranks is accepted
+    ours = _run("ce", hidden, w, target, vocab_mesh_dim="model", tp_group=w.device_mesh.get_group())
+    _compare(checks, "vocab_mesh_dim='model' with its tp_group", ours, plain, w)
     checks.done()
