@@ -93,7 +93,8 @@ MCORE_TESTS := \
   tests/functional/test_mimo_groups.py tests/functional/test_models_oracle.py \
   tests/functional/test_models_oracle_routed.py tests/functional/test_models_oracle_pipeline.py \
   tests/functional/test_pipeline_llm_oracle.py tests/functional/test_losses.py \
-  tests/functional/test_vocab_layers.py tests/functional/test_param_shards_tp4.py
+  tests/functional/test_vocab_layers.py tests/functional/test_param_shards_tp4.py \
+  tests/functional/test_megatron_sharded_state.py
 # The hypothesis properties ran at full count in `make test`; here they rerun at 20 examples
 # each (the fast profile) for what the version changes, and the GPU runbook's CPU smoke,
 # which runs no megatron code, runs once: that keeps CI under its 15-minute budget.

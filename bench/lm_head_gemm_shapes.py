@@ -3,10 +3,10 @@
 Two tables, each method taken in turn run by run (``--repeat`` rounds), process CPU time,
 best and worst of the rounds, load average printed:
 
-1. Shard engine, logits of one chunk: ``W [V_local, H] @ h^T [H, C]`` for every chunk of
+1. Default runner, logits of one chunk: ``W [V_local, H] @ h^T [H, C]`` for every chunk of
    ``N`` tokens, as one call per chunk versus slabs of ``S`` weight rows (``SLAB_ROWS`` in
-   ``engines/torch/chunks.py``), and the bits of the two compared.
-2. Invariant engine, the three batched products of one group of ``BLOCK_GROUP`` blocks at
+   ``engines/torch_ops/torch_default.py``), and the bits of the two compared.
+2. Invariant runner, the three batched products of one group of ``BLOCK_GROUP`` blocks at
    token tiles of 64, 128 and 256 rows, the same FLOPs per row of the table: logits
    ``[G, T, H] x [G, H, B]``, d hidden ``[G, T, B] x [G, B, H]`` and d weight ``[G, B, H]
    += [G, B, T] x [G, T, H]``.
@@ -67,7 +67,7 @@ def _logits_methods(n: int, h_dim: int, vocab: int, chunk: int, slabs: list[int]
 
 
 def _tile_methods(h_dim: int, tiles: tuple[int, ...], rows: int) -> dict:
-    """The invariant engine's three products, ``rows`` tokens' worth per method."""
+    """The invariant runner's three products, ``rows`` tokens' worth per method."""
     g = torch.Generator().manual_seed(1)
     grp, b = BLOCK_GROUP, VOCAB_BLOCK
     wb = torch.randn(grp, b, h_dim, generator=g)

@@ -3,7 +3,10 @@
 Run before and after a change that must not move a single bit; the two outputs must be
 identical (same machine, build and thread count). Covers the materialized and fused
 paths, default and invariant, fp32 and bf16, at TP 1/2/4 (gloo ranks on CPU), and the fused
-paths at a multi-tile shape; then one bridge call of each kind on 8 gloo ranks
+paths at a multi-tile shape, and the triton engine's fused doors under Triton's CPU
+interpreter (``_triton_hashes``: default and invariant, fp32 and bf16, TP 1/2; skipped,
+with a line saying so, where ``triton`` does not import); then one colocated MIMO training
+step of each kind (:func:`mimo_step_lines`) and one bridge call of each kind on 8 gloo ranks
 (:func:`bridge_lines`; ``--bridge`` runs and checks that section alone).
 ``--check`` compares with the recorded reference ``bench/numerics_hashes.txt`` (torch
 2.13 CPU on the project's build machine) and exits 1 naming the lines that differ; a
@@ -17,8 +20,12 @@ change that is allowed to move bits records the new lines there.
 from __future__ import annotations
 
 import hashlib
+import os
 import pathlib
 import sys
+
+# Before torch / triton: the kernels of the triton engine then run on CPU tensors.
+os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import torch
 import torch.distributed as dist
@@ -126,6 +133,51 @@ def _fused_multi_tile(tp: int, rank: int, group) -> list[str]:
     return out
 
 
+def _triton_hashes() -> list[str]:
+    """The fused doors on ``engine="triton"`` under the interpreter: cross-entropy
+    (z-loss, label smoothing) and log-probs (entropy, ``sum_pi_squared``, per-token
+    temperature, soft-cap), default and invariant, fp32 and bf16, at a small shape (N =
+    19, H = 32, V = 512: two 256-row blocks, so TP 1 and 2 are invariant-ok); values,
+    d hidden and the gathered d weight."""
+    tp, rank = dist.get_world_size(), dist.get_rank()
+    group = dist.group.WORLD
+    g = torch.Generator().manual_seed(2468)
+    n, h_dim, vocab = 19, 32, 512
+    hidden0 = torch.randn(n, h_dim, generator=g)
+    weight0 = torch.randn(vocab, h_dim, generator=g) / h_dim**0.5
+    target = torch.randint(0, vocab, (n,), generator=g)
+    target[::4] = -100
+    temp = torch.rand(n, generator=g) + 0.5
+    rows = slice(rank * vocab // tp, (rank + 1) * vocab // tp)
+    out = []
+    for dtype in (torch.float32, torch.bfloat16):
+        for invariant in (False, True):
+            h = hidden0.to(dtype, copy=True).requires_grad_()
+            w = weight0[rows].to(dtype, copy=True).requires_grad_()
+            kw = dict(tp_group=group, invariant=invariant, engine="triton")
+            loss, z = fused_linear_cross_entropy(
+                h, w, target, label_smoothing=0.1, z_loss_weight=1e-3, return_z_loss=True, **kw
+            )
+            lp, ent, sq = fused_linear_logprobs(
+                h, w, target.clamp(min=0), temperature=temp, softcap=7.0, return_entropy=True,
+                return_sum_pi_squared=True, **kw,
+            )  # fmt: skip
+            (loss + (lp * 0.5).sum() + ent.sum()).backward()
+            gw = [torch.empty_like(w.grad) for _ in range(tp)]
+            dist.all_gather(gw, w.grad.contiguous())
+            tag = f"{str(dtype)[6:]} inv={int(invariant)} triton"
+            out.append(f"{tag} {_digest(loss, z, lp, ent, sq, h.grad, torch.cat(gw))}")
+    return out
+
+
+def _triton_lines() -> list[str]:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return ["triton: not installed, not hashed"]
+    return [f"tp={tp} {line}" for tp in (1, 2) for line in run_distributed(_triton_hashes, tp)[0]]
+
+
 REFERENCE = pathlib.Path(__file__).with_name("numerics_hashes.txt")
 
 
@@ -135,6 +187,7 @@ def main() -> None:
         f"tp={tp} {line}" for tp in (1, 2, 4) for line in run_distributed(_rank_hashes, tp)[0]
     ]  # fmt: skip
     if not only_bridge:
+        lines += _triton_lines()
         lines += mimo_step_lines()
     lines += bridge_lines()
     print("\n".join(lines))

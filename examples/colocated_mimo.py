@@ -15,9 +15,6 @@ drawn from one seed, so every layout trains the same model on the same global ba
 
 from __future__ import annotations
 
-import argparse
-import os
-
 import torch
 import torch.distributed as dist
 
@@ -80,22 +77,10 @@ def rows(grid, batch: int) -> slice:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--lr", type=float, default=0.5)
-    parser.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto")
-    args = parser.parse_args()
+    from torchrun_setup import parse_args, start  # beside this file (see its docstring)
 
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-    backend = args.backend
-    if backend == "auto":
-        enough_gpus = torch.cuda.is_available() and torch.cuda.device_count() >= local_world
-        backend = "nccl" if enough_gpus else "gloo"
-    device = torch.device("cuda", local_rank) if backend == "nccl" else torch.device("cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    dist.init_process_group(backend)
+    args = parse_args(__doc__.splitlines()[0], steps=5, lr=0.5)
+    device = start(args.backend)
     world = dist.get_world_size()
     if world % 4:
         raise SystemExit(f"world size {world}: use a multiple of 4 (TP2 x CP2 LLM)")

@@ -1,4 +1,5 @@
-"""``mp-bridge`` command line: ``plan`` (rank tables) and ``demo`` (train + oracle parity)."""
+"""``mp-bridge`` command line: ``plan`` (rank tables), ``demo`` (train + oracle parity) and
+``checkpoint inspect`` (a checkpoint's layout and keys)."""
 
 from __future__ import annotations
 
@@ -12,12 +13,13 @@ __all__ = ["main"]
 
 
 def _build_parser() -> argparse.ArgumentParser:
-    from mp_bridge.commands import demo, plan
+    from mp_bridge.commands import checkpoint, demo, plan
 
     parser = argparse.ArgumentParser(prog="mp-bridge", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     plan.add_arguments(sub.add_parser("plan", help="print every rank's coordinates and groups"))
     demo.add_arguments(sub.add_parser("demo", help="train the tiny MIMO model + oracle parity"))
+    checkpoint.add_arguments(sub.add_parser("checkpoint", help="inspect a saved checkpoint"))
     return parser
 
 

@@ -20,7 +20,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from mp_bridge.layers.loss.blocks import VOCAB_BLOCK
-from mp_bridge.layers.loss.engines.triton import (
+from mp_bridge.layers.loss.engines.triton_ops import (
     block_dhidden,
     block_dweight,
     block_grad,

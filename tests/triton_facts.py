@@ -44,7 +44,7 @@ from triton.backends.compiler import BaseBackend, GPUTarget
 from triton.compiler import ASTSource
 from triton.runtime.jit import native_specialize_impl
 
-from mp_bridge.layers.loss.engines.triton import (
+from mp_bridge.layers.loss.engines.triton_ops import (
     block_dhidden,
     block_dweight,
     block_grad,

@@ -63,14 +63,14 @@ INVARIANT_LIMIT = 1.25
 DEFAULT_MS = 52.0
 #: The default mode's and the invariant mode's tiles (the code's constants; the facts
 #: file is keyed by kernel name).
-SLAB_ELEMENTS = 1 << 24  # vocab_major.SLAB_ELEMENTS
+SLAB_ELEMENTS = 1 << 24  # triton_default.SLAB_ELEMENTS
 VOCAB_BLOCK = 256  # blocks.VOCAB_BLOCK
 TILE_M, TILE_DH, BH = 64, 128, 64  # block_stats.TILE_M, block_dhidden.TILE_M, .BH
 #: Token rows per program of each logits kernel in the running (16-divisible) build
 ROW_TILE = {"_block_stats_kernel": TILE_M, "_block_grad_kernel": 128}  # block_grad.WIDE_M
 BVW, BHW, TILE_K = 128, 128, 32  # block_dweight.BVW, .BH (bf16 / fp16), .TILE_K
-CHUNK = 1024  # block_tiles.DEFAULT_CHUNK_TOKENS
-FOLD_TOKENS = 8192  # block_tiles.FOLD_TOKENS: tokens folded at once (whole chunks)
+CHUNK = 1024  # triton_invariant.DEFAULT_CHUNK_TOKENS
+FOLD_TOKENS = 8192  # triton_invariant.FOLD_TOKENS: tokens folded at once (whole chunks)
 STATS = 4  # S: (m, s, target, sum z) for plain cross-entropy
 
 
@@ -139,7 +139,7 @@ def fits(touched: float) -> bool:
     return touched <= L2_BYTES
 
 
-# --- default mode: vocab_major (cuBLAS over slabs of Vs rows; row_stats / row_grad) -------
+# --- default mode: triton_default (cuBLAS over slabs of Vs rows; row_stats / row_grad) -------
 
 
 def slab_rows(n: int, v_local: int) -> int:
@@ -194,7 +194,7 @@ def default_mode(s: Shape, facts) -> list[Kernel]:
     ]
 
 
-# --- invariant mode: block_tiles (fixed Triton tiles over 256-row blocks, chunks of C) -----
+# --- invariant mode: triton_invariant (fixed Triton tiles over 256-row blocks, chunks of C) -----
 
 
 def _window(f: dict) -> int:

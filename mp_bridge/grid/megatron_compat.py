@@ -16,6 +16,11 @@ difference                                    0.16            0.17 - 0.19
                                                               ``mimo.model.base`` (0.18, 0.19)
 Requires-Python of the wheel                  ``>=3.10``      ``>=3.12``
 ``import megatron.core`` imports ``triton``   no              yes (0.19, even on CPU)
+``ShardedTensor.from_rank_offsets``,          same            same (what the vocab layers'
+``metadata["dp_cp_group"]``                                   ``sharded_state_dict`` use)
+``make_tp_sharded_tensor_for_checkpoint``     TP, FSDP2       + GTP params (0.19); falls back
+                                                              to ``parallel_state`` when both
+                                                              groups are ``None``: not used
 ============================================  ==============  ================================
 
 :func:`get_pg_or_none` catches both error types on every version (so a missing group is

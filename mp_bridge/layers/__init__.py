@@ -10,6 +10,7 @@ from mp_bridge.layers.loss.vocab_parallel import (
     vocab_parallel_logprobs,
 )
 from mp_bridge.layers.param_shards import (
+    ShardPiece,
     ShardSpec,
     gather_shard,
     load_shard_,
@@ -32,6 +33,7 @@ __all__ = [
     "padded_vocab_size",
     "vocab_shard_ranges",
     "vocab_shard_size",
+    "ShardPiece",
     "ShardSpec",
     "mark_sharded",
     "shard_spec",

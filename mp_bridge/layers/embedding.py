@@ -34,7 +34,12 @@ from mp_bridge.checks import (
     check_tensor,
 )
 from mp_bridge.comm import group_rank, group_size, reduce_from_group, reduce_scatter_along
-from mp_bridge.layers.param_shards import load_shard_, mark_sharded
+from mp_bridge.layers.megatron_state import (
+    check_megatron_metadata,
+    check_sharded_offsets,
+    vocab_sharded_tensor,
+)
+from mp_bridge.layers.param_shards import KeepsShardSpecs, load_shard_, mark_sharded
 from mp_bridge.layers.vocab_shards import VocabShard, vocab_shards
 
 __all__ = ["VocabParallelEmbedding", "VocabShardModule"]
@@ -70,7 +75,7 @@ def check_seq_split(length: int, tp: int, dim: int) -> None:
         )
 
 
-class VocabShardModule(nn.Module):
+class VocabShardModule(KeepsShardSpecs):
     """This TP rank's rows ``[vocab_start_index, vocab_end_index)`` of a ``[V, H]`` weight.
 
     The part ``VocabParallelEmbedding`` and ``VocabParallelLMHead`` share: argument checks,
@@ -136,6 +141,49 @@ class VocabShardModule(nn.Module):
         param = nn.Parameter(torch.zeros(shape, dtype=dtype, device=device))
         group, full = self.tp_group, self.vocab_shard.vocab_size
         return mark_sharded(param, dim=0, group=group, full_size=full)
+
+    def sharded_state_dict(
+        self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None
+    ) -> dict:
+        """megatron-core's ``dist_checkpointing`` form: ``{prefix + "weight": ShardedTensor}``
+        of the padded global shape (``mp_bridge.layers.megatron_state``).
+
+        ``metadata={"dp_cp_group": dp_group}`` is required (``None`` as the group: no DP);
+        ``sharded_offsets``: megatron's prepended ``(axis, rank, size)`` triples. No collective.
+        """
+        return self._sharded_state_dict(("weight",), prefix, sharded_offsets, metadata)
+
+    def _sharded_state_dict(
+        self, names: tuple[str, ...], prefix: object, sharded_offsets: object, metadata: object
+    ) -> dict:
+        if not isinstance(prefix, str):
+            raise TypeError(f"prefix={prefix!r} must be a str, e.g. 'embedding.word_embeddings.'")
+        offsets = check_sharded_offsets(sharded_offsets)
+        dp_group = check_megatron_metadata(metadata)
+        return {
+            prefix + name: vocab_sharded_tensor(
+                prefix + name,
+                getattr(self, name),  # the Parameter itself: megatron loads into it in place
+                tp_group=self.tp_group,
+                dp_group=dp_group,
+                sharded_offsets=offsets,
+            )
+            for name in names
+        }
+
+    @torch.no_grad()
+    def zero_padding_(self) -> None:
+        """Zero the padding rows (ids >= vocab) of this layer's own parameters (in place).
+
+        Runs after every ``load_state_dict``: megatron's checkpoints hold its padding rows
+        as they were (megatron does not zero them), and ours must be zero.
+        """
+        for param in self.parameters(recurse=False):
+            param[self.vocab_shard.num_real :].zero_()
+
+    def _load_from_state_dict(self, *args, **kwargs) -> None:
+        super()._load_from_state_dict(*args, **kwargs)
+        self.zero_padding_()
 
     @staticmethod
     def check_full(weight: object) -> torch.Tensor:

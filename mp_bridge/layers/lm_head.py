@@ -73,6 +73,7 @@ class VocabParallelLMHead(VocabShardModule):
             vocab, width, tp_group, sp, seq_dim, multiple, init_method, dtype, device, tied
         )
         self.hidden_size, self.vocab_size = hidden_size, vocab_size
+        self.tied = tie_to is not None
         if tie_to is not None:
             self._check_tie(tie_to)
         if bias:
@@ -94,6 +95,17 @@ class VocabParallelLMHead(VocabShardModule):
                 f"{(*theirs, emb.tp_size)} differ from this head's {(*mine, self.tp_size)}; "
                 "build both with the same vocab size, hidden size, multiple and TP group"
             )
+
+    def sharded_state_dict(
+        self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None
+    ) -> dict:
+        """megatron-core's ``dist_checkpointing`` form, as its language models give their
+        output layer: ``weight`` (and ``bias``) rows over TP, padded global shape,
+        ``allow_shape_mismatch=True``. A tied head leaves ``weight`` to its embedding (as
+        megatron does when both sit on one stage). ``metadata`` as the embedding's.
+        """
+        names = ("weight",) * (not self.tied) + ("bias",) * (self.bias is not None)
+        return self._sharded_state_dict(names, prefix, sharded_offsets, metadata)
 
     @classmethod
     def from_full(

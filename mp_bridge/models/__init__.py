@@ -12,7 +12,7 @@ from mp_bridge.models.data.batch import MimoBatch, TextShard, dp_shard, syntheti
 from mp_bridge.models.data.config import MimoConfig
 from mp_bridge.models.data.images import RaggedImages
 from mp_bridge.models.data.placement import place_image_embeddings, place_image_tokens
-from mp_bridge.models.oracle import ParityReport, run_parity
+from mp_bridge.models.oracle import ParityReport, TrainHooks, run_parity
 from mp_bridge.models.parallel.encoder import TPEncoder, TPProjection
 from mp_bridge.models.parallel.llm import TPLLM
 from mp_bridge.models.parallel.sharding import gather_full_state, load_full_state
@@ -53,5 +53,6 @@ __all__ = [
     "synthetic_batch",
     "dp_shard",
     "ParityReport",
+    "TrainHooks",
     "run_parity",
 ]

@@ -26,6 +26,7 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -41,9 +42,23 @@ from mp_bridge.models.data.images import RaggedImages
 from mp_bridge.models.parallel.sharding import gather_full_state
 from mp_bridge.models.reference.model import ReferenceMimo
 
-__all__ = ["ParityReport", "run_parity"]
+__all__ = ["ParityReport", "TrainHooks", "run_parity"]
 
 StepHook = Callable[[int, float, float], None]  # (step, loss, seconds)
+
+
+class TrainHooks(Protocol):
+    """What :func:`run_parity` calls around its distributed loop (e.g. checkpoints).
+
+    ``resume(model, optimizer) -> (k, losses)``: before the first step (collective);
+    ``k`` steps are already done (their ``losses``), the loop runs steps ``k..steps-1``.
+    ``after_step(step, model, optimizer, losses)``: after each step (collective), with
+    the losses of steps ``0..step``.
+    """
+
+    def resume(self, model, optimizer) -> tuple[int, list[float]]: ...
+
+    def after_step(self, step: int, model, optimizer, losses: list[float]) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -66,6 +81,7 @@ class ParityReport:
     worst_param_grad: str
     step_seconds: list[float] = field(default_factory=list)
     tokens_per_step: int = 0
+    first_step: int = 0  # the step (0-based) whose parameter gradients were compared
 
     def passed(
         self,
@@ -90,8 +106,13 @@ class ParityReport:
             self.loss_max_rel <= loss_rtol
             and weights_ok
             and self.input_grad_max_rel <= weight_rtol
-            and self.param_grad_max_rel <= grad_rtol
+            and self.param_grad_max_rel <= self.grad_tolerance(grad_rtol, weight_rtol)
         )
+
+    def grad_tolerance(self, grad_rtol: float, weight_rtol: float) -> float:
+        """``grad_rtol`` for step 1's gradients; ``weight_rtol`` for a resumed run's first
+        step (after ``first_step`` Adam steps the weights differ by rounding already)."""
+        return grad_rtol if self.first_step == 0 else weight_rtol
 
 
 def _layout_str(**sizes: int) -> str:
@@ -172,6 +193,7 @@ def run_parity(
     balance: bool = False,
     encoder_dim_names: Sequence[str] | None = None,
     llm_dim_names: Sequence[str] | None = None,
+    hooks: TrainHooks | None = None,
 ) -> ParityReport:
     """Train both models for ``steps`` Adam steps and compare (collective on every rank).
 
@@ -188,7 +210,8 @@ def run_parity(
     ``"routed"``; ``balance``: balanced encoders (see :class:`ColocatedMimoModel`).
     ``llm_pp > 1``: the LLM runs in pipeline stages over ``microbatches`` (``train_step``);
     each rank compares its own stage's LLM weights and gradients, the worst over the world
-    is reported.
+    is reported. ``hooks``: a :class:`TrainHooks` (a run resumed at step ``k`` compares the
+    whole curve, its first gradients at step ``k``, and the encoder input gradients from ``k``).
     """
     check_int("steps", steps, low=1)
     encoder_axis_names = _renamed("encoder_dim_names", encoder_dim_names, encoder_axis_names)
@@ -235,8 +258,14 @@ def run_parity(
             for b in pool
         ]
         optim = torch.optim.Adam(model.parameters(), lr=lr)
-        dist_losses, dist_grads, seconds = [], [], []
-        for step in range(steps):
+        first, dist_losses = hooks.resume(model, optim) if hooks else (0, [])
+        if not 0 <= first < steps or len(dist_losses) != first:
+            raise ValueError(
+                f"hooks.resume gave step {first} with {len(dist_losses)} losses; a run of "
+                f"steps={steps} resumes at a step in [0, {steps}) with one loss per step done"
+            )
+        dist_losses, dist_grads, seconds = list(dist_losses), [], []
+        for step in range(first, steps):
             start = time.perf_counter()
             optim.zero_grad(set_to_none=True)
             images, text = local[step % len(local)]
@@ -249,10 +278,12 @@ def run_parity(
             seconds.append(time.perf_counter() - start)
             dist_losses.append(loss.item())
             dist_grads.append(x.grad.detach().clone())
-            if step == 0:  # synced gradients, before Adam's normalization hides their scale
+            if step == first:  # synced gradients, before Adam's normalization hides their scale
                 first_grads = gather_full_state(model, grads=True)
             if on_step is not None:
                 on_step(step, dist_losses[-1], seconds[-1])
+            if hooks is not None:
+                hooks.after_step(step, model, optim, dist_losses)
         full = model.to_full()
     finally:
         destroy_colocated_mimo(model, enc_grid, llm_grid)
@@ -266,15 +297,17 @@ def run_parity(
         x, images = _with_grad(batch.images)
         loss = reference(*batch.text, images, cu_seqlens=batch.cu_seqlens)
         loss.backward()
-        if step == 0:
+        if step == first:
             ref_grads = {
                 k: torch.zeros_like(p) if p.grad is None else p.grad.clone()
                 for k, p in reference.named_parameters()
             }
         ref_optim.step()
         ref_losses.append(loss.item())
+        if step < first:  # before the resume: this run has no input gradient for it
+            continue
         mine = x.grad[_encoder_rows(batch, enc_dp_rank, encoder_dp)]
-        diff = (dist_grads[step] - mine).abs()
+        diff = (dist_grads[step - first] - mine).abs()
         grad_abs = max(grad_abs, float(diff.max()) if diff.numel() else 0.0)  # ragged: T may be 0
         grad_scale = max(grad_scale, float(x.grad.abs().max()))
     # The input-gradient difference is per rank: take the worst over the world.
@@ -312,4 +345,5 @@ def run_parity(
         worst_param_grad=worst_pgrad,
         step_seconds=seconds,
         tokens_per_step=pool[0].input_ids.numel(),
+        first_step=first,
     )

@@ -1,7 +1,10 @@
 """Count the collectives (and bytes) a piece of code issues, for budget tests.
 
-Wraps the ``torch.distributed`` functions our code and megatron-core call through the
-module attribute (``dist.all_reduce(...)``), so the count covers both. Use as::
+Wraps the ``torch.distributed`` functions our code, megatron-core and FSDP2 call through
+the module attribute (``dist.all_reduce(...)``), and watches the functional collectives
+(``torch.ops._c10d_functional``: what DTensor's ``redistribute`` / ``full_tensor`` and
+``torch.distributed._functional_collectives`` issue, which no ``dist.<name>`` wrapper
+sees) with a dispatch mode; both record into one list. Use as::
 
     with CollectiveCounter() as counter:
         y = bridge.communicate(x)
@@ -21,6 +24,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as _c10d
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from mp_bridge.checks import in_agreement_check
 
@@ -102,6 +107,65 @@ def _all_to_all_received(args: tuple, kwargs: dict, group_size: int, group_rank:
     return total - splits[group_rank] * row_bytes
 
 
+#: Functional collectives (``torch.ops._c10d_functional.<op>``) -> canonical name.
+#: ``wait_tensor`` is no collective; the ``_c10d_functional_autograd`` ops run these.
+_FUNCTIONAL = {
+    "all_gather_into_tensor": "all_gather",
+    "all_gather_into_tensor_coalesced": "all_gather",
+    "reduce_scatter_tensor": "reduce_scatter",
+    "reduce_scatter_tensor_coalesced": "reduce_scatter",
+    "all_reduce": "all_reduce",
+    "all_reduce_coalesced": "all_reduce",
+    "all_to_all_single": "all_to_all",
+    "broadcast": "broadcast",
+}
+
+
+def _functional_call(name: str, args: tuple) -> CollectiveCall:
+    """The call of functional op ``name`` with ``args`` (the group is its last string
+    argument; inputs come first: a tensor, or a list for the ``_coalesced`` ops)."""
+    canonical = _FUNCTIONAL[name]
+    group = _c10d._resolve_process_group(next(a for a in reversed(args) if isinstance(a, str)))
+    size, rank = group.size(), dist.get_rank(group)
+    sent = _tensor_bytes(args[0])  # the input: this rank's piece / its whole buffer
+    if canonical == "all_gather":
+        received = sent * (size - 1)
+    elif canonical == "reduce_scatter":
+        received = sent * (size - 1) // max(size, 1)
+    elif canonical == "all_to_all":  # (input, output_split_sizes, input_split_sizes, group)
+        rows = args[0].shape[0] if args[0].dim() else 0
+        row_bytes = sent // rows if rows else 0
+        out_rows = sum(args[1]) if args[1] else rows
+        own = args[1][rank] if args[1] else rows // max(size, 1)
+        received = (out_rows - own) * row_bytes
+    else:
+        received = sent
+    return CollectiveCall(canonical, size, received)
+
+
+class _FunctionalCollectives(TorchDispatchMode):
+    """Records ``_c10d_functional`` collectives on plain tensors. An op on DTensors is
+    left to DTensor first (``NotImplemented``): the collectives it desugars into come back
+    here on plain tensors, as in torch's ``CommDebugMode``."""
+
+    def __init__(self, counter: CollectiveCounter) -> None:
+        super().__init__()
+        self.supports_higher_order_operators = True  # DTensor's RNG ops: passed through
+        self.counter = counter
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if isinstance(func, torch._ops.HigherOrderOperator):
+            return func(*args, **(kwargs or {}))
+        if DTensor in types:  # modes run before subclasses: let DTensor desugar first
+            return NotImplemented
+        packet = getattr(func, "_overloadpacket", None)
+        if packet is not None and packet._qualified_op_name.startswith("_c10d_functional::"):
+            name = packet._qualified_op_name.split("::", 1)[1]
+            if name in _FUNCTIONAL:
+                self.counter.record(_functional_call(name, args))
+        return func(*args, **(kwargs or {}))
+
+
 class CollectiveCounter:
     """Context manager recording every wrapped collective issued inside it (this rank)."""
 
@@ -110,6 +174,11 @@ class CollectiveCounter:
         #: The agreement check's collectives (not part of any budget).
         self.check_calls: list[CollectiveCall] = []
         self._saved: dict[str, Any] = {}
+        self._functional: _FunctionalCollectives | None = None
+
+    def record(self, call: CollectiveCall) -> None:
+        """Add ``call`` (to ``check_calls`` while the agreement check runs)."""
+        (self.check_calls if in_agreement_check() else self.calls).append(call)
 
     def __enter__(self) -> CollectiveCounter:
         for attr, canonical in _WRAPPED.items():
@@ -124,9 +193,14 @@ class CollectiveCounter:
             # same wrapper there keeps those checks true.
             if getattr(_c10d, attr, None) is original:
                 setattr(_c10d, attr, wrapper)
+        self._functional = _FunctionalCollectives(self)
+        self._functional.__enter__()
         return self
 
     def __exit__(self, *exc: object) -> None:
+        if self._functional is not None:
+            self._functional.__exit__(*exc)
+            self._functional = None
         for attr, original in self._saved.items():
             if getattr(_c10d, attr, None) is getattr(dist, attr):
                 setattr(_c10d, attr, original)
@@ -145,8 +219,7 @@ class CollectiveCounter:
             nbytes = _received_bytes(canonical, args, kwargs, size, rank)
             # Inner spellings (all_gather_single -> all_gather_into_tensor) record once.
             if not getattr(counter, "_inside", False):
-                calls = counter.check_calls if in_agreement_check() else counter.calls
-                calls.append(CollectiveCall(canonical, size, nbytes))
+                counter.record(CollectiveCall(canonical, size, nbytes))
                 counter._inside = True
                 try:
                     return original(*args, **kwargs)

@@ -1,7 +1,10 @@
 """Per-token temperature, sum_pi_squared, reduction= and the entropy's options on 4 ranks:
 every loss API in every path (materialized / fused x invariant or not) against the fp64
 reference of ``tests/loss_refs.py`` at TP 1, 2 and 4, the invariant paths bitwise
-identical across TP, and a temperature that differs across TP ranks refused.
+identical across TP, and a temperature that differs across TP ranks refused. Per-class
+weights (``ce_weight``) likewise on both cross-entropy doors against torch's
+``F.cross_entropy(weight=)``, with a weight that differs across ranks or is this rank's
+shard refused.
 
 One full weight / hidden / target set (same seed on every rank; V = 1000: 4 blocks of
 256, the last one 232 true ids; weight rows past it are garbage on purpose) is split with
@@ -11,6 +14,7 @@ process. All cases of a world run in one set of 4 processes (``DistributedWorld`
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from mp_bridge.checks import AgreementError
@@ -23,7 +27,7 @@ from mp_bridge.layers import (
     vocab_shard_ranges,
 )
 from mp_bridge.testing import DistributedWorld, current_device
-from tests.loss_refs import Checks, reference, sum_pi_squared
+from tests.loss_refs import Checks, fp64_oracle, reference, sum_pi_squared, weighted_cross_entropy
 from tests.oracles import gather_rows, tp_member
 
 world = DistributedWorld(4, timeout_s=240)
@@ -134,30 +138,30 @@ def _run(path, api, opts, hidden, weight, target, tp, order=None):
 
 
 def _oracle(path, api, opts, hidden, weight, target):
-    if path.startswith("materialized"):
-        leaves = [(hidden @ weight[:V].t()).double().requires_grad_()]
-        z = leaves[0]
-    else:
-        leaves = [hidden.double().requires_grad_(), weight[:V].double().requires_grad_()]
-        z = leaves[0] @ leaves[1].t()
     target = _target(api, opts, target)
     ignore = opts.get("ignore_index", -100) if (target < 0).any() else None
     keys = ("temperature", "softcap", "label_smoothing", "z_loss_weight")
     kw = {k: opts[k] for k in keys if k in opts}
     kind = "ce" if api == "ce" else "logprob"
-    value, entropy, _ = reference(z, target, kind=kind, ignore_index=ignore, **kw)
-    outs = [entropy] if api == "ent" else [value]
-    outs += [entropy] if opts.get("return_entropy") else []
-    if opts.get("return_sum_pi_squared"):
-        sq_kw = {k: kw[k] for k in ("temperature", "softcap") if k in kw}
-        outs.append(sum_pi_squared(z, target, ignore_index=ignore, **sq_kw).detach())
-    reduction = opts.get("reduction", "none")
-    if reduction != "none":
-        count = target.numel() if ignore is None else (target != ignore).sum()
-        outs = [o.sum() / (count if reduction == "mean" else 1) for o in outs]
-    ups = _ups(outs[0].shape, len(outs), z.device, torch.float64)
-    sum((o * u).sum() for o, u in zip(outs, ups) if o.requires_grad).backward()
-    return [o.detach() for o in outs], [leaf.grad for leaf in leaves]
+
+    def outputs(z):
+        value, entropy, _ = reference(z, target, kind=kind, ignore_index=ignore, **kw)
+        outs = [entropy] if api == "ent" else [value]
+        outs += [entropy] if opts.get("return_entropy") else []
+        if opts.get("return_sum_pi_squared"):
+            sq_kw = {k: kw[k] for k in ("temperature", "softcap") if k in kw}
+            outs.append(sum_pi_squared(z, target, ignore_index=ignore, **sq_kw).detach())
+        reduction = opts.get("reduction", "none")
+        if reduction != "none":
+            count = target.numel() if ignore is None else (target != ignore).sum()
+            outs = [o.sum() / (count if reduction == "mean" else 1) for o in outs]
+        return outs
+
+    def ups(outs):
+        return _ups(outs[0].shape, len(outs), hidden.device, torch.float64)
+
+    materialized = path.startswith("materialized")
+    return fp64_oracle(materialized, hidden, weight, V, outputs, ups)
 
 
 @world.parametrize("name", NAMES)
@@ -239,3 +243,72 @@ def test_invariant_new_options_ignore_token_order():
         if path == "materialized_inv":
             checks.equal(got[1][0], permuted(base[1][0]), f"{path} d logits permuted")
     checks.done()
+
+
+# ------------------------------------------------------------------ per-class weights
+CE_CASES = {
+    "smooth-mean-z": {"label_smoothing": 0.1, "reduction": "mean", "z_loss_weight": 1e-3},
+    "smooth-none-T-cap": {
+        "label_smoothing": 0.2,
+        "reduction": "none",
+        "temperature": 0.8,
+        "softcap": 3.0,
+    },
+}
+
+
+def _ce_weight(device):
+    """``[V]`` weights in [0.2, 2.2), two classes at 0."""
+    w = torch.rand(V, generator=torch.Generator().manual_seed(11)) * 2 + 0.2
+    w[[3, 600]] = 0.0
+    return w.to(device)
+
+
+def _ce_oracle(path, opts, hidden, weight, target, ce_weight):
+    def outputs(z):
+        return [weighted_cross_entropy(z, target, ce_weight, **opts)]
+
+    def ups(outs):
+        return _ups(outs[0].shape, 1, hidden.device, torch.float64)
+
+    return fp64_oracle(path.startswith("materialized"), hidden, weight, V, outputs, ups)
+
+
+@world.case
+def test_ce_weight_fp64_at_tp_1_2_4_and_invariant_bitwise():
+    hidden, weight, target, _ = _data()
+    ce_weight = _ce_weight(hidden.device)
+    checks = Checks()
+    for name, opts in CE_CASES.items():
+        for path in PATHS:
+            ref = _ce_oracle(path, opts, hidden, weight, target, ce_weight)
+            base = None
+            for tp in (1, 2, 4):
+                got = _run(path, "ce", dict(opts, ce_weight=ce_weight), hidden, weight, target, tp)
+                what, inv = f"{name} {path} tp={tp}", path.endswith("_inv")
+                base = checks.tp_point(what, got, ref, base, inv)
+    checks.done()
+
+
+@world.case
+def test_ce_weight_that_differs_across_tp_ranks_or_is_a_shard_is_refused():
+    """A weight off on one rank: the same ``AgreementError`` on every rank; this rank's
+    shard of the weights: a ``ValueError`` on every rank from the parse, before any
+    collective (nobody waits)."""
+    hidden, weight, target, _ = _data()
+    ce_weight = _ce_weight(hidden.device)
+    _, group, rank = tp_member(4)
+    start, end = vocab_shard_ranges(V, 4, multiple=256)[rank]
+    off = ce_weight.clone()
+    off[10] += 0.5 * (rank == 2)  # one rank's weights differ in one class
+    x = hidden @ weight[start:end].t()
+    for inv in (False, True):
+        for door in ("vocab_parallel_cross_entropy", "fused_linear_cross_entropy"):
+            args = (x,) if door.startswith("vocab") else (hidden, weight[start:end])
+            fn = globals()[door]
+            kw = dict(tp_group=group, vocab_size=V, invariant=inv)
+            with pytest.raises(AgreementError, match=r"ce_weight \(fingerprint\)"):
+                fn(*args, target, ce_weight=off, **kw)
+            rows = ce_weight[start:end].shape[0]  # the last rank's rows stop at V
+            with pytest.raises(ValueError, match=rf"ce_weight shape \({rows},\) must be"):
+                fn(*args, target, ce_weight=ce_weight[start:end], **kw)

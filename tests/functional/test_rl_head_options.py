@@ -19,7 +19,7 @@ from mp_bridge.layers import (
     vocab_shard_ranges,
 )
 from mp_bridge.testing import DistributedWorld, current_device
-from tests.loss_refs import Checks, reference
+from tests.loss_refs import Checks, fp64_oracle, reference
 from tests.oracles import gather_rows, tp_member
 
 world = DistributedWorld(8, timeout_s=180)
@@ -90,23 +90,26 @@ def _run(path, kind, opts, hidden, weight, target, tp, ups=None, chunk=29):
 
 
 def _oracle(path, kind, opts, hidden, weight, target):
-    if path.startswith("materialized"):
-        leaves = [(hidden @ weight[:V].t()).double().requires_grad_()]
-        z = leaves[0]
-    else:
-        leaves = [hidden.double().requires_grad_(), weight[:V].double().requires_grad_()]
-        z = leaves[0] @ leaves[1].t()
     keys = ("temperature", "softcap", "z_loss_weight", "label_smoothing")
     ref_opts = {k: opts[k] for k in keys if k in opts}
     ref_opts["ignore_index"] = -100 if kind == "ce" else opts.get("ignore_index")
     t = _targets(kind, opts, target)
-    value, entropy, z_loss = reference(z, t, kind="ce" if kind == "ce" else "logprob", **ref_opts)
-    outs = [value]
-    outs += [entropy] if opts.get("return_entropy") else []
-    outs += [z_loss.detach()] if opts.get("return_z_loss") else []
-    ups = [torch.linspace(0.5, 1.5, N, device=z.device).double() * (i + 1) for i in range(2)]
-    sum((o * u).sum() for o, u in zip(outs, ups) if o.requires_grad).backward()
-    return [o.detach() for o in outs], [leaf.grad for leaf in leaves]
+
+    def outputs(z):
+        value, entropy, z_loss = reference(
+            z, t, kind="ce" if kind == "ce" else "logprob", **ref_opts
+        )
+        outs = [value]
+        outs += [entropy] if opts.get("return_entropy") else []
+        outs += [z_loss.detach()] if opts.get("return_z_loss") else []
+        return outs
+
+    def ups(outs):
+        return [
+            torch.linspace(0.5, 1.5, N, device=hidden.device).double() * (i + 1) for i in range(2)
+        ]
+
+    return fp64_oracle(path.startswith("materialized"), hidden, weight, V, outputs, ups)
 
 
 def _same(checks, got, base, what, count=None):

@@ -34,6 +34,7 @@ FLOORS: dict[str, float] = {
     "mp_bridge.layers": 3,
     "mp_bridge.layers.loss": 3.1,
     "mp_bridge.models": 4,
+    "mp_bridge.checkpoint": 4,
     "mp_bridge.models.data": 4.1,
     "mp_bridge.models.reference": 4.2,
     "mp_bridge.models.parallel": 4.3,

@@ -30,12 +30,19 @@ import torch.distributed as dist
 
 from mp_bridge.checks import ENTRY_POINTS, agreed, agreed_name
 
-PUBLIC_PACKAGES = ("mp_bridge.grid", "mp_bridge.comm", "mp_bridge.layers", "mp_bridge.models")
+PUBLIC_PACKAGES = (
+    "mp_bridge.grid",
+    "mp_bridge.comm",
+    "mp_bridge.layers",
+    "mp_bridge.models",
+    "mp_bridge.checkpoint",
+)
 
 #: Table rows not marked yet (empty: every wing is wired). A row marked already must leave
 #: it (the audit says so).
 PENDING_MARKS: frozenset[str] = frozenset()
 
+_ASYNC = "the async save's own process group (never the training group), on arguments save agreed"
 _PRIMITIVE = "one collective on shapes its caller (an entry point) agreed on; checking each "
 _PRIMITIVE += "primitive would double the collectives the budget tests fix"
 _NO_COLLECTIVE = "stores or reads groups, runs no collective"
@@ -97,18 +104,31 @@ EXEMPT: dict[str, str] = {
     "mp_bridge.layers.ShardSpec.__init__": _NO_COLLECTIVE,
     "mp_bridge.layers.ShardSpec.rows": "pure: rows of a rank",
     "mp_bridge.layers.ShardSpec.full_shape": "pure: a shape",
+    "mp_bridge.layers.ShardSpec.pieces": "pure: the real rows of a rank, per fused part",
+    "mp_bridge.layers.ShardSpec.local_pieces": "reads the group size and rank; no collective",
     "mp_bridge.layers.mark_sharded": "attaches a ShardSpec to a tensor; no collective",
     "mp_bridge.layers.VocabParallelEmbedding.__init__": _NO_COLLECTIVE,
     "mp_bridge.layers.VocabParallelEmbedding.from_full": "copies this rank's rows; no collective",
     "mp_bridge.layers.VocabParallelEmbedding.new_rows": "allocates a local shard",
     "mp_bridge.layers.VocabParallelEmbedding.check_full": "validates a local tensor",
     "mp_bridge.layers.VocabParallelEmbedding.extra_repr": "text",
+    "mp_bridge.layers.VocabParallelEmbedding.sharded_state_dict": "megatron metadata of the local "
+    "shard (reads group ranks and sizes); no collective",
+    "mp_bridge.layers.VocabParallelEmbedding.zero_padding_": "zeroes local rows; no collective",
     "mp_bridge.layers.VocabParallelLMHead.__init__": _NO_COLLECTIVE,
     "mp_bridge.layers.VocabParallelLMHead.from_full": "copies this rank's rows; no collective",
     "mp_bridge.layers.VocabParallelLMHead.new_rows": "allocates a local shard",
     "mp_bridge.layers.VocabParallelLMHead.check_full": "validates a local tensor",
     "mp_bridge.layers.VocabParallelLMHead.extra_repr": "text",
+    "mp_bridge.layers.VocabParallelLMHead.sharded_state_dict": "megatron metadata of the local "
+    "shard (reads group ranks and sizes); no collective",
+    "mp_bridge.layers.VocabParallelLMHead.zero_padding_": "zeroes local rows; no collective",
     # models
+    "mp_bridge.checkpoint.save": "its own agreement: every rank's argument error is exchanged "
+    "(checkpoint/ranks.py agree_errors) before any DCP collective, so all raise the same one",
+    "mp_bridge.checkpoint.AsyncSave.__init__": _ASYNC,
+    "mp_bridge.checkpoint.AsyncSave.done": _ASYNC,
+    "mp_bridge.checkpoint.AsyncSave.wait": _ASYNC,
     "mp_bridge.models.TPEncoder.__init__": _NO_COLLECTIVE,
     "mp_bridge.models.TPEncoder.forward": _DELEGATES + " (megatron's TP linears' mappings)",
     "mp_bridge.models.TPEncoder.from_full": "copies this rank's shards; no collective",
@@ -133,9 +153,6 @@ EXEMPT: dict[str, str] = {
     "mp_bridge.models.run_parity": _DELEGATES + " (make_grid, the model's forward)",
     "mp_bridge.models.ColocatedMimoModel.parts": "returns the modules and groups; no collective",
     "mp_bridge.models.MimoGroups.local": "one process: no group, no collective",
-    "mp_bridge.models.RoutedFlow.loss": _DELEGATES + " (route, the LLM's layers, masked_mean); "
-    "it runs on inputs ColocatedMimoModel.parse_and_agree agreed, and its one own collective "
-    "is a placeholder-count all-gather over encoder TP of those inputs",
     "mp_bridge.models.ColocatedMimoModel.gradient_buckets": "lists (group, params); no collective",
     "mp_bridge.models.MimoGroups.__init__": _NO_COLLECTIVE,
     "mp_bridge.models.MimoGroups.destroy": "teardown: releases its own groups",

@@ -3,7 +3,7 @@
 GEMM libraries pick their kernel, hence the summation order, from the shapes and the batch
 count, so invariant mode must issue the same matmul calls for every TP size, chunk size
 and batch composition. A ``TorchDispatchMode`` records every matmul-like aten op (with the
-shapes, strides and dtypes of its operands) while the fused invariant engine runs the
+shapes, strides and dtypes of its operands) while the fused invariant runner runs the
 forward, the eager gradient and the backward recompute; TP ranks are simulated in one
 process (each rank's engine on its own shard; the all-gather of the fold is replaced by a
 stand-in, which issues no matmul). Checked: the set of calls is identical across TP 1, 2,
@@ -22,7 +22,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import mp_bridge.layers.loss.engines.torch.chunks as engines
+import mp_bridge.layers.loss.engines.torch_ops.torch_invariant as engines
 from mp_bridge.layers.loss.blocks import (
     BLOCK_GROUP,
     HIDDEN_ALIGN,
@@ -90,7 +90,7 @@ def _record(monkeypatch, *, vocab, h_dim, tp, batches, chunk, dtype=torch.float3
         shard = VocabShard.of_rank(tp, v_local, rank=rank, vocab_size=vocab)
         layout = BlockLayout.of_shard(shard)
         weight = torch.randn(layout.v_local, h_dim, generator=gen).to(dtype)
-        engine = engines.InvariantEngine(weight, None, layout, spec)
+        runner = engines.TorchInvariantRunner(weight, None, layout, spec)
         gw = torch.zeros(weight.shape)
         for n in batches:
             hidden = torch.randn(n, h_dim, generator=gen).to(dtype)
@@ -100,10 +100,10 @@ def _record(monkeypatch, *, vocab, h_dim, tp, batches, chunk, dtype=torch.float3
                 h, t = hidden[s : s + chunk], target[s : s + chunk]
                 tiles += 2 * -(-h.shape[0] // TOKEN_TILE) if rank == 0 else 0  # fwd, recompute
                 with rec:
-                    res = engine.forward_chunk(h, t)
-                    engine.grad_chunk(res.state, h, t, res.lse, w[: h.shape[0]], gw)
-                    state = engine.recompute(h)
-                    engine.grad_chunk(state, h, t, res.lse, w[: h.shape[0]], gw)
+                    state, out = runner.forward_chunk(h, t)
+                    runner.grad_chunk(state, h, t, out.lse, w[: h.shape[0]], gw)
+                    state = runner.recompute(h)
+                    runner.grad_chunk(state, h, t, out.lse, w[: h.shape[0]], gw)
     return rec.calls, tiles
 
 
@@ -169,7 +169,7 @@ def test_one_set_of_matmul_shapes_for_every_tp_chunk_and_batch(monkeypatch, h_di
 
 
 def test_a_planted_tp_dependent_matmul_is_detected(monkeypatch):
-    clean = _logits = engines.InvariantEngine._logits
+    clean = _logits = engines.TorchInvariantRunner._logits
 
     def planted(self, hb, temp=None):  # one extra product over the whole shard: K varies with TP
         torch.mm(hb[0], self._wb.flatten(0, 1).t())
@@ -177,11 +177,11 @@ def test_a_planted_tp_dependent_matmul_is_detected(monkeypatch):
 
     runs = {name: _record(monkeypatch, vocab=VOCAB, h_dim=48, **CONFIGS[name]) for name in CONFIGS}
     assert _differences(runs) == []
-    monkeypatch.setattr(engines.InvariantEngine, "_logits", planted)
+    monkeypatch.setattr(engines.TorchInvariantRunner, "_logits", planted)
     runs = {name: _record(monkeypatch, vocab=VOCAB, h_dim=48, **CONFIGS[name]) for name in CONFIGS}
     found = _differences(runs)
     assert found and any("'mm'" in line for line in found), found
-    assert engines.InvariantEngine._logits is planted and clean is not planted
+    assert engines.TorchInvariantRunner._logits is planted and clean is not planted
 
 
 @pytest.mark.parametrize("h_dim", [*range(HIDDEN_ALIGN, 161, HIDDEN_ALIGN), 1024, 4096])

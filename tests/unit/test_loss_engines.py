@@ -1,6 +1,7 @@
 """The loss seam on one process: ``engine=`` checked at the door, the ``triton`` engine
-imported only when asked for or picked, one ``LossOptions`` per call, an engine plugged in
-through the registry alone, and the loss doors' bad tensors named before any collective.
+imported only when asked for or picked, an explicit engine never falling back, one
+``LossOptions`` per call, an engine plugged in through the registry alone, and the loss
+doors' bad tensors named before any collective.
 
 Oracles: the ``"torch"`` engine's own outputs (a plugged-in engine that delegates to it
 must give the same bits) and literal error messages.
@@ -16,7 +17,6 @@ import types
 import pytest
 import torch
 
-from mp_bridge.checks import MAX_FIELDS
 from mp_bridge.layers import (
     fused_linear_cross_entropy,
     fused_linear_logprobs,
@@ -25,12 +25,16 @@ from mp_bridge.layers import (
     vocab_parallel_logprobs,
 )
 from mp_bridge.layers.loss import fused, vocab_parallel
-from mp_bridge.layers.loss.engines.protocol import FusedLossEngine, load_engine
-from mp_bridge.layers.loss.engines.registry import ENGINE_MODULES, ENGINES, resolve_engine
-from mp_bridge.layers.loss.engines.torch import ENGINE as TORCH_ENGINE
+from mp_bridge.layers.loss.engines.protocol import FusedLossEngine, choose_engine, load_engine
+from mp_bridge.layers.loss.engines.registry import ENGINE_CAPS, ENGINES
+from mp_bridge.layers.loss.engines.torch_ops import ENGINE as TORCH_ENGINE
 from mp_bridge.layers.loss.options import LossOptions
 
-TRITON_MODULE = ENGINE_MODULES["triton"][0]
+TRITON_MODULE = ENGINE_CAPS["triton"].module
+
+
+def _described(*tensors, names=("hidden", "weight")):
+    return tuple((n, tuple(t.shape), t.dtype) for n, t in zip(names, tensors, strict=True))
 
 
 def _inputs(n=6, h=4, v=8):
@@ -58,7 +62,7 @@ def test_triton_asked_for_without_its_module_says_how_to_install(monkeypatch):
 
 def test_auto_is_torch_on_cpu_and_the_same_bits():
     hidden, weight, target = _inputs()
-    assert resolve_engine("auto", hidden.device) == "torch"
+    assert choose_engine("auto", _described(hidden, weight), hidden.device) == "torch"
     auto = fused_linear_logprobs(hidden, weight, target)
     torch_ = fused_linear_logprobs(hidden, weight, target, engine="torch")
     assert torch.equal(auto, torch_)
@@ -66,8 +70,24 @@ def test_auto_is_torch_on_cpu_and_the_same_bits():
 
 def test_auto_on_cuda_without_triton_warns_and_runs_torch(monkeypatch):
     monkeypatch.setitem(sys.modules, TRITON_MODULE, None)
+    hidden, weight, _ = _inputs()
     with pytest.warns(UserWarning, match=r"engine='auto' runs the 'torch' engine on CUDA"):
-        assert resolve_engine("auto", torch.device("cuda")) == "torch"
+        assert choose_engine("auto", _described(hidden, weight), torch.device("cuda")) == "torch"
+
+
+def test_auto_reads_the_capabilities_and_an_explicit_engine_checks_them(monkeypatch):
+    # Data, not code: the device types and dtypes of ENGINE_CAPS decide, before any import.
+    hidden, weight, _ = _inputs()
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    fp64 = _described(hidden.double(), weight.double())
+    assert choose_engine("auto", fp64, cuda) == "torch"  # no triton import tried
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert ENGINE_CAPS["triton"].unsupported(cpu, (torch.float32,)) == (
+        "cpu tensors (it runs cuda tensors (cpu only under TRITON_INTERPRET=1))"
+    )
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert ENGINE_CAPS["triton"].unsupported(cpu, (torch.float32,)) is None
+    assert ENGINE_CAPS["torch"].unsupported(cpu, (torch.float64,)) is None
 
 
 _NO_TRITON = """
@@ -116,7 +136,7 @@ class _Delegating:
     def __init__(self, missing=None):
         self.missing, self.calls = missing, []
 
-    def unsupported(self, options):
+    def unsupported(self, inputs):
         return self.missing
 
     def loss(self, hidden, weight, target, temperature, options):
@@ -147,16 +167,23 @@ def test_an_engine_plugs_in_through_the_registry_alone(monkeypatch):
     assert options.engine == "triton" and options.spec.entropy
 
 
-def test_an_unsupported_option_runs_torch_with_a_warning(monkeypatch):
-    engine = _Delegating(missing="label_smoothing")
+def test_an_explicit_engine_never_falls_back(monkeypatch):
+    # An input the asked-for engine cannot run is a ValueError naming the reason, raised
+    # by the parse (before the agreement and any collective); "auto" picks another engine.
+    engine = _Delegating(missing="weight (8, 4) of 2**31 or more elements (int32 offsets)")
     _plug(monkeypatch, engine)
     hidden, weight, target = _inputs()
-    with pytest.warns(UserWarning, match=r"'triton' engine cannot compute 'label_smoothing'"):
-        out = fused_linear_cross_entropy(
-            hidden, weight, target, engine="triton", label_smoothing=0.1
-        )
+    match = (
+        r"engine='triton' cannot run this call: weight \(8, 4\) of 2\*\*31 or more elements "
+        r"\(int32 offsets\); pass engine='auto'"
+    )
+    for door in (fused_linear_cross_entropy, fused_linear_logprobs):
+        with pytest.raises(ValueError, match=match):
+            door(hidden, weight, target, engine="triton")
     assert engine.calls == []
-    assert torch.equal(out, fused_linear_cross_entropy(hidden, weight, target, label_smoothing=0.1))
+    auto = fused_linear_cross_entropy(hidden, weight, target, label_smoothing=0.1)
+    ref = fused_linear_cross_entropy(hidden, weight, target, label_smoothing=0.1, engine="torch")
+    assert torch.equal(auto, ref) and engine.calls == []
 
 
 # -------------------------------------------------------------- the options object
@@ -164,8 +191,8 @@ def _options_of(monkeypatch, module, call) -> LossOptions:
     seen = []
     parse = module.parse_loss_options
 
-    def spy(kind, args):
-        seen.append(parse(kind, args))
+    def spy(kind, args, *choose):
+        seen.append(parse(kind, args, *choose))
         return seen[-1]
 
     monkeypatch.setattr(module, "parse_loss_options", spy)
@@ -197,8 +224,8 @@ def test_every_door_parses_into_one_frozen_options_object(monkeypatch):
         assert [k for k in fields if k.endswith(".shape")] == [f"{n}.shape" for n in inputs]
         assert {"spec", "reduction", "invariant", "engine", "chunk"} <= set(fields)
         assert fields["engine"] == "torch"
-        # with the fingerprints of target, temperature and (fused) hidden: one row
-        assert len(fields) + 3 <= MAX_FIELDS
+        # any number of fields fits the agreement's fixed row (pack_row folds the ones past
+        # its slots: tests/unit/test_checks_agree.py), so the options have room to grow
 
 
 def test_load_engine_reads_the_options(monkeypatch):
@@ -207,7 +234,7 @@ def test_load_engine_reads_the_options(monkeypatch):
         monkeypatch, fused, lambda: fused_linear_cross_entropy(hidden, weight, target)
     )
     assert load_engine(options) is TORCH_ENGINE and options.engine_reduction == "mean"
-    assert ENGINES == ("auto", *ENGINE_MODULES)
+    assert ENGINES == ("auto", *ENGINE_CAPS)
 
 
 # ----------------------------------------------------------------- bad tensors

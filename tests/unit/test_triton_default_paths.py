@@ -17,13 +17,13 @@ import pytest
 
 from tests.triton_engine import DEVICE  # noqa: F401 - TRITON_INTERPRET, importorskip
 
-from mp_bridge.layers.loss.engines.triton import vocab_major  # noqa: E402  # isort: skip
+from mp_bridge.layers.loss.engines.triton_ops import triton_default  # noqa: E402  # isort: skip
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_a_working_addmm_is_chosen_without_a_warning(recwarn):
-    assert vocab_major.choose_addmm_path(lambda: None) == vocab_major.ADDMM_OUT_DTYPE
+    assert triton_default.choose_addmm_path(lambda: None) == triton_default.ADDMM_OUT_DTYPE
     assert not recwarn.list
 
 
@@ -33,7 +33,7 @@ def test_a_failing_addmm_is_named_in_a_warning(error):
         raise error("addmm() got an unexpected keyword argument 'out_dtype'")
 
     with pytest.warns(RuntimeWarning, match=rf"{error.__name__}: addmm\(\) got an unexpected"):
-        assert vocab_major.choose_addmm_path(fails) == vocab_major.MM_THEN_ADD
+        assert triton_default.choose_addmm_path(fails) == triton_default.MM_THEN_ADD
 
 
 def test_a_wrong_addmm_result_is_an_error_not_a_fallback():
@@ -41,11 +41,11 @@ def test_a_wrong_addmm_result_is_an_error_not_a_fallback():
         raise AssertionError("addmm(out_dtype=float32, out=acc) gave 1.0")
 
     with pytest.raises(AssertionError):
-        vocab_major.choose_addmm_path(wrong)
+        triton_default.choose_addmm_path(wrong)
 
 
 def test_the_cpu_path_is_named():
-    assert "CPU" in vocab_major.addmm_path("cpu")
+    assert "CPU" in triton_default.addmm_path("cpu")
 
 
 #: How a user turns TF32 on for cuBLAS fp32 matmuls (torch 2.9+ maps each onto
@@ -61,7 +61,7 @@ def test_exact_fp32_turns_tf32_off_inside_and_restores_the_users_setting():
     # in a fresh process: the user's setting is process-global
     code = f"""
 import torch
-from mp_bridge.layers.loss.engines.triton.vocab_major import exact_fp32
+from mp_bridge.layers.loss.engines.triton_ops.triton_default import exact_fp32
 mm = torch.backends.cuda.matmul
 for user in {_USER!r}:
     exec(user)

@@ -1,6 +1,6 @@
 """The ``"triton"`` loss engine at TP = 1 against an fp64 oracle (both modes, every
-option), its invariant bits, and its fallbacks; kernels under ``TRITON_INTERPRET=1``
-without CUDA (``tests.triton_engine``).
+option), its invariant bits, and its refusals (an explicit engine never falls back);
+kernels under ``TRITON_INTERPRET=1`` without CUDA (``tests.triton_engine``).
 
 Shapes are small and odd on purpose: ``N = 45`` tokens (no multiple of any tile: 8, 16,
 32), ``H = 24`` (not a multiple of the 32-wide ``k`` step), vocab 600 (not a whole
@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import functools
 import sys
-import warnings
 
 import pytest
 import torch
@@ -29,7 +28,7 @@ from tests.triton_engine import DEVICE, oracle, run, triton_loss  # isort: split
 import triton  # noqa: E402 - after tests.triton_engine (TRITON_INTERPRET, importorskip)
 import triton.language as tl  # noqa: E402
 
-from mp_bridge.layers.loss.engines.triton.tiles import INTERPRET, rounded  # noqa: E402
+from mp_bridge.layers.loss.engines.triton_ops.tiles import INTERPRET, rounded  # noqa: E402
 
 N, H, V = 45, 24, 600
 FP32 = dict(rtol=2e-5, atol=2e-5)
@@ -169,20 +168,22 @@ def test_invariant_bits_do_not_depend_on_chunks_or_other_tokens():
             assert torch.equal(got[2], ref[2]), (chunk, front)
 
 
-def test_fp64_falls_back_to_torch_once_with_a_warning():
+def test_fp64_under_an_explicit_triton_engine_is_a_value_error():
+    # The kernels take fp32 / bf16 / fp16 (registry.ENGINE_CAPS): no silent torch fallback.
     hidden, weight, target = _data(torch.float64)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("default")  # what a user sees: once per process
-        a = triton_loss("ce", hidden, weight, target)
-        b = triton_loss("ce", hidden, weight, target)
-    said = "the 'triton' engine cannot compute 'hidden dtype torch.float64"
-    assert sum(said in str(w.message) for w in caught) == 1
-    assert torch.equal(a, b)
+    match = (
+        r"engine='triton' cannot run this call: dtype torch.float64 \(it takes float32, "
+        r"bfloat16, float16\); pass engine='auto'"
+    )
+    with pytest.raises(ValueError, match=match):
+        triton_loss("ce", hidden, weight, target)
+    auto = triton_loss("ce", hidden, weight, target, engine="auto")  # picks torch
+    assert torch.equal(auto, triton_loss("ce", hidden, weight, target, engine="torch"))
 
 
 def test_torch_engine_calls_never_import_the_triton_engine(monkeypatch):
     # A None entry makes any import of the engine raise ImportError.
-    monkeypatch.setitem(sys.modules, "mp_bridge.layers.loss.engines.triton", None)
+    monkeypatch.setitem(sys.modules, "mp_bridge.layers.loss.engines.triton_ops", None)
     hidden, weight, target = _data()
     from mp_bridge.layers import fused_linear_cross_entropy
 

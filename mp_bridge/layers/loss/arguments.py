@@ -29,6 +29,7 @@ from mp_bridge.layers.vocab_shards import VocabShard
 __all__ = [
     "REDUCTIONS",
     "check_bool",
+    "check_ce_weight",
     "check_chunk_size",
     "check_float",
     "check_fused_inputs",
@@ -85,8 +86,12 @@ def check_logits(
     return check_shard(logits.shape[-1], vocab_size, tp_group)
 
 
-def check_fused_inputs(hidden: object, weight: object, chunk_size: object) -> None:
-    """``hidden [..., H]`` and ``weight [V_local, H]`` floating, same H, dtype and device."""
+def check_fused_inputs(
+    hidden: object, weight: object, chunk_size: object, shard_rows: int | None = None
+) -> None:
+    """``hidden [..., H]`` and ``weight [V_local, H]`` floating, same H, dtype and device;
+    ``V_local >= 1`` unless ``shard_rows`` is given (a ``DTensor`` weight's shard, which
+    holds ``V_local <= shard_rows`` rows: the last ones of ``torch.chunk`` may hold none)."""
     for name, x in (("hidden", hidden), ("weight", weight)):
         if not isinstance(x, torch.Tensor) or not x.is_floating_point():
             raise TypeError(f"{name} must be a floating torch.Tensor, got {type(x).__name__}")
@@ -96,7 +101,8 @@ def check_fused_inputs(hidden: object, weight: object, chunk_size: object) -> No
             f"need hidden [..., H] and weight [V_local, H] with the same H, got hidden "
             f"{tuple(hidden.shape)} and weight {tuple(weight.shape)}"
         )
-    if weight.shape[0] < 1:  # else the empty shard would surface as a target out of range
+    # else the empty shard would surface as a target out of range
+    if shard_rows is None and weight.shape[0] < 1:
         raise ValueError(
             f"weight must be this rank's vocab shard [V_local, H] with V_local >= 1, got "
             f"{tuple(weight.shape)}; pass the LM head's local rows (every TP rank holds "
@@ -205,16 +211,7 @@ def _check_temperature_tensor(
         raise TypeError(
             f"temperature must be a floating tensor, got dtype={t.dtype}; e.g. temperature.float()"
         )
-    if t.device != like.device:
-        raise ValueError(
-            f"temperature is on {t.device} but the logits / hidden states are on "
-            f"{like.device}; pass temperature.to({like.device!s})"
-        )
-    if t.requires_grad:
-        raise ValueError(
-            "temperature requires grad, but the losses compute no gradient with respect to "
-            "it (it scales the logits as a constant); pass temperature.detach()"
-        )
+    _check_constant("temperature", t, like, "it scales the logits as a constant")
     try:
         ok = torch.broadcast_shapes(tuple(t.shape), shape) == shape
     except RuntimeError:
@@ -232,6 +229,54 @@ def _check_temperature_tensor(
             "temperature.clamp(min=1e-3)"
         )
     return t.detach().broadcast_to(shape)
+
+
+def check_ce_weight(ce_weight: object, vocab_size: int, like: torch.Tensor) -> torch.Tensor | None:
+    """``None`` or per-class weights: a floating ``[vocab_size]`` tensor on ``like``'s device,
+    without gradient, finite and >= 0 everywhere (one host sync), as ``F.cross_entropy``'s
+    ``weight``. Returned detached (the parse casts it)."""
+    if ce_weight is None:
+        return None
+    if not isinstance(ce_weight, torch.Tensor):
+        raise TypeError(
+            f"ce_weight must be a floating torch.Tensor of shape [vocab_size] or None, got "
+            f"{type(ce_weight).__name__}; pass torch.tensor(weights, dtype=torch.float32)"
+        )
+    if not ce_weight.is_floating_point():
+        raise TypeError(
+            f"ce_weight must be a floating tensor, got dtype={ce_weight.dtype}; e.g. "
+            "ce_weight.float()"
+        )
+    check_has_values("ce_weight", ce_weight)
+    if tuple(ce_weight.shape) != (vocab_size,):
+        raise ValueError(
+            f"ce_weight shape {tuple(ce_weight.shape)} must be [vocab_size] = ({vocab_size},): "
+            "one weight per true class of the full vocab, identical on every TP rank (not "
+            "this rank's shard, no padding rows)"
+        )
+    _check_constant("ce_weight", ce_weight, like, "a constant per-class factor")
+    ok = torch.isfinite(ce_weight) & (ce_weight >= 0)
+    if not bool(ok.all()):
+        bad = ce_weight[~ok].flatten()[0].item()
+        raise ValueError(
+            f"ce_weight must be finite and >= 0 everywhere, got {bad!r}; e.g. "
+            "ce_weight.clamp(min=0)"
+        )
+    return ce_weight.detach()
+
+
+def _check_constant(name: str, t: torch.Tensor, like: torch.Tensor, role: str) -> None:
+    """``t`` is on ``like``'s device and does not require grad (no gradient flows to it)."""
+    if t.device != like.device:
+        raise ValueError(
+            f"{name} is on {t.device} but the logits / hidden states are on "
+            f"{like.device}; pass {name}.to({like.device!s})"
+        )
+    if t.requires_grad:
+        raise ValueError(
+            f"{name} requires grad, but the losses compute no gradient with respect to "
+            f"it ({role}); pass {name}.detach()"
+        )
 
 
 def check_options(

@@ -67,7 +67,7 @@ TOKEN_TILE = 128
 WEIGHT_GRAD_ROWS = 64
 
 
-#: Blocks per matmul call (fused invariant engine): every call is a batch of exactly this
+#: Blocks per matmul call (fused invariant runner): every call is a batch of exactly this
 #: many ``[TOKEN_TILE, ., .]`` products, whatever the TP size, chunk or batch, because
 #: GEMM libraries choose their kernel (and summation order) by shape and batch count
 #: (cuBLAS sends a batch of 1 to ``gemm`` and more to ``bgemm``).
@@ -214,14 +214,16 @@ class BlockLayout:
 
 
 def pad_single_shard(x: torch.Tensor, dim: int, layout: BlockLayout) -> torch.Tensor:
-    """Zero-pad ``x`` along ``dim`` to ``layout.v_local`` rows (TP = 1, unaligned vocab).
+    """Zero-pad ``x`` along ``dim`` to its whole real blocks, ``layout.num_local *
+    layout.block`` rows (TP = 1 with an unaligned vocab, or a ``DTensor``'s short last shard).
 
-    A TP = 1 shard of any width (e.g. full ``[N, 1000]`` logits or a ``[1000, H]`` weight)
+    A TP = 1 shard of any width (e.g. full ``[N, 1000]`` logits or a ``[1000, H]`` weight),
+    or the last shard of ``torch.chunk`` (``dtensor_weight``: 253 rows of a 256-row block)
     is made block-aligned by one copy; the added ids are >= ``vocab_size`` (padding), and
     the gradient of ``F.pad`` slices them off. No-op when ``x`` already has the width.
     """
-    missing = layout.v_local - x.shape[dim]
-    if missing == 0:
+    missing = layout.num_local * layout.block - x.shape[dim]
+    if missing <= 0:
         return x
     pad = [0, 0] * (x.dim() - 1 - dim % x.dim()) + [0, missing]
     return torch.nn.functional.pad(x, pad)

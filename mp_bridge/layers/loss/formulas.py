@@ -10,7 +10,9 @@ vocab of ``V`` ids: ``lse = log sum_c exp(z_c)``, ``tl = z_target``, ``sz = sum_
     d value / d z = (a + 2 zw lse) p + b onehot + c
 
 - cross-entropy (``F.cross_entropy(label_smoothing=eps)``): ``a = 1, b = -(1 - eps),
-  c = -eps / V``, plus the z-loss ``zw * lse**2`` (``z_loss_weight``; absent when 0);
+  c = -eps / V``, plus the z-loss ``zw * lse**2`` (``z_loss_weight``; absent when 0); with
+  per-class weights (``LossSpec.class_weight``) ``a``, ``b`` are per token and ``sz`` is
+  the weighted sum (``class_weights``);
 - log-prob ``log_softmax(z)[target]``: ``a = -1, b = 1, c = 0``;
 - optionally the entropy ``H = -sum_c p_c log p_c`` of the same ``p = softmax(z)``, with
   ``d H / d z = -p (log p + H)``, and ``sum_c p_c**2`` (no gradient: a statistic).
@@ -45,16 +47,17 @@ bitwise TP / chunk / batch tests of ``tests/functional/test_rl_head_options.py``
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from mp_bridge.layers.loss.blocks import TOKEN_TILE, BlockLayout, TargetSlots
+from mp_bridge.layers.loss.class_weights import token_coefficients
+from mp_bridge.layers.loss.outputs import TokenOutputs
 
 __all__ = [
     "STATS",
     "LossSpec",
-    "RowValues",
     "block_stats_",
     "combine_stats",
     "entropy_of",
@@ -84,6 +87,8 @@ class LossSpec:
     z_loss_weight: float = 0.0
     entropy: bool = False  # also the per-token entropy (a second output)
     sum_pi_squared: bool = False  # also sum_c p_c**2 per token (last output, no gradient)
+    # ce_weight [V] (class_weights): not in the repr, the ranks agree on its bits instead
+    class_weight: torch.Tensor | None = field(default=None, repr=False, compare=False)
 
     @classmethod
     def cross_entropy(
@@ -95,6 +100,7 @@ class LossSpec:
         temperature: float = 1.0,
         softcap: float | None = None,
         z_loss_weight: float = 0.0,
+        class_weight: torch.Tensor | None = None,
     ) -> LossSpec:
         return cls(
             "ce",
@@ -104,6 +110,7 @@ class LossSpec:
             float(temperature),
             softcap,
             float(z_loss_weight),
+            class_weight=class_weight,
         )
 
     @classmethod
@@ -157,8 +164,29 @@ class LossSpec:
 
     @property
     def plain(self) -> bool:
-        """No z-loss and no entropy: the gradient is the affine form alone."""
-        return self.z_loss_weight == 0.0 and not self.entropy
+        """No z-loss, entropy or class weights: the gradient is the affine form alone."""
+        return self.z_loss_weight == 0.0 and not self.entropy and self.class_weight is None
+
+    def zero_outputs(self, n: int, device: torch.device) -> TokenOutputs:
+        """fp32 zeros ``[n]`` for every per-token output this spec computes, ``lse``
+        included (the others ``None``)."""
+
+        def zeros(wanted: bool = True) -> torch.Tensor | None:
+            return torch.zeros(n, dtype=torch.float32, device=device) if wanted else None
+
+        z_loss = self.z_loss_weight != 0.0
+        return TokenOutputs(
+            zeros(), zeros(self.entropy), zeros(z_loss), zeros(self.sum_pi_squared), zeros()
+        )
+
+    def temperatures(
+        self, token_temperature: torch.Tensor | None, n: int, device: torch.device
+    ) -> torch.Tensor:
+        """``T`` per token, fp32 ``[n]``: ``token_temperature`` (already flat fp32, from the
+        parse), else the spec's float (for kernels that read one per row)."""
+        if token_temperature is not None:
+            return token_temperature
+        return torch.full((n,), self.temperature, dtype=torch.float32, device=device)
 
     def token_weight(
         self,
@@ -248,25 +276,18 @@ def entropy_of(s: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return torch.log(s) - u / s
 
 
-@dataclass(frozen=True)
-class RowValues:
-    """Per-token results from merged statistics (``stats_values``), unmasked."""
-
-    value: torch.Tensor  # includes the z-loss
-    lse: torch.Tensor
-    entropy: torch.Tensor | None = None
-    z_loss: torch.Tensor | None = None
-    sum_pi_squared: torch.Tensor | None = None
-
-
-def stats_values(root: torch.Tensor, spec: LossSpec, *, relative: bool = False) -> RowValues:
-    """Values, lse, entropy and z-loss per token from merged ``[S, ...]`` stats (unmasked).
+def stats_values(
+    root: torch.Tensor, spec: LossSpec, *, relative: bool = False, omega=None
+) -> TokenOutputs:
+    """The per-token outputs (value with its z-loss, entropy, z-loss, ``sum_pi_squared``,
+    and ``lse``) of merged ``[S, ...]`` stats, unmasked.
 
     ``relative``: the target logit and the sum hold ``z - m`` (``row_stats_(shift=)``), so
     ``value = a log s + b tl + c sz`` (``a + b + c V = 0``: the shift cancels) skips the
-    rounding of ``lse = m + log s`` in ``lse - z_t``.
+    rounding of ``lse = m + log s`` in ``lse - z_t``. ``omega``: the tokens' class weights
+    (``class_weights.target_weights``) with ``spec.class_weight``.
     """
-    a, b, c = spec.coefficients
+    a, b, c = token_coefficients(spec, omega)
     log_s = torch.log(root[1])
     lse = root[0] + log_s
     value = (log_s if relative else lse) * a + root[2] * b
@@ -278,7 +299,7 @@ def stats_values(root: torch.Tensor, spec: LossSpec, *, relative: bool = False) 
         value = value + z_loss
     entropy = entropy_of(root[1], root[4]) if spec.entropy else None
     sq = root[-1] / (root[1] * root[1]) if spec.sum_pi_squared else None
-    return RowValues(value, lse, entropy, z_loss, sq)
+    return TokenOutputs(value, entropy, z_loss, sq, lse)
 
 
 def _xexp(e: torch.Tensor) -> torch.Tensor:
@@ -290,20 +311,21 @@ def row_stats_(
     z: torch.Tensor,
     col: torch.Tensor,
     valid: int,
-    with_sum: bool,
-    with_entropy: bool = False,
-    with_sq: bool = False,
+    spec: LossSpec,
     *,
     shift: torch.Tensor | None = None,
+    colw: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``[S, C]`` statistics of transformed fp32 logits ``z [C, V_local]`` and the row max.
+    """``[S, C]`` statistics of transformed fp32 logits ``z [C, V_local]`` and the row max
+    (those ``spec`` asks for: ``STATS``, ``LossSpec.num_stats``).
 
     ``valid`` true columns (the rest is padding, set to -inf); ``col`` the local target
     column or -1. ``z`` is left holding ``exp(z - m)`` (no second ``[C, V_local]``
     buffer); a shard of padding only gives the merge identity and ``z = 0``. ``shift``:
     a row max ``m [C]`` taken over more columns than these (all TP shards; ``-inf`` where
     the row is all ``-inf``) to use instead of this shard's own; the target logit and the
-    sum are then of ``z - m`` (``stats_values(relative=True)``).
+    sum are then of ``z - m`` (``stats_values(relative=True)``). ``colw [V_local]``: the
+    columns' class weights (the sum is then weighted).
     """
     if valid < z.shape[1]:
         z[:, valid:] = -_INF
@@ -311,7 +333,9 @@ def row_stats_(
     if m is not None:
         z.sub_(safe_shift(m).unsqueeze(1))
     tl = torch.where(col >= 0, z.gather(1, col.clamp(min=0).unsqueeze(1)).squeeze(1), 0.0)
-    sz = z[:, :valid].sum(dim=1) if with_sum and valid else torch.zeros_like(tl)
+    sz = torch.zeros_like(tl)
+    if spec.with_sum and valid:  # weighted: one matrix-vector product, no [C, V] temporary
+        sz = z[:, :valid].sum(dim=1) if colw is None else torch.mv(z[:, :valid], colw[:valid])
     if m is None and valid:
         m = z.amax(dim=1)
         z.sub_(safe_shift(m).unsqueeze(1))
@@ -321,9 +345,9 @@ def row_stats_(
     else:
         s = z.exp_().sum(dim=1)
     parts = [m, s, tl, sz]
-    if with_entropy:
+    if spec.entropy:
         parts.append(_xexp(z))
-    if with_sq:
+    if spec.sum_pi_squared:
         parts.append(z.square().sum(dim=1))
     return torch.stack(parts), m
 
@@ -341,33 +365,33 @@ def exp_shift_(z: torch.Tensor, layout: BlockLayout) -> torch.Tensor:
 
 
 def block_stats_(
-    z: torch.Tensor,
-    layout: BlockLayout,
-    slots: TargetSlots,
-    with_sum: bool,
-    with_entropy: bool = False,
-    with_sq: bool = False,
+    z: torch.Tensor, layout: BlockLayout, slots: TargetSlots, spec: LossSpec, colw=None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``[S, T, K, TOKEN_TILE]`` statistics of every (tile, block) row, and ``m``.
+    """``[S, T, K, TOKEN_TILE]`` statistics of every (tile, block) row (those ``spec``
+    asks for), and ``m``.
 
     ``z`` (transformed fp32 logits) is left holding ``exp(z - m)`` (``exp_shift_``). With
-    ``K == 0`` the partials are all zero and are never folded (no pieces).
+    ``K == 0`` the partials are all zero and are never folded (no pieces). ``colw [K,
+    B]``: the columns' class weights (the sum is then weighted).
     """
     t, k = z.shape[:2]
-    stats = z.new_zeros((4 + int(with_entropy) + int(with_sq), t, k, TOKEN_TILE))
+    stats = z.new_zeros((spec.num_stats, t, k, TOKEN_TILE))
     if k == 0:
         return stats, stats[0]
     tile, blk, row, col = slots.index
     stats[2].index_put_((tile, blk, row), z[tile, blk, row, col])
-    if with_sum:
+    if spec.with_sum:
         tail = layout.tail
-        stats[3, :, : k - 1] = z[:, : k - 1].sum(dim=-1)
-        stats[3, :, k - 1] = z[:, k - 1, :, :tail].sum(dim=-1)
+        full, last = z[:, : k - 1], z[:, k - 1, :, :tail]
+        if colw is not None:
+            full, last = full * colw[: k - 1].unsqueeze(1), last * colw[k - 1, :tail]
+        stats[3, :, : k - 1] = full.sum(dim=-1)
+        stats[3, :, k - 1] = last.sum(dim=-1)
     m = exp_shift_(z, layout)
     stats[0] = m
     stats[1] = z.sum(dim=-1)
-    if with_entropy:
+    if spec.entropy:
         stats[4] = _xexp(z)
-    if with_sq:
+    if spec.sum_pi_squared:
         stats[-1] = z.square().sum(dim=-1)
     return stats, m

@@ -5,17 +5,27 @@
 are padding and never enter a softmax: the layout of ``VocabParallelLMHead`` or a tied
 ``VocabParallelEmbedding``), ``target [N]``. Options (``LossSpec``; the same names and
 defaults as ``vocab_parallel``): temperature (a float, or a tensor per token / per
-sample), soft-cap, z-loss, ``ignore_index`` (default -100), ``reduction``, and on
+sample), soft-cap, z-loss, ``ignore_index`` (default -100), ``reduction``, on the
+cross-entropy per-class weights ``ce_weight`` (``class_weights``; the torch engine), and on
 log-probs the entropy and ``sum_pi_squared`` of the same distribution from the same pass.
 Outputs are fp32; statistics and gradients accumulate in fp32 whatever the input dtype.
 
 Each door parses its arguments into one ``LossOptions`` (``options``), which names the
-engine (``engine="auto" | "torch" | "triton"``; ``"auto"``: ``"triton"`` for CUDA tensors,
-else ``"torch"``), lets the TP ranks agree on it, and hands the flattened tokens to the
-engine (``engines/protocol.py``): the ``"torch"`` engine (``engines/torch``: chunked
-matmuls, gradients in forward for "sum" / "mean", recomputed in backward otherwise; its
-collectives, memory and invariant-mode guarantees are in its docstring) or the
-``"triton"`` GPU engine (``engines/triton``, imported only when asked for or picked).
+engine (``engine="auto" | "torch" | "triton"``, chosen by ``engines.protocol.choose_engine``:
+``"auto"`` is ``"triton"`` for CUDA tensors it can run, else ``"torch"``; an explicit
+engine never falls back, an input it cannot run is a ``ValueError``), lets the TP ranks
+agree on it, and hands the flattened tokens to the engine (``engines/protocol.py``): the
+``"torch"`` engine (``engines/torch_ops``: chunked matmuls, gradients in forward for
+"sum" / "mean", recomputed in backward otherwise; its collectives, memory and
+invariant-mode guarantees are in its docstring) or the ``"triton"`` GPU engine
+(``engines/triton_ops``, imported only when asked for or picked). Per-token outputs come
+back as one ``outputs.TokenOutputs``.
+
+A ``DTensor`` weight is vocab-parallel only where declared (``Shard(0)`` over the mesh dim
+``"tp"`` or ``vocab_mesh_dim=``; the TP group from the mesh, uneven and empty shards as
+``distribute_tensor`` makes them, the gradient a ``DTensor`` of the weight's placements);
+any other is refused by name, and a ``DTensor`` ``hidden`` is redistributed to replicated
+tokens (one all-gather): ``dtensor_weight``, the first step of each door.
 """
 
 from __future__ import annotations
@@ -24,31 +34,28 @@ import torch
 import torch.distributed as dist
 
 from mp_bridge.checks import agreed
-from mp_bridge.layers.loss.engines.protocol import load_engine
+from mp_bridge.layers.loss.dtensor_weight import local_operands
+from mp_bridge.layers.loss.engines.protocol import choose_engine, load_engine
 from mp_bridge.layers.loss.options import LossOptions, parse_loss_options
+from mp_bridge.layers.loss.outputs import TokenOutputs
 
 __all__ = ["fused_linear_cross_entropy", "fused_linear_logprobs"]
 
 
-def _fused_loss(where: str, hidden: torch.Tensor, weight: torch.Tensor, options: LossOptions):
+def _fused_loss(
+    where: str, hidden: torch.Tensor, weight: torch.Tensor, options: LossOptions
+) -> TokenOutputs:
     """The parsed call on its engine: agree, then one ``engine.loss`` over the flattened
-    tokens. Returns ``(values, extra, sq)`` shaped like ``target`` (engine reduction
-    "none") or scalars (``EngineOutput``)."""
+    tokens. Its outputs shaped like ``target`` (engine reduction "none"), else reduced."""
     engine = load_engine(options)
     # under MP_BRIDGE_CHECK: one all-gather, before the engine's first collective
     options.agree(where, device=hidden.device, replicated={"hidden": hidden})
-    lead = tuple(hidden.shape[:-1])
-    temp = options.token_temperature
-    if temp is not None:
-        temp = temp.to(torch.float32).reshape(-1)
     flat = hidden.reshape(-1, hidden.shape[-1])
-    out = engine.loss(flat, weight, options.target.reshape(-1), temp, options)
-    values, extra, sq = out
-    if options.engine_reduction == "none":
-        values = values.view(lead)
-        extra = extra.view(lead) if extra.numel() == values.numel() else extra
-        sq = sq.view(lead) if sq.numel() == values.numel() else sq
-    return values, extra, sq
+    target = options.target.reshape(-1)
+    out = engine.loss(flat, weight, target, options.token_temperature, options)
+    if options.engine_reduction != "none":
+        return out
+    return out.map(lambda v: v.view(hidden.shape[:-1]))
 
 
 @agreed("mp_bridge.layers.fused_linear_cross_entropy")
@@ -61,6 +68,7 @@ def fused_linear_cross_entropy(
     vocab_size: int | None = None,
     ignore_index: int | None = -100,
     label_smoothing: float = 0.0,
+    ce_weight: torch.Tensor | None = None,
     reduction: str = "mean",
     chunk_size: int | None = None,
     invariant: bool = False,
@@ -70,6 +78,7 @@ def fused_linear_cross_entropy(
     return_z_loss: bool = False,
     logits_precision: str = "fp32",
     engine: str = "auto",
+    vocab_mesh_dim: str | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Cross-entropy of ``hidden @ full_weight[:vocab_size].T`` without materializing it.
 
@@ -87,21 +96,31 @@ def fused_linear_cross_entropy(
     (combine across DP/CP with ``masked_mean``); over only ignored tokens it is nan with
     zero gradients, like torch. Returns fp32. ``chunk_size=None``: the engine's default
     (torch: about ``DEFAULT_CHUNK_ELEMENTS`` logits per chunk). ``engine``: ``"auto"``
-    (``"triton"`` for CUDA tensors when it imports, else ``"torch"``), ``"torch"`` or
-    ``"triton"`` (``ImportError`` without ``pip install triton``); the same on every TP
-    rank. ``logits_precision="fp32"`` (default):
+    (``"triton"`` for CUDA tensors it can run when it imports, else ``"torch"``),
+    ``"torch"`` or ``"triton"`` (``ImportError`` without ``pip install triton``;
+    ``ValueError`` naming the reason for an input it cannot run, e.g. fp64); the same on
+    every TP rank. ``logits_precision="fp32"`` (default):
     bf16 / fp16 inputs are upcast once, so logits and gradients are fp32-accumulated
     (exact products, never rounded to the input dtype); ``"input"``: matmuls in the input
     dtype (logits rounded to it: log-prob errors 3e-2 to 5e-2 in bf16, 4e-3 to 8e-3 in fp16
     at logits ~ N(0, 16), against ~5e-6 exact; bench/lm_head_accuracy.py). Not
     twice differentiable; with "mean" / "sum" one backward per call (gradients are made
-    in forward).
+    in forward). ``ce_weight``: per-class weights ``[vocab_size]`` as
+    ``vocab_parallel_cross_entropy``'s (``F.cross_entropy(weight=)``, with smoothing; "mean"
+    divides it by the sum of the counted targets' weights; the z-loss is not weighted and its
+    "mean" is over the counted tokens); the
+    ``"torch"`` engine only for now (``engine="triton"`` refuses it, ``"auto"`` picks torch).
+    ``weight`` may be a ``DTensor``: ``Shard(0)`` over the mesh dim ``"tp"`` (or
+    ``vocab_mesh_dim=``) is vocab parallelism over it, any other is a ``ValueError``
+    (``dtensor_weight``).
     """
-    options = parse_loss_options("ce", locals())
-    loss, z_loss, _ = _fused_loss("fused_linear_cross_entropy", hidden, weight, options)
+    hidden, weight, tp_group, vocab_size, shard_rows = local_operands(locals())
+    options = parse_loss_options("ce", locals(), choose_engine)
+    out = _fused_loss("fused_linear_cross_entropy", hidden, weight, options)
     if not return_z_loss:
-        return loss
-    return loss, z_loss if options.spec.z_loss_weight != 0.0 else torch.zeros_like(loss.detach())
+        return out.value
+    z_loss = out.z_loss if out.z_loss is not None else torch.zeros_like(out.value.detach())
+    return out.value, z_loss
 
 
 @agreed("mp_bridge.layers.fused_linear_logprobs")
@@ -122,6 +141,7 @@ def fused_linear_logprobs(
     reduction: str = "none",
     logits_precision: str = "fp32",
     engine: str = "auto",
+    vocab_mesh_dim: str | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """``log_softmax(z)[target]`` ``[...]`` fp32, ``z = softcap(hidden @
     full_weight[:vocab_size].T) / temperature``; ``hidden [..., H]``, ``target [...]``.
@@ -134,9 +154,10 @@ def fused_linear_logprobs(
     ``return_sum_pi_squared=True`` adds ``sum_c softmax(z)_c**2`` (no gradient), in the
     order ``(logprobs, entropy, sum_pi_squared)``, from the same pass. ``reduction``:
     "none" (default), "sum" or "mean" over counted tokens, applied to every output.
-    Gradients recompute logits in backward. ``logits_precision``, ``engine``: as
-    ``fused_linear_cross_entropy``.
+    Gradients recompute logits in backward. ``logits_precision``, ``engine``, a ``DTensor``
+    ``weight`` and ``vocab_mesh_dim``: as ``fused_linear_cross_entropy``.
     """
-    options = parse_loss_options("logprob", locals())
+    hidden, weight, tp_group, vocab_size, shard_rows = local_operands(locals())
+    options = parse_loss_options("logprob", locals(), choose_engine)
     # per token from the engine, reduced here like every other output
-    return options.returned(*_fused_loss("fused_linear_logprobs", hidden, weight, options))
+    return options.returned(_fused_loss("fused_linear_logprobs", hidden, weight, options))

@@ -1,6 +1,6 @@
 """Autograd Functions over materialized vocab-parallel logits ``[..., V_local]``.
 
-- ``ShardLoss``: the per-token values of a ``LossSpec`` (cross-entropy with smoothing and
+- ``DefaultLoss``: the per-token values of a ``LossSpec`` (cross-entropy with smoothing and
   z-loss, or log-probs; optionally the entropy of the same softmax as a second output)
   over the whole local shard, by the formulas of ``formulas``: ``row_stats_`` shifted by
   the global row max (``all_reduce_max_``), then one ``all_reduce_sum_`` of the other
@@ -8,18 +8,18 @@
   recomputed logits into the softmax, then ``softmax_grad_rows_`` (weight last), times
   the soft-cap derivative. The entropy alone is the second output of a log-prob spec
   (every target -1 when none marks ignored tokens).
-- ``InvariantLoss``: the affine form of ``LossSpec`` (and its entropy) on fixed
+- ``InvariantLoss`` (``invariant=True``): the affine form of ``LossSpec`` (and its entropy) on fixed
   ``[TOKEN_TILE, VOCAB_BLOCK]`` tiles in batches of tiles, one ``gather_fold`` per call;
   backward recomputes each block's ``exp(z - m)`` and applies ``softmax_grad_blocks_``.
 
 Both take ``T`` from ``LossSpec.temperature`` or from a flat per-token ``temp [N]``
-(``ShardLoss``: the accumulation dtype; ``InvariantLoss``: fp32). With
-``spec.sum_pi_squared`` the statistics gain ``sum exp(z - m)**2`` (the same exchange); that
-third output has no gradient.
+(``DefaultLoss``: the accumulation dtype; ``InvariantLoss``: fp32). The statistics are
+those the spec asks for (``formulas.STATS``: an extra per-token output widens the same
+exchange); both return the fields of one ``outputs.TokenOutputs``.
 
 Logits are never modified; padding columns (ids >= ``vocab_size``) never enter a softmax;
 ``-inf`` logits are exact zeros of every sum (``formulas``). Statistics are fp32 (fp64
-for fp64 logits in ``ShardLoss``); input gradients have the logits' dtype. Every backward
+for fp64 logits in ``DefaultLoss``); input gradients have the logits' dtype. Every backward
 refuses ``create_graph=True`` (``forbid_double_backward``).
 """
 
@@ -35,6 +35,7 @@ from mp_bridge.layers.loss.blocks import (
     shard_columns,
     target_slots,
 )
+from mp_bridge.layers.loss.class_weights import column_weights, target_weights
 from mp_bridge.layers.loss.formulas import (
     LossSpec,
     block_stats_,
@@ -47,7 +48,7 @@ from mp_bridge.layers.loss.grad import softmax_grad_blocks_, softmax_grad_rows_
 from mp_bridge.layers.loss.reduce import all_reduce_max_, all_reduce_sum_, gather_fold
 from mp_bridge.layers.vocab_shards import VocabShard
 
-__all__ = ["InvariantLoss", "ShardLoss"]
+__all__ = ["InvariantLoss", "DefaultLoss"]
 
 #: Invariant path: tiles per batch, about this many fp32 logits (8 MiB) per batch.
 BATCH_ELEMENTS = 1 << 21
@@ -68,25 +69,10 @@ def _transformed(
     return z, deriv
 
 
-def _outputs(ctx, spec: LossSpec, value, entropy, z_loss, sq) -> tuple[torch.Tensor, ...]:
-    """``(value, extra, sq)``: ``extra`` the entropy (differentiable), else the z-loss
-    (for logging), else empty; ``sq`` the ``sum p**2`` or empty. One
-    ``mark_non_differentiable`` call (a second call would replace the first's set)."""
-    extra = entropy if spec.entropy else z_loss if z_loss is not None else value.new_zeros(0)
-    sq = sq if sq is not None else value.new_zeros(0)
-    ctx.mark_non_differentiable(*([sq] if spec.entropy else [extra, sq]))
-    return value, extra, sq
-
-
-def _masked(v: torch.Tensor | None, ignored: torch.Tensor | None) -> torch.Tensor | None:
-    return v if v is None or ignored is None else v.masked_fill(ignored, 0.0)
-
-
-class ShardLoss(torch.autograd.Function):
-    """See the module docstring. Returns ``(value, extra, sq)`` shaped like ``target``:
-    ``extra`` the entropy with ``spec.entropy``, else the per-token z-loss with one, else
-    empty; ``sq`` the per-token ``sum p**2`` with ``spec.sum_pi_squared``, else empty.
-    ``temp``: the per-token temperature ``[N]`` in the accumulation dtype, or ``None``."""
+class DefaultLoss(torch.autograd.Function):
+    """See the module docstring. Returns the ``TokenOutputs.tensors`` shaped like
+    ``target``. ``temp``: the per-token temperature ``[N]`` in the accumulation dtype, or
+    ``None``."""
 
     @staticmethod
     def forward(ctx, logits, target, tp_group, shard: VocabShard, spec: LossSpec, temp=None):
@@ -94,23 +80,22 @@ class ShardLoss(torch.autograd.Function):
         t = target.reshape(-1)
         m = all_reduce_max_(z.amax(dim=-1), tp_group)  # global row max (-inf: all -inf)
         col = shard_columns(t, shard)
-        stats, _ = row_stats_(
-            z, col, shard.num_real, spec.with_sum, spec.entropy, spec.sum_pi_squared, shift=m
-        )
+        colw = column_weights(spec, shard.start, z.shape[1])
+        stats, _ = row_stats_(z, col, shard.num_real, spec, shift=m, colw=colw)
         del z
         all_reduce_sum_(stats[1:], tp_group)  # every statistic but the max
-        rv = stats_values(stats, spec, relative=True)
         ignored = t == spec.ignore_index if spec.ignore_index is not None else None
-        outs = (rv.value, rv.entropy, rv.z_loss, rv.sum_pi_squared)
-        value, entropy, z_loss, sq = (
-            None if v is None else _masked(v, ignored).view(target.shape) for v in outs
-        )  # shaped before marking: a view of a marked output would not be marked
-        ctx.save_for_backward(logits, t, rv.lse, entropy, temp)
+        omega = target_weights(spec, t)
+        out = stats_values(stats, spec, relative=True, omega=omega).masked(ignored)
+        lse = out.lse
+        # shaped before marking: a view of a marked output would not be marked
+        out = out.map(lambda v: v.view(target.shape))
+        ctx.save_for_backward(logits, t, lse, out.entropy, temp)
         ctx.args = (shard, spec)
-        return _outputs(ctx, spec, value, entropy, z_loss, sq)
+        return out.tensors(ctx)
 
     @staticmethod
-    def backward(ctx, grad_value, grad_extra, grad_sq):
+    def backward(ctx, grad_value, grad_entropy, grad_z_loss, grad_sq):
         forbid_double_backward("vocab_parallel_cross_entropy / logprobs / entropy")
         logits, t, lse, entropy, temp = ctx.saved_tensors
         shard, spec = ctx.args
@@ -119,7 +104,7 @@ class ShardLoss(torch.autograd.Function):
         col = shard_columns(t, shard)
         token = spec.token_weight(t, temp, p.dtype)  # 1 / T, 0 on ignored tokens
         w = grad_value.reshape(-1).to(p.dtype) * token
-        w_ent = grad_extra.reshape(-1).to(p.dtype) * token if spec.entropy else None
+        w_ent = grad_entropy.reshape(-1).to(p.dtype) * token if spec.entropy else None
         grad = softmax_grad_rows_(
             p,
             col,
@@ -130,6 +115,8 @@ class ShardLoss(torch.autograd.Function):
             lse=lse,
             entropy=None if entropy is None else entropy.reshape(-1),
             w_ent=w_ent,
+            omega=target_weights(spec, t),
+            colw=column_weights(spec, shard.start, p.shape[1]),
         )
         if deriv is not None:
             grad.mul_(deriv)
@@ -184,6 +171,13 @@ def _batches(x: torch.Tensor, t: torch.Tensor, layout: BlockLayout, spec: LossSp
         yield i0, i1, z, deriv, slots
 
 
+def _block_weights(spec: LossSpec, layout: BlockLayout) -> torch.Tensor | None:
+    """``[K, B]`` class weights of this rank's real blocks (``None`` without them)."""
+    k, b = layout.num_local, layout.block
+    colw = column_weights(spec, layout.first * b, k * b)
+    return None if colw is None else colw.view(k, b)
+
+
 def _rows(v: torch.Tensor | None, r0: int, r1: int, rows: int) -> torch.Tensor | None:
     """Rows ``[r0, r1)`` of the per-token ``v``, zero padded to ``[rows // TOKEN_TILE,
     TOKEN_TILE]``."""
@@ -193,7 +187,7 @@ def _rows(v: torch.Tensor | None, r0: int, r1: int, rows: int) -> torch.Tensor |
 class InvariantLoss(torch.autograd.Function):
     """Per-token values of ``spec`` over block-aligned logits, bitwise TP-invariant.
 
-    Returns ``(value, extra, sq)`` like ``ShardLoss``; ``temp``: the fp32
+    Returns the ``TokenOutputs.tensors`` like ``DefaultLoss``; ``temp``: the fp32
     per-token temperature ``[N]`` (flattened tokens) or ``None``."""
 
     @staticmethod
@@ -203,10 +197,9 @@ class InvariantLoss(torch.autograd.Function):
         n = x.shape[0]
         shape = (spec.num_stats, -(-n // TOKEN_TILE), TOKEN_TILE)
         parts = []
+        colw = _block_weights(spec, layout)
         for _, _, z, _, slots in _batches(x, t, layout, spec, temp):
-            stats, _ = block_stats_(
-                z, layout, slots, spec.with_sum, spec.entropy, spec.sum_pi_squared
-            )
+            stats, _ = block_stats_(z, layout, slots, spec, colw)
             parts.append(fold_blocks(stats, 2, layout, spec.merge))
         pieces = [  # this rank's pieces over all tiles (none when it holds no real block)
             (
@@ -218,26 +211,18 @@ class InvariantLoss(torch.autograd.Function):
             for p, piece in enumerate(layout.pieces(layout.rank))
         ]
         root = gather_fold(pieces, layout, tp_group, spec.combine, shape, x.device)
-        rv = stats_values(root, spec)
-        value, lse = rv.value.reshape(-1)[:n], rv.lse.reshape(-1)[:n]
-        entropy = None if rv.entropy is None else rv.entropy.reshape(-1)[:n]
-        z_loss = None if rv.z_loss is None else rv.z_loss.reshape(-1)[:n]
-        sq = None if rv.sum_pi_squared is None else rv.sum_pi_squared.reshape(-1)[:n]
-        if spec.ignore_index is not None:
-            ignored = t == spec.ignore_index
-            value = value.masked_fill(ignored, 0.0)
-            entropy = None if entropy is None else entropy.masked_fill(ignored, 0.0)
-            z_loss = None if z_loss is None else z_loss.masked_fill(ignored, 0.0)
-            sq = None if sq is None else sq.masked_fill(ignored, 0.0)
-        ctx.save_for_backward(logits, target, lse, entropy, temp)
+        ignored = t == spec.ignore_index if spec.ignore_index is not None else None
+        omega = _pad(t, shape[1] * TOKEN_TILE, -1).view(-1, TOKEN_TILE)
+        omega = target_weights(spec, omega)
+        out = stats_values(root, spec, omega=omega).map(lambda v: v.reshape(-1)[:n])
+        out = out.masked(ignored)
+        ctx.save_for_backward(logits, target, out.lse, out.entropy, temp)
         ctx.layout, ctx.spec = layout, spec
-        value, entropy, z_loss, sq = (
-            None if v is None else v.view(target.shape) for v in (value, entropy, z_loss, sq)
-        )  # shaped before marking: a view of a marked output would not be marked
-        return _outputs(ctx, spec, value, entropy, z_loss, sq)
+        # shaped before marking: a view of a marked output would not be marked
+        return out.map(lambda v: v.view(target.shape)).tensors(ctx)
 
     @staticmethod
-    def backward(ctx, grad_value, grad_extra, grad_sq):
+    def backward(ctx, grad_value, grad_entropy, grad_z_loss, grad_sq):
         forbid_double_backward("vocab_parallel_cross_entropy / logprobs (invariant=True)")
         logits, target, lse, entropy, temp = ctx.saved_tensors
         layout, spec = ctx.layout, ctx.spec
@@ -246,8 +231,9 @@ class InvariantLoss(torch.autograd.Function):
         n, kb = x.shape[0], layout.num_local * layout.block
         token = spec.token_weight(t, temp)
         w = token * grad_value.reshape(-1).float()
-        w_ent = token * grad_extra.reshape(-1).float() if spec.entropy else None
+        w_ent = token * grad_entropy.reshape(-1).float() if spec.entropy else None
         grad = torch.zeros_like(x)
+        omega, colw = target_weights(spec, t), _block_weights(spec, layout)
         for i0, i1, z, deriv, slots in _batches(x, t, layout, spec, temp):
             r0, r1, rows = i0 * TOKEN_TILE, min(i1 * TOKEN_TILE, n), (i1 - i0) * TOKEN_TILE
             m = exp_shift_(z, layout)
@@ -261,6 +247,8 @@ class InvariantLoss(torch.autograd.Function):
                 spec,
                 entropy=_rows(entropy, r0, r1, rows),
                 w_ent=_rows(w_ent, r0, r1, rows),
+                omega=_rows(omega, r0, r1, rows),
+                colw=colw,
             )
             if deriv is not None:
                 g.mul_(deriv)

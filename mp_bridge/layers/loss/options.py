@@ -15,11 +15,13 @@ A new loss option ``foo`` touches the options, the formulas and the kernels, not
    checks it, and it lands in a field: of ``LossSpec`` (``formulas``) when the math reads
    it, so every engine sees it as ``options.spec.foo``, else of ``LossOptions``. Either way
    :meth:`LossOptions.fields` puts it in the agreement by itself (the spec is one field; a
-   new ``LossOptions`` field is one more of the agreement row's 16, of which the fused
-   cross-entropy with a per-token temperature uses 15);
+   new ``LossOptions`` field is one more of the agreement row's ``MAX_FIELDS`` = 32, of
+   which the fused cross-entropy with a per-token temperature uses 15); a new per-token
+   output is also one field of ``outputs.TokenOutputs`` and its place in
+   :meth:`LossOptions.returned`;
 2. ``formulas`` / ``grad``: its math on the shared statistics;
-3. the kernels of each engine, or the engine's ``unsupported(options)`` names ``"foo"``
-   and the door runs the ``"torch"`` engine instead (one warning).
+3. the kernels of each engine (``engines/triton_ops/tiles.py``); the torch engine and the
+   materialized doors run the shared formulas as they are.
 
 The agreement, the engine dispatch and the doors' bodies stay as they are.
 """
@@ -27,7 +29,7 @@ The agreement, the engine dispatch and the doors' bodies stay as they are.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -35,6 +37,7 @@ import torch.distributed as dist
 
 from mp_bridge.checks import FrozenSpec, agree, check_choice, check_float
 from mp_bridge.layers.loss.arguments import (
+    check_ce_weight,
     check_fused_inputs,
     check_logits,
     check_options,
@@ -43,17 +46,23 @@ from mp_bridge.layers.loss.arguments import (
     check_target,
     check_temperature,
 )
-from mp_bridge.layers.loss.engines.registry import ENGINES, resolve_engine
+from mp_bridge.layers.loss.class_weights import mean_scaled
 from mp_bridge.layers.loss.formulas import LossSpec
-from mp_bridge.layers.loss.outputs import counted_tokens, returned
+from mp_bridge.layers.loss.outputs import TokenOutputs, counted_tokens, returned
 from mp_bridge.layers.vocab_shards import VocabShard
 
-__all__ = ["KINDS", "PRECISIONS", "LossOptions", "parse_loss_options"]
+__all__ = ["KINDS", "PRECISIONS", "EngineChoice", "LossOptions", "parse_loss_options"]
 
 #: ``"ce"``: cross-entropy (+ z-loss); ``"logprob"``: selected-token log-probs (+ entropy,
 #: ``sum_pi_squared``); ``"entropy"``: the entropy alone (``target`` optional).
 KINDS = ("ce", "logprob", "entropy")
 PRECISIONS = ("fp32", "input")
+
+#: ``(engine=, inputs' (name, shape, dtype), device) -> the engine that runs`` (the fused
+#: doors pass ``engines.protocol.choose_engine``: the options never import an engine).
+EngineChoice = Callable[
+    [object, tuple[tuple[str, tuple[int, ...], torch.dtype], ...], torch.device], str
+]
 
 #: Fields the ranks do not compare by value: ``inputs`` is spelled out per tensor, the
 #: shard holds this rank's offset (its rank-independent part is in the shapes and the
@@ -68,15 +77,21 @@ class LossOptions(FrozenSpec):
 
     ``kind``: one of ``KINDS``. ``spec``: the formula constants (``LossSpec``: vocab size,
     ``ignore_index``, label smoothing, the float temperature, soft-cap, z-loss weight,
-    entropy, ``sum_pi_squared``). ``inputs``: ``(name, shape, dtype)`` of ``logits``, or of
-    ``hidden`` and ``weight``. ``shard``: this rank's ``VocabShard`` (``start`` offset,
-    ``num_real`` rows, true ``vocab_size``). ``target``: ``torch.long`` ids of the token
-    shape (``None`` only for an entropy without targets). ``token_temperature``: the
-    per-token temperature broadcast (a view) to the token shape, or ``None`` (then
-    ``spec.temperature``). ``engine``: the engine that runs, ``"torch"`` or ``"triton"``
-    (``"auto"`` resolved at the door; always ``"torch"`` on the materialized doors).
-    ``chunk_size`` (``None``: the engine's default) and ``logits_precision`` are the fused
-    doors' options.
+    entropy, ``sum_pi_squared``, and ``class_weight``: the cross-entropy's ``ce_weight``
+    ``[V]`` in the dtype the call computes in, scaled for "mean" by
+    ``class_weights.mean_scaled``; the ranks agree on its bits). ``inputs``: ``(name, shape,
+    dtype)`` of ``logits``, or of ``hidden`` and ``weight`` (its rows: ``shard.size``, every
+    rank's, even where a ``DTensor``'s own are fewer), then of ``ce_weight`` when given (so
+    an engine's ``unsupported`` sees it). ``shard``: this rank's ``VocabShard``
+    (``start`` offset, ``num_real`` rows, true ``vocab_size``). ``target``: ``torch.long``
+    ids of the token shape (``None`` only for an entropy without targets).
+    ``token_temperature``: the per-token temperature, normalised once here
+    (``token_temperature_of``): flat ``[N]``, contiguous, in the dtype the call computes in;
+    or ``None`` (then the float ``spec.temperature``). ``engine``: the engine that runs,
+    ``"torch"`` or ``"triton"`` (chosen at the parse by the fused doors' ``choose_engine``:
+    ``"auto"`` resolved, an explicit one checked; always ``"torch"`` on the materialized
+    doors). ``chunk_size`` (``None``: the engine's default) and ``logits_precision`` are the
+    fused doors' options.
     """
 
     kind: str
@@ -126,28 +141,31 @@ class LossOptions(FrozenSpec):
         disagrees would otherwise hang or silently compute a wrong loss."""
         identical = {**(replicated or {}), "target": self.target}
         identical["temperature"] = self.token_temperature
+        identical["ce_weight"] = self.spec.class_weight
         same = {k: t for k, t in identical.items() if t is not None}
         agree(where, self.tp_group, self, identical=same, device=device)
 
-    def returned(self, values: torch.Tensor, extra: torch.Tensor, sq: torch.Tensor):
-        """The requested per-token outputs ``[...]`` of an engine's ``(values, extra, sq)``,
-        reduced by ``reduction``: one tensor or a tuple (see ``outputs``)."""
+    def returned(self, out: TokenOutputs):
+        """The requested outputs ``[...]`` of an engine's per-token ``out``, reduced by
+        ``reduction``: one tensor or a tuple (see ``outputs``)."""
         counted = counted_tokens(self.target, self.spec.ignore_index)
         if self.kind == "entropy":
-            return returned([extra], counted, self.reduction)
+            return returned([out.entropy], counted, self.reduction)
         if self.kind == "logprob":
-            outputs = [
-                values,
-                extra if self.spec.entropy else None,
-                sq if self.spec.sum_pi_squared else None,
-            ]
-            return returned(outputs, counted, self.reduction)
+            return returned([out.value, out.entropy, out.sum_pi_squared], counted, self.reduction)
         z_loss = None
         if self.return_z_loss:
-            z_loss = (
-                extra.view(values.shape) if extra.numel() else torch.zeros_like(values.detach())
-            )
-        return returned([values, z_loss], counted, self.reduction)
+            z_loss = out.z_loss if out.z_loss is not None else torch.zeros_like(out.value.detach())
+        return returned([out.value, z_loss], counted, self.reduction)
+
+
+def token_temperature_of(temp: torch.Tensor, dtype: torch.dtype, fp32: bool) -> torch.Tensor:
+    """The per-token temperature ``temp`` (broadcast to the token shape) as every engine
+    takes it: flat ``[N]``, contiguous, in fp32, or with ``fp32=False`` (the materialized
+    default path) in its accumulation dtype ``promote_types(dtype, fp32)`` (fp64 for fp64
+    logits)."""
+    acc = torch.float32 if fp32 else torch.promote_types(dtype, torch.float32)
+    return temp.to(acc).reshape(-1).contiguous()
 
 
 def _check_precision(logits_precision: object) -> str:
@@ -161,10 +179,16 @@ def _check_precision(logits_precision: object) -> str:
 
 def _spec(kind: str, vocab: int, target, args: Mapping[str, object], scalars) -> LossSpec:
     """The ``LossSpec`` of a ``kind`` call over ``vocab`` true classes."""
-    softcap, zw, ignore_index, eps, temp = scalars
+    softcap, zw, ignore_index, eps, temp, ce_weight = scalars
     if kind == "ce":
         return LossSpec.cross_entropy(
-            vocab, ignore_index, eps, temperature=temp, softcap=softcap, z_loss_weight=zw
+            vocab,
+            ignore_index,
+            eps,
+            temperature=temp,
+            softcap=softcap,
+            z_loss_weight=zw,
+            class_weight=ce_weight,
         )
     entropy = kind == "entropy"
     return LossSpec.logprob(
@@ -178,25 +202,30 @@ def _spec(kind: str, vocab: int, target, args: Mapping[str, object], scalars) ->
     )
 
 
-def parse_loss_options(kind: str, args: Mapping[str, object]) -> LossOptions:
+def parse_loss_options(
+    kind: str, args: Mapping[str, object], choose_engine: EngineChoice | None = None
+) -> LossOptions:
     """Validate one call of a ``kind`` loss (``KINDS``); return its options.
 
     ``args``: the door's arguments by name (its ``locals()``): either ``logits``, or (fused)
-    ``hidden``, ``weight``, ``chunk_size``, ``logits_precision`` and ``engine``; ``target``,
+    ``hidden``, ``weight``, ``chunk_size``, ``logits_precision``, ``engine`` and ``shard_rows``
+    (``dtensor_weight.local_operands``: ``None``, or a ``DTensor`` weight's rows per rank,
+    of which this rank's ``weight`` may hold fewer); ``target``,
     ``tp_group``, ``vocab_size``, ``reduction``, ``ignore_index``, ``softcap``,
-    ``temperature``, on the cross-entropy ``label_smoothing`` and ``z_loss_weight``; the
-    bool options ``invariant`` and ``return_*``. ``engine="auto"`` resolves here
-    (``engines.registry.resolve_engine``), so a missing ``triton`` raises before any
-    collective.
+    ``temperature``, on the cross-entropy ``label_smoothing``, ``z_loss_weight`` and
+    ``ce_weight``; the bool options ``invariant`` and ``return_*``. ``choose_engine`` (the
+    fused doors pass ``engines.protocol.choose_engine``): ``(engine, inputs, device) -> the
+    engine that runs``, called here, so a bad choice, a missing ``triton`` or an input an
+    explicit engine cannot run raises before any collective.
     """
     tp_group, vocab_size = args["tp_group"], args["vocab_size"]
     fused = "hidden" in args
     if fused:
         like, weight = args["hidden"], args["weight"]
-        check_fused_inputs(like, weight, args["chunk_size"])
+        rows = args.get("shard_rows")  # a DTensor weight's rows per rank (dtensor_weight)
+        check_fused_inputs(like, weight, args["chunk_size"], rows)
         _check_precision(args["logits_precision"])
-        check_choice("engine", args["engine"], ENGINES, fix="'auto': 'triton' on CUDA")
-        shard = check_shard(weight.shape[0], vocab_size, tp_group)
+        shard = check_shard(weight.shape[0] if rows is None else rows, vocab_size, tp_group)
         inputs = (("hidden", like), ("weight", weight))
         shape_of = f"the leading dims of hidden {tuple(like.shape)}: "
     else:
@@ -205,11 +234,12 @@ def parse_loss_options(kind: str, args: Mapping[str, object]) -> LossOptions:
         inputs = (("logits", like),)
         shape_of = f"logits shape {tuple(like.shape)} without the vocab dim "
     tokens = tuple(like.shape[:-1])
-    eps = 0.0
+    eps, ce_weight = 0.0, None
     if kind == "ce":
         eps = check_float(
             "label_smoothing", args["label_smoothing"], low=0.0, high=1.0, open_low=False
         )
+        ce_weight = check_ce_weight(args["ce_weight"], shard.vocab_size, like)
     flags = {k: v for k, v in args.items() if k == "invariant" or k.startswith("return_")}
     softcap, zw, ignore_index = check_options(
         softcap=args["softcap"],
@@ -222,12 +252,27 @@ def parse_loss_options(kind: str, args: Mapping[str, object]) -> LossOptions:
     if target is not None:
         target = check_target(target, tokens, shard.vocab_size, ignore_index, shape_of=shape_of)
     temp = check_temperature(args["temperature"], tokens, like, shape_of=shape_of)
-    token_temp = temp if isinstance(temp, torch.Tensor) else None
-    scalars = (softcap, zw, ignore_index, eps, 1.0 if token_temp is not None else temp)
+    token_temp = None
+    if isinstance(temp, torch.Tensor):
+        token_temp = token_temperature_of(temp, like.dtype, fused or bool(flags["invariant"]))
+    if ce_weight is not None:  # in the dtype the call computes in, like the temperature
+        ce_weight = token_temperature_of(ce_weight, like.dtype, fused or bool(flags["invariant"]))
+        if reduction == "mean" and target is not None:
+            ce_weight = mean_scaled(ce_weight, target, ignore_index)
+        inputs = (*inputs, ("ce_weight", ce_weight))
+    scalars = (softcap, zw, ignore_index, eps, 1.0 if token_temp is not None else temp, ce_weight)
+    described = tuple((name, tuple(t.shape), t.dtype) for name, t in inputs)
+    if fused:  # the shard's rows, the same on every rank (a DTensor's may be short or empty)
+        rows = (shard.size, weight.shape[1])
+        described = tuple((n, rows if n == "weight" else s, d) for n, s, d in described)
+    engine = "torch"
+    if fused:
+        assert choose_engine is not None, "the fused doors pass engines.protocol.choose_engine"
+        engine = choose_engine(args["engine"], described, like.device)
     return LossOptions(
         kind,
         _spec(kind, shard.vocab_size, target, args, scalars),
-        tuple((name, tuple(t.shape), t.dtype) for name, t in inputs),
+        described,
         shard,
         target,
         token_temp,
@@ -235,7 +280,7 @@ def parse_loss_options(kind: str, args: Mapping[str, object]) -> LossOptions:
         invariant=bool(flags["invariant"]),
         return_z_loss=bool(flags.get("return_z_loss", False)),
         tp_group=tp_group,
-        engine=resolve_engine(args["engine"], like.device) if fused else "torch",
+        engine=engine,
         chunk_size=args["chunk_size"] if fused else None,
         logits_precision=args["logits_precision"] if fused else "fp32",
     )

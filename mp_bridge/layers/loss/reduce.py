@@ -17,12 +17,12 @@ invariant (both)          ``gather_fold``                 ``gather_fold``
 ========================  ==============================  ==================================
 
 All fp32 (the materialized default path: fp64 for fp64 logits). ``S`` = 4 statistics per
-row, one more each with ``return_entropy`` and ``return_sum_pi_squared``
-(``formulas.STATS``): they widen the one stats exchange and add no collective; z-loss,
-soft-cap and temperature (a float or per token) add nothing. No loss issues a collective
-in backward except the fused ``reduction="none"`` / log-prob paths, which recompute
-chunks and reduce ``d hidden`` there. ``P`` is the most canonical subtrees a rank holds
-(1 for power-of-two aligned shards). The invariant paths never all-reduce: an
+row, one more for each per-token output beyond the value that has its own statistic
+(``formulas.STATS``, ``LossSpec.num_stats``): they widen the one stats exchange and add no
+collective; z-loss, soft-cap and temperature (a float or per token) add nothing. No loss
+issues a collective in backward except the fused ``reduction="none"`` / log-prob paths,
+which recompute chunks and reduce ``d hidden`` there. ``P`` is the most canonical subtrees a
+rank holds (1 for power-of-two aligned shards). The invariant paths never all-reduce: an
 all-reduce's summation order depends on TP, so every rank folds the gathered subtree
 partials in the canonical tree order (``tree``).
 

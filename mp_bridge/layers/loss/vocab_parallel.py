@@ -7,7 +7,9 @@ not depend on how much padding a TP size needed. Math (per token, over the true 
 vocab of ``C = vocab_size`` classes, in fp32 whatever the input dtype):
 
 - cross-entropy: ``(1 - eps) * (lse - z_t) + eps * (lse - mean_c z_c)``, which is
-  ``F.cross_entropy(..., reduction="none", label_smoothing=eps)``;
+  ``F.cross_entropy(..., reduction="none", label_smoothing=eps)``; with per-class weights
+  ``ce_weight=w`` ``(1 - eps) w_t (lse - z_t) + eps / C sum_c w_c (lse - z_c)``, torch's
+  ``weight=`` (``class_weights``);
 - log-probs: ``log_softmax(z)[t]``;
 - entropy: ``-sum_c p_c log p_c``; gradient ``-p_j (log p_j + H)``.
 
@@ -24,7 +26,7 @@ the order logprobs, entropy, sum_pi_squared. ``-inf`` logits (vocabulary masks, 
 blocks or shards) give finite values and gradients in every mode.
 
 ``invariant=False``: two forward collectives (MAX, then one batched SUM), none in backward
-(``materialized.ShardLoss``, ``reduce``). ``invariant=True``
+(``materialized.DefaultLoss``, ``reduce``). ``invariant=True``
 (``materialized.InvariantLoss``): bitwise identical for every TP size whose shard is a whole
 number of ``VOCAB_BLOCK`` rows (``blocks``), and for any batch composition; one forward
 all-gather, none in backward.
@@ -43,8 +45,9 @@ import torch.distributed as dist
 
 from mp_bridge.checks import agreed
 from mp_bridge.layers.loss.blocks import BlockLayout, pad_single_shard
-from mp_bridge.layers.loss.materialized import InvariantLoss, ShardLoss
+from mp_bridge.layers.loss.materialized import DefaultLoss, InvariantLoss
 from mp_bridge.layers.loss.options import LossOptions, parse_loss_options
+from mp_bridge.layers.loss.outputs import TokenOutputs
 
 __all__ = [
     "vocab_parallel_cross_entropy",
@@ -54,7 +57,7 @@ __all__ = [
 
 
 def _run(where: str, logits: torch.Tensor, options: LossOptions):
-    """The parsed call, agreed over TP, on the default (``ShardLoss``) or TP-invariant
+    """The parsed call, agreed over TP, on the default (``DefaultLoss``) or TP-invariant
     (``InvariantLoss``) Function; its returned outputs. No target (entropy): ids -1, which
     own no column."""
     options.agree(where, device=logits.device)
@@ -65,15 +68,11 @@ def _run(where: str, logits: torch.Tensor, options: LossOptions):
     if options.invariant:
         layout = BlockLayout.of_shard(options.shard)
         logits = pad_single_shard(logits, -1, layout)
-        temp = None if temp is None else temp.to(torch.float32).reshape(-1)
         out = InvariantLoss.apply(logits, target, options.tp_group, layout, options.spec, temp)
     else:
-        # flat [N] in the accumulation dtype of the logits (fp64 for fp64)
-        if temp is not None:
-            temp = temp.to(torch.promote_types(logits.dtype, torch.float32)).reshape(-1)
         group, shard, spec = options.tp_group, options.shard, options.spec
-        out = ShardLoss.apply(logits, target, group, shard, spec, temp)
-    return options.returned(*out)
+        out = DefaultLoss.apply(logits, target, group, shard, spec, temp)
+    return options.returned(TokenOutputs(*out))
 
 
 @agreed("mp_bridge.layers.vocab_parallel_cross_entropy")
@@ -85,6 +84,7 @@ def vocab_parallel_cross_entropy(
     vocab_size: int | None = None,
     ignore_index: int | None = -100,
     label_smoothing: float = 0.0,
+    ce_weight: torch.Tensor | None = None,
     invariant: bool = False,
     temperature: float | torch.Tensor = 1.0,
     softcap: float | None = None,
@@ -107,7 +107,13 @@ def vocab_parallel_cross_entropy(
     means every row of the padded vocab is real. ``target`` must be identical on all TP
     ranks, with ids in ``[0, vocab_size)`` or ``ignore_index``. Collectives: all-reduce
     MAX then one batched all-reduce SUM over ``tp_group`` (fwd only). ``invariant=True``:
-    bitwise TP-invariant, one forward all-gather (module docstring).
+    bitwise TP-invariant, one forward all-gather (module docstring). ``ce_weight``: per-class
+    weights ``[vocab_size]`` (full vocab, identical on every TP rank, floating, >= 0, no
+    gradient), exactly ``F.cross_entropy(weight=ce_weight)``: with ``label_smoothing=eps``
+    the per-token loss is ``(1 - eps) w_t (lse - z_t) + eps / V sum_c w_c (lse - z_c)`` and
+    "mean" divides it by the sum of the counted targets' weights ``w_t``; with temperature and
+    soft-cap the weight multiplies each token's cross-entropy term of ``z``; the z-loss is
+    not weighted ("mean" divides it by the number of counted tokens, as Liger-Kernel).
     """
     options = parse_loss_options("ce", locals())
     return _run("vocab_parallel_cross_entropy", logits, options)

@@ -1,20 +1,26 @@
 """The engines behind the fused loss doors: one protocol, one registry, one package each.
 
-- ``protocol.py``: ``FusedLossEngine`` (what an engine receives and returns, how its
-  gradients flow), ``EngineOutput`` and ``load_engine`` (the dispatch);
-- ``registry.py``: ``ENGINES`` (the choices of ``engine=``), ``ENGINE_MODULES`` (name ->
-  module) and ``resolve_engine`` (``"auto"``: ``"triton"`` for CUDA tensors, else
-  ``"torch"``);
-- ``torch/``: the ``"torch"`` engine (chunked torch matmuls; the CPU path and the
-  reference);
-- ``triton/``: the ``"triton"`` engine (GPU kernels), imported only when asked for or
-  picked.
+- ``protocol.py``: ``FusedLossEngine`` (what an engine receives, how its gradients flow;
+  it returns one ``outputs.TokenOutputs``), ``choose_engine`` (an explicit ``engine=``
+  runs or raises; ``"auto"`` picks by the capabilities) and ``load_engine``;
+- ``registry.py``: ``ENGINE_CAPS`` (name -> module and static capabilities: device types,
+  dtypes, needed packages, where ``"auto"`` picks it), ``ENGINES`` (the choices of
+  ``engine=``) and ``AUTO_ORDER``;
+- ``torch_ops/``: the ``"torch"`` engine (chunked torch matmuls; the CPU path and the
+  reference): ``torch_engine`` and the runners of its two modes, ``torch_default`` and
+  ``torch_invariant``, under the chunk driver ``driver``;
+- ``triton_ops/``: the ``"triton"`` engine (GPU kernels; CPU tensors under
+  ``TRITON_INTERPRET=1``), imported only when asked for or picked: ``triton_engine`` and
+  the runners ``triton_default`` and ``triton_invariant``, over one kernel per file.
 
-Plugging in an engine ``NAME``: a package ``engines/NAME/`` whose ``__init__`` exports
-``ENGINE``, an object with ``name = "NAME"``, ``unsupported(options)`` and
-``loss(hidden, weight, target, temperature, options)`` (``protocol``); its row in
-``registry.ENGINE_MODULES`` and, for a new name, in ``registry.ENGINES``. Nothing else
-changes: the doors parse, agree and dispatch through ``load_engine``.
+The packages are not named ``torch`` / ``triton``: a tool that puts ``engines/`` on the
+path would take them for the libraries.
+
+Plugging in an engine ``NAME``: a package whose ``__init__`` exports ``ENGINE``, an
+object with ``name = "NAME"``, ``unsupported(inputs)`` (its shape limits) and
+``loss(hidden, weight, target, temperature, options)`` (``protocol``), and its row in
+``registry.ENGINE_CAPS`` (and ``AUTO_ORDER`` for ``"auto"`` to try it). Nothing else
+changes: the doors parse, choose, agree and dispatch through ``protocol``.
 
 This ``__init__`` imports nothing, so importing one engine never imports another.
 """

@@ -1,51 +1,36 @@
 """The one protocol of the fused-loss engines, what crosses it, and the dispatch.
 
 The fused doors (``fused_linear_cross_entropy``, ``fused_linear_logprobs``) parse their
-arguments into one ``LossOptions`` (``options``), get its engine (:func:`load_engine`),
-agree on the options over TP, and make one call with the tokens flattened::
+arguments into one ``LossOptions`` (``options``; the parse chooses the engine with
+:func:`choose_engine`), get its engine (:func:`load_engine`), agree on the options over
+TP, and make one call with the tokens flattened::
 
     engine.loss(hidden [N, H], weight [V_local, H], target [N], temperature [N] | None,
-                options) -> EngineOutput(values, extra, sum_pi_squared)
+                options) -> TokenOutputs (outputs.py: one field per per-token output)
 
 Layouts: ``hidden`` I@TP (identical bits on every rank of ``options.tp_group``),
 ``weight`` S(0)@TP (this rank's ``options.shard``: global vocab rows ``[shard.start,
 shard.stop)``, rows ``>= shard.num_real`` are padding and never enter a softmax),
 ``target`` I@TP, outputs I@TP. See :class:`FusedLossEngine` for each argument and output.
-Registering an engine: ``registry.ENGINE_MODULES`` and ``engines/__init__.py``.
+Which engine runs is chosen by :func:`choose_engine` from the capabilities of
+``registry.ENGINE_CAPS``; registering an engine: ``registry`` and ``engines/__init__.py``.
 """
 
 from __future__ import annotations
 
 import warnings
-from typing import TYPE_CHECKING, NamedTuple, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
 
-from mp_bridge.layers.loss.engines.registry import engine_module
+from mp_bridge.checks import check_choice
+from mp_bridge.layers.loss.engines.registry import AUTO_ORDER, ENGINE_CAPS, ENGINES, engine_module
+from mp_bridge.layers.loss.outputs import TokenOutputs
 
 if TYPE_CHECKING:
     from mp_bridge.layers.loss.options import LossOptions
 
-__all__ = ["EngineOutput", "FusedLossEngine", "load_engine"]
-
-
-class EngineOutput(NamedTuple):
-    """What an engine returns; every tensor fp32 on ``hidden``'s device.
-
-    ``values``: per token ``[N]`` (``options.engine_reduction == "none"``), else their
-    0-dim sum, or mean over the counted tokens (nan when none counts, gradients 0); 0 at
-    ``spec.ignore_index``. Differentiable.
-    ``extra``: with ``spec.entropy`` the per-token entropy ``[N]`` (differentiable); else,
-    with ``spec.z_loss_weight != 0``, the z-loss ``z_loss_weight * lse**2`` reduced like
-    ``values`` (not differentiable: logging; its gradient is already in ``values``); else
-    empty ``[0]``.
-    ``sum_pi_squared``: with ``spec.sum_pi_squared`` (only asked with reduction "none"),
-    ``sum_c p_c**2`` per token ``[N]`` (not differentiable); else empty ``[0]``.
-    """
-
-    values: torch.Tensor
-    extra: torch.Tensor
-    sum_pi_squared: torch.Tensor
+__all__ = ["FusedLossEngine", "choose_engine", "load_engine"]
 
 
 @runtime_checkable
@@ -58,24 +43,31 @@ class FusedLossEngine(Protocol):
     - ``hidden [N, H]``: the tokens (leading dims flattened), the caller's float dtype and
       device, TP-replicated; may require grad.
     - ``weight [V_local, H]``: this rank's vocab shard, same dtype and device; may
-      require grad (a frozen one gets no ``[V_local, H]`` gradient buffer).
+      require grad (a frozen one gets no ``[V_local, H]`` gradient buffer). A ``DTensor``
+      weight's shard (``dtensor_weight``: ``torch.chunk`` rows) holds only the real rows
+      of ``options.shard``, ``V_local = shard.num_real <= shard.size``, possibly none:
+      every choice that shapes a collective (chunks, tiles) is made from ``shard.size``.
     - ``target [N]``: ``torch.long`` ids in ``[0, spec.vocab_size)`` or
       ``spec.ignore_index``, TP-replicated; the owner of id ``t`` holds it at local row
       ``t - options.shard.start``.
-    - ``temperature [N]``: the per-token fp32 temperature, or ``None`` (then the float
-      ``options.spec.temperature``). Constant: no gradient flows to it.
+    - ``temperature [N]``: the per-token fp32 temperature, flat and contiguous as the
+      parse made it (``options.token_temperature``), or ``None`` (then the float
+      ``options.spec.temperature``; ``LossSpec.temperatures`` gives it per row).
+      Constant: no gradient flows to it.
     - ``options``: the agreed ``LossOptions``. An engine reads ``options.spec`` (the
-      ``LossSpec`` of ``formulas``: kind ``"ce"`` / ``"logprob"``, ``vocab_size``,
-      ``ignore_index``, ``label_smoothing``, ``temperature``, ``softcap``,
-      ``z_loss_weight``, ``entropy``, ``sum_pi_squared``; the math is in its docstring),
+      ``LossSpec`` of ``formulas``: every option the math reads, the per-token outputs it
+      asks for among them; the math is in its docstring),
       ``options.shard`` (``VocabShard``), ``options.tp_group``,
       ``options.engine_reduction``, ``options.invariant``, ``options.chunk_size``
       (``None``: the engine's default) and ``options.logits_precision``.
 
-    It returns an :class:`EngineOutput`. Gradients flow through the engine's own
-    ``torch.autograd.Function`` (the torch engine: ``FusedLinearLoss`` in
-    ``engines/torch/driver.py``; a forward/backward kernel pair behind one Function is the
-    same contract): its backward gives ``d hidden [N, H]`` whole (this rank's partial
+    It returns the per-token ``outputs.TokenOutputs`` (``lse`` ``None``): every field fp32
+    on ``hidden``'s device, 0 at ``spec.ignore_index``; per token ``[N]``
+    (``options.engine_reduction == "none"``), else the value and z-loss summed, or averaged
+    over the counted tokens (nan when none counts, gradients 0). Gradients flow through the
+    engine's own ``torch.autograd.Function`` (the torch engine: ``FusedLinearLoss`` in
+    ``engines/torch_ops/driver.py``; a forward/backward kernel pair behind one Function is
+    the same contract): its backward gives ``d hidden [N, H]`` whole (this rank's partial
     reduced over ``tp_group`` by the engine: the adjoint of the replicated input) in
     ``hidden.dtype``, and ``d weight [V_local, H]`` of this shard alone (no collective) in
     ``weight.dtype``, ``None`` for an input that needs none. It may make the gradients in
@@ -89,13 +81,16 @@ class FusedLossEngine(Protocol):
     share the call, within this engine.
     """
 
-    #: The registry name (``registry.ENGINE_MODULES``).
+    #: The registry name (``registry.ENGINE_CAPS``).
     name: str
 
-    def unsupported(self, options: LossOptions) -> str | None:
-        """The first option of ``options`` this engine cannot compute (its name, e.g.
-        ``"label_smoothing"``), or ``None``. The door then runs the ``"torch"`` engine
-        and warns once, naming it."""
+    def unsupported(
+        self, inputs: tuple[tuple[str, tuple[int, ...], torch.dtype], ...]
+    ) -> str | None:
+        """Why this engine cannot run a call of these ``(name, shape, dtype)`` inputs
+        (a shape limit, e.g. int32 offsets), or ``None``; its static capabilities are
+        ``registry.ENGINE_CAPS``. An explicit choice then raises; ``"auto"`` picks
+        another engine."""
 
     def loss(
         self,
@@ -104,22 +99,60 @@ class FusedLossEngine(Protocol):
         target: torch.Tensor,
         temperature: torch.Tensor | None,
         options: LossOptions,
-    ) -> EngineOutput:
-        """The per-token values and extras of one fused call (see the class docstring)."""
+    ) -> TokenOutputs:
+        """The per-token outputs of one fused call (see the class docstring)."""
+
+
+def choose_engine(
+    asked: object,
+    inputs: tuple[tuple[str, tuple[int, ...], torch.dtype], ...],
+    device: torch.device,
+) -> str:
+    """The engine that runs a call: ``asked`` itself, or the choice of ``"auto"``.
+
+    ``inputs``: ``(name, shape, dtype)`` of ``hidden`` and ``weight``; ``device``: theirs.
+    Called by the parse (``options.parse_loss_options``), before any collective.
+
+    - not one of ``ENGINES``: ``ValueError``;
+    - explicit: it runs or raises, never falls back. A missing module is an
+      ``ImportError`` (``registry.engine_module``); an input it cannot run (its
+      ``ENGINE_CAPS``: device, dtype; or its ``unsupported`` shape check) a
+      ``ValueError`` naming the reason;
+    - ``"auto"``: the first of ``AUTO_ORDER`` whose ``auto_on`` holds the device type and
+      that can run the call; ``"torch"`` runs every call. A CUDA machine whose
+      ``"triton"`` does not import warns (once per process under the default filter).
+    """
+    name = check_choice("engine", asked, ENGINES, fix="'auto': 'triton' on CUDA")
+    dtypes = tuple(dtype for _, _, dtype in inputs)
+    if name != "auto":
+        engine = engine_module(name).ENGINE
+        reason = ENGINE_CAPS[name].unsupported(device, dtypes) or engine.unsupported(inputs)
+        if reason is not None:
+            raise ValueError(
+                f"engine={name!r} cannot run this call: {reason}; pass engine='auto' (it "
+                "picks an engine that can) or engine='torch' (every input)"
+            )
+        return name
+    for name in AUTO_ORDER:
+        caps = ENGINE_CAPS[name]
+        if caps.auto_on is not None and device.type not in caps.auto_on:
+            continue
+        if caps.unsupported(device, dtypes) is not None:
+            continue
+        try:
+            engine = engine_module(name).ENGINE
+        except ImportError as exc:
+            # Issued from this one line, so the default filter shows it once per process.
+            warnings.warn(
+                f"engine='auto' runs the 'torch' engine on {device.type.upper()} tensors: {exc}",
+                stacklevel=1,
+            )
+            continue
+        if engine.unsupported(inputs) is None:
+            return name
+    return "torch"
 
 
 def load_engine(options: LossOptions) -> FusedLossEngine:
-    """The ``ENGINE`` of ``options.engine`` (already imported by the parse), or the
-    ``"torch"`` engine, with a warning, when it cannot compute one of the options. The
-    choice depends on the agreed options alone, so every rank makes the same one."""
-    engine = engine_module(options.engine).ENGINE
-    missing = engine.unsupported(options)
-    if missing is None:
-        return engine
-    # One line, one text per (engine, option): the default filter shows it once.
-    warnings.warn(
-        f"the {engine.name!r} engine cannot compute {missing!r} yet; this call runs the "
-        "'torch' engine (same math, slower on GPUs)",
-        stacklevel=1,
-    )
-    return engine_module("torch").ENGINE
+    """The ``ENGINE`` of ``options.engine`` (chosen and imported by the parse)."""
+    return engine_module(options.engine).ENGINE

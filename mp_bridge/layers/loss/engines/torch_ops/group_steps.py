@@ -1,4 +1,4 @@
-"""The invariant engine's per-group steps (no collectives): the in-place add of the tree
+"""The invariant runner's per-group steps (no collectives): the in-place add of the tree
 folds, moving a fold's surviving nodes out of the reused product buffer, and the
 d-weight accumulation of one group of blocks, ``WEIGHT_GRAD_ROWS`` tokens at a time."""
 
@@ -13,7 +13,7 @@ __all__ = ["add_", "add_weight_grad", "settle"]
 
 
 def add_(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """``x + y`` into ``x`` (the combine of the invariant engine's tree folds)."""
+    """``x + y`` into ``x`` (the combine of the invariant runner's tree folds)."""
     return x.add_(y)
 
 

@@ -26,8 +26,8 @@ import triton
 import triton.language as tl
 
 from mp_bridge.layers.loss.blocks import VOCAB_BLOCK
-from mp_bridge.layers.loss.engines.triton.block_stats import NUM_STAGES, NUM_WARPS, row_tile
-from mp_bridge.layers.loss.engines.triton.tiles import FP_FUSION, INTERPRET, dot_acc
+from mp_bridge.layers.loss.engines.triton_ops.block_stats import NUM_STAGES, NUM_WARPS, row_tile
+from mp_bridge.layers.loss.engines.triton_ops.tiles import FP_FUSION, INTERPRET, dot_acc
 
 __all__ = ["BH", "BKV", "TILE_M", "block_dhidden", "stack_depth"]
 

@@ -1,12 +1,12 @@
 """The ``"torch"`` engine: chunked torch matmuls, the CPU path and the reference engine.
 
-Tokens are processed in chunks of ``chunk_size`` rows by a ``ChunkEngine`` (``chunks``:
-``ShardEngine`` by default, ``InvariantEngine`` with ``options.invariant``) under one
-autograd Function (``driver.FusedLinearLoss``); at most one chunk's fp32 logits ``[chunk,
-V_local]`` exist at a time and the weight is never gathered. bf16 / fp16 inputs are upcast
-once per call with ``logits_precision="fp32"`` (one fp32 copy of ``hidden`` and of the
-shard), so logits and every gradient matmul are exact fp32-accumulated products;
-``"input"`` keeps the input dtype (faster, rounded logits).
+Tokens are processed in chunks of ``chunk_size`` rows by the runner of the mode
+(``torch_default.TorchDefaultRunner``, ``torch_invariant.TorchInvariantRunner`` with
+``options.invariant``) under one autograd Function (``driver.FusedLinearLoss``); at most one
+chunk's fp32 logits ``[chunk, V_local]`` exist at a time and the weight is never gathered.
+bf16 / fp16 inputs are upcast once per call with ``logits_precision="fp32"`` (one fp32 copy
+of ``hidden`` and of the shard), so logits and every gradient matmul are exact
+fp32-accumulated products; ``"input"`` keeps the input dtype (faster, rounded logits).
 
 Collectives per chunk over ``tp_group`` (``k = ceil(N / chunk)`` chunks; the shapes are
 in ``reduce``): default, one stats all-gather and one ``d hidden`` all-reduce; invariant,
@@ -26,9 +26,10 @@ from typing import TYPE_CHECKING
 import torch
 
 from mp_bridge.layers.loss.blocks import TOKEN_TILE, BlockLayout, pad_single_shard
-from mp_bridge.layers.loss.engines.protocol import EngineOutput
-from mp_bridge.layers.loss.engines.torch.chunks import ChunkEngine, InvariantEngine, ShardEngine
-from mp_bridge.layers.loss.engines.torch.driver import FusedLinearLoss
+from mp_bridge.layers.loss.engines.torch_ops.driver import ChunkRunner, FusedLinearLoss
+from mp_bridge.layers.loss.engines.torch_ops.torch_default import TorchDefaultRunner
+from mp_bridge.layers.loss.engines.torch_ops.torch_invariant import TorchInvariantRunner
+from mp_bridge.layers.loss.outputs import TokenOutputs
 
 if TYPE_CHECKING:
     from mp_bridge.layers.loss.options import LossOptions
@@ -49,8 +50,8 @@ class TorchEngine:
 
     name = "torch"
 
-    def unsupported(self, options: LossOptions) -> str | None:
-        return None  # the reference: every option, every mode
+    def unsupported(self, inputs) -> str | None:
+        return None  # the reference: every input, every option, every mode
 
     def loss(
         self,
@@ -59,8 +60,10 @@ class TorchEngine:
         target: torch.Tensor,
         temperature: torch.Tensor | None,
         options: LossOptions,
-    ) -> EngineOutput:
-        spec, v_local = options.spec, weight.shape[0]
+    ) -> TokenOutputs:
+        # the layout's rows, the same on every rank (a DTensor's shard may hold fewer): the
+        # chunks, and so the collectives, must not depend on this rank's rows
+        spec, v_local = options.spec, options.shard.size
         if options.logits_precision == "fp32" and hidden.dtype in (torch.bfloat16, torch.float16):
             # Products of bf16 / fp16 values are exact in fp32: the logits (and every
             # gradient matmul) are fp32-accumulated and never rounded to the input dtype.
@@ -72,18 +75,19 @@ class TorchEngine:
         if options.invariant:
             layout = BlockLayout.of_shard(options.shard)
             chunk = -(-chunk // TOKEN_TILE) * TOKEN_TILE  # tiles must not depend on the chunk
-            # TP = 1 with a vocab that is not a whole number of blocks: one zero-padded copy.
+            # TP = 1 with a vocab that is not a whole number of blocks, or a DTensor's short
+            # last shard: one zero-padded copy of the shard to whole blocks.
             weight = pad_single_shard(weight, 0, layout)
-            engine: ChunkEngine = InvariantEngine(weight, options.tp_group, layout, spec)
+            runner: ChunkRunner = TorchInvariantRunner(weight, options.tp_group, layout, spec)
         else:
-            engine = ShardEngine(weight, options.tp_group, options.shard, spec)
+            runner = TorchDefaultRunner(weight, options.tp_group, options.shard, spec)
         needs_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
         reduction = options.engine_reduction
         out = FusedLinearLoss.apply(
-            hidden, weight, target, engine, spec, chunk, reduction, needs_grad, temperature
+            hidden, weight, target, runner, spec, chunk, reduction, needs_grad, temperature
         )
-        return EngineOutput(*out)
+        return TokenOutputs(*out)
 
 
-#: The instance the registry loads (``registry.ENGINE_MODULES["torch"]``).
+#: The instance the registry loads (``registry.ENGINE_CAPS["torch"]``).
 ENGINE = TorchEngine()

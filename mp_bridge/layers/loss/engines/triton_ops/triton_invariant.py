@@ -31,14 +31,14 @@ import torch
 import torch.distributed as dist
 
 from mp_bridge.layers.loss.blocks import VOCAB_BLOCK, BlockLayout, fold_blocks
-from mp_bridge.layers.loss.engines.triton.block_dhidden import block_dhidden
-from mp_bridge.layers.loss.engines.triton.block_dweight import block_dweight_
-from mp_bridge.layers.loss.engines.triton.block_grad import block_grad
-from mp_bridge.layers.loss.engines.triton.block_stats import TILE_M, block_stats
+from mp_bridge.layers.loss.engines.triton_ops.block_dhidden import block_dhidden
+from mp_bridge.layers.loss.engines.triton_ops.block_dweight import block_dweight_
+from mp_bridge.layers.loss.engines.triton_ops.block_grad import block_grad
+from mp_bridge.layers.loss.engines.triton_ops.block_stats import TILE_M, block_stats
 from mp_bridge.layers.loss.formulas import LossSpec
 from mp_bridge.layers.loss.reduce import gather_fold
 
-__all__ = ["DEFAULT_CHUNK_TOKENS", "FOLD_TOKENS", "BlockTiles"]
+__all__ = ["DEFAULT_CHUNK_TOKENS", "FOLD_TOKENS", "TritonInvariantRunner"]
 
 #: Tokens per chunk without ``chunk_size``: ``g`` is ``[1024, V_local]`` in the input
 #: dtype (256 MiB at V_local = 131072 in bf16) plus the ``[D, 1024, H]`` fp32 stack.
@@ -51,7 +51,7 @@ FOLD_TOKENS = 8192
 
 
 @dataclass(frozen=True, eq=False)
-class BlockTiles:
+class TritonInvariantRunner:
     """The invariant runner: ``stats`` (forward) and ``grads`` (backward) of one call."""
 
     weight: torch.Tensor  # [V_local, H] (TP = 1: any number of rows)
@@ -61,7 +61,7 @@ class BlockTiles:
     chunk: int  # tokens per chunk, a multiple of TILE_M
 
     @classmethod
-    def build(cls, weight, tp_group, shard, spec, chunk_size: int | None) -> BlockTiles:
+    def build(cls, weight, tp_group, shard, spec, chunk_size: int | None) -> TritonInvariantRunner:
         layout = BlockLayout.of_shard(shard)  # raises before any collective
         chunk = chunk_size or DEFAULT_CHUNK_TOKENS
         return cls(weight, tp_group, layout, spec, -(-chunk // TILE_M) * TILE_M)

@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from mp_bridge.layers.loss.blocks import VOCAB_BLOCK
-from mp_bridge.layers.loss.engines.triton.tiles import (
+from mp_bridge.layers.loss.engines.triton_ops.tiles import (
     FP_FUSION,
     INTERPRET,
     block_logits,

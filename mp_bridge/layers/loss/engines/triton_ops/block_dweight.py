@@ -17,8 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
-from mp_bridge.layers.loss.engines.triton.block_stats import NUM_STAGES, NUM_WARPS
-from mp_bridge.layers.loss.engines.triton.tiles import FP_FUSION, INTERPRET, dot_acc
+from mp_bridge.layers.loss.engines.triton_ops.block_stats import NUM_STAGES, NUM_WARPS
+from mp_bridge.layers.loss.engines.triton_ops.tiles import FP_FUSION, INTERPRET, dot_acc
 
 __all__ = ["BH", "BH_FP32", "BVW", "BVW_FP32", "TILE_K", "block_dweight_", "out_tile"]
 

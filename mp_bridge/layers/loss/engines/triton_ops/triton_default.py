@@ -47,8 +47,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from mp_bridge.layers.loss.engines.triton.row_grad import row_grad
-from mp_bridge.layers.loss.engines.triton.row_stats import row_stats_
+from mp_bridge.layers.loss.engines.triton_ops.row_grad import row_grad
+from mp_bridge.layers.loss.engines.triton_ops.row_stats import row_stats_
 from mp_bridge.layers.loss.formulas import LossSpec
 from mp_bridge.layers.loss.reduce import all_reduce_sum_, gather_merge_stats
 from mp_bridge.layers.vocab_shards import VocabShard
@@ -57,7 +57,7 @@ __all__ = [
     "ADDMM_OUT_DTYPE",
     "MM_THEN_ADD",
     "SLAB_ELEMENTS",
-    "VocabMajor",
+    "TritonDefaultRunner",
     "addmm_f32_",
     "addmm_path",
     "choose_addmm_path",
@@ -162,7 +162,7 @@ def slab_rows(n: int, v_local: int) -> int:
 
 
 @dataclass(frozen=True, eq=False)
-class VocabMajor:
+class TritonDefaultRunner:
     """The default runner: ``stats`` (forward) and ``grads`` (backward) of one call."""
 
     weight: torch.Tensor  # [V_local, H], this rank's shard
@@ -183,6 +183,8 @@ class VocabMajor:
     def stats(self, h: torch.Tensor, tcol: torch.Tensor, temp: torch.Tensor) -> torch.Tensor:
         """Global ``[S, N]`` statistics (one all-gather over ``tp_group``)."""
         stats = h.new_empty((self.spec.num_stats, h.shape[0]), dtype=torch.float32)
+        if not self.weight.shape[0]:  # an empty shard (a DTensor's last): the merge identity
+            stats.zero_()[0] = float("-inf")
         for i, (v0, w_s) in enumerate(self._slabs(h.shape[0])):
             z = mm_f32(h, w_s.t())  # (N, H) @ (H, Vs)
             row_stats_(

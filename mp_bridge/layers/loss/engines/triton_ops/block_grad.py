@@ -17,14 +17,14 @@ import triton
 import triton.language as tl
 
 from mp_bridge.layers.loss.blocks import VOCAB_BLOCK
-from mp_bridge.layers.loss.engines.triton.block_stats import (
+from mp_bridge.layers.loss.engines.triton_ops.block_stats import (
     BK,
     NUM_STAGES,
     NUM_WARPS,
     TILE_M,
     row_tile,
 )
-from mp_bridge.layers.loss.engines.triton.tiles import (
+from mp_bridge.layers.loss.engines.triton_ops.tiles import (
     FP_FUSION,
     INTERPRET,
     block_logits,

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mp_bridge.layers.loss.engines.triton.tiles import (
+from mp_bridge.layers.loss.engines.triton_ops.tiles import (
     FP_FUSION,
     INTERPRET,
     grad_of,

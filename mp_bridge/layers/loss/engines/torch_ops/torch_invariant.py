@@ -1,19 +1,12 @@
-"""The torch engine's per-chunk kernels: the ``ChunkEngine`` protocol and two of them.
-
-An engine turns one token chunk ``h [C, H]`` of the TP-replicated hidden states and the
-local weight shard ``W [V_local, H]`` into per-token ``(value, lse)`` (``forward_chunk``),
-and a chunk's logits plus per-token factors into the full ``d loss / d h`` rows and this
-rank's ``d loss / d W`` (``grad_chunk``, accumulated in fp32). Only the chunk's logits
-(``C x V_local`` fp32; the invariant engine's real blocks, zero-padded to whole tiles) are
-ever alive, plus, in the invariant engine, O(log blocks) ``[TOKEN_TILE, H]`` fp32 partials.
-Collectives (``reduce``): the shard engine merges stats with one all-gather and
-all-reduces ``d h``; the invariant engine folds both in the canonical tree.
-"""
+"""The torch engine's invariant runner (``invariant=True``): fixed-shape batched matmuls
+over groups of vocab blocks, batched block math, tree folds (``TorchInvariantRunner``);
+one statistics all-gather and one ``d h`` all-gather of subtree partials per chunk over
+TP (``reduce``). Only the chunk's real blocks of logits, zero-padded to whole tiles, are
+alive, plus O(log blocks) ``[TOKEN_TILE, H]`` fp32 partials."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple, Protocol
 
 import torch
 import torch.distributed as dist
@@ -26,158 +19,28 @@ from mp_bridge.layers.loss.blocks import (
     BlockLayout,
     block_groups,
     fold_blocks,
-    shard_columns,
     target_slots,
 )
-from mp_bridge.layers.loss.engines.torch.group_steps import add_, add_weight_grad, settle
+from mp_bridge.layers.loss.class_weights import column_weights, target_weights
+from mp_bridge.layers.loss.engines.torch_ops.driver import ChunkState
+from mp_bridge.layers.loss.engines.torch_ops.group_steps import add_, add_weight_grad, settle
 from mp_bridge.layers.loss.formulas import (
     LossSpec,
     block_stats_,
     exp_shift_,
-    row_stats_,
     stats_values,
     transform_logits_,
 )
-from mp_bridge.layers.loss.grad import softmax_grad_blocks_, softmax_grad_rows_
-from mp_bridge.layers.loss.reduce import all_reduce_sum_, gather_fold, gather_merge_stats
+from mp_bridge.layers.loss.grad import softmax_grad_blocks_
+from mp_bridge.layers.loss.outputs import TokenOutputs
+from mp_bridge.layers.loss.reduce import gather_fold
 from mp_bridge.layers.loss.tree import StreamFold
-from mp_bridge.layers.vocab_shards import VocabShard
 
-__all__ = ["ChunkEngine", "ChunkResult", "ChunkState", "InvariantEngine", "ShardEngine"]
-
-
-class ChunkState(NamedTuple):
-    """A chunk's logits kept from ``forward_chunk`` / ``recompute`` for ``grad_chunk``.
-
-    ``logits`` holds ``exp(z - row_max)`` when ``row_max`` is set, else the transformed
-    fp32 logits ``z``; ``tiles`` is the invariant engine's ``[T, TOKEN_TILE, H]`` copy of
-    ``h`` (``None`` in the shard engine); ``deriv`` the soft-cap derivative (or ``None``).
-    """
-
-    logits: torch.Tensor
-    row_max: torch.Tensor | None
-    tiles: torch.Tensor | None = None
-    deriv: torch.Tensor | None = None
-
-
-class ChunkResult(NamedTuple):
-    state: ChunkState
-    value: torch.Tensor  # [C] fp32 per-token value (ignored tokens not yet zeroed)
-    lse: torch.Tensor  # [C] fp32 log-sum-exp of the logits
-    entropy: torch.Tensor | None = None  # [C] fp32, with spec.entropy
-    sum_pi_squared: torch.Tensor | None = None  # [C] fp32, with spec.sum_pi_squared
-
-
-class ChunkEngine(Protocol):
-    """What the chunk driver (``driver.FusedLinearLoss``) needs from a chunk engine."""
-
-    def forward_chunk(
-        self, h: torch.Tensor, t: torch.Tensor, temp: torch.Tensor | None = None
-    ) -> ChunkResult:
-        """Values and lse of chunk ``h [C, H]`` with targets ``t [C]`` (collectives);
-        ``temp [C]``: the fp32 per-token temperature, or ``None`` (``spec.temperature``)."""
-
-    def recompute(self, h: torch.Tensor, temp: torch.Tensor | None = None) -> ChunkState:
-        """The chunk's logits again (backward of ``reduction="none"``); no collective."""
-
-    def grad_chunk(
-        self,
-        state: ChunkState,
-        h: torch.Tensor,
-        t: torch.Tensor,
-        lse: torch.Tensor,
-        w: torch.Tensor,
-        gw: torch.Tensor | None,
-        *,
-        entropy: torch.Tensor | None = None,
-        w_ent: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """``d loss / d h [C, H]`` fp32 for per-token factors ``w [C]`` (and ``w_ent [C]``
-        of the entropy, with ``spec.entropy``); ``gw += d W``."""
-
-
-#: Weight rows per logits matmul of the shard engine: MKL computes a ``[V_local, H] x [H,
-#: C]`` product about 9 % faster in slabs of 512-2048 rows than in one call at ``V_local =
-#: 65536`` (bench/lm_head_gemm_shapes.py); each output element is the same K = H dot
-#: product, with the same bits (checked there).
-SLAB_ROWS = 2048
-
-
-def _accumulate_weight_grad(gw: torch.Tensor, g: torch.Tensor, h: torch.Tensor) -> None:
-    """``gw += g^T @ h`` with ``gw`` fp32 whatever the dtype of ``g``/``h``."""
-    if g.dtype == torch.float32:
-        gw.addmm_(g.t(), h)
-    else:
-        gw.add_(torch.mm(g.t(), h).float())
+__all__ = ["TorchInvariantRunner"]
 
 
 @dataclass(frozen=True, eq=False)
-class ShardEngine:
-    """Whole shard per chunk: ``z = h @ W^T`` is ``[C, V_local]``, in slabs of weight rows.
-
-    The logits are stored vocab-major (``z`` is the ``[C, V_local]`` transpose of a
-    contiguous ``[V_local, C]`` product ``W h^T``): no operand of the three GEMMs is then
-    a transposed weight (MKL's slowest case here), and ``d W += g^T h`` reads ``g^T``
-    contiguously; the row math is layout-agnostic.
-    """
-
-    weight: torch.Tensor
-    tp_group: dist.ProcessGroup | None
-    shard: VocabShard
-    spec: LossSpec
-
-    def _logits(self, h: torch.Tensor, temp=None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        w, ht = self.weight.detach(), h.t()
-        zt = torch.empty((w.shape[0], h.shape[0]), dtype=h.dtype, device=h.device)
-        for v in range(0, w.shape[0], SLAB_ROWS):  # (V_local, H) @ (H, C), slab by slab
-            torch.mm(w[v : v + SLAB_ROWS], ht, out=zt[v : v + SLAB_ROWS])
-        z = (zt if zt.dtype == torch.float32 else zt.float()).t()  # keeps the layout
-        deriv = transform_logits_(z, self.spec, None if temp is None else temp.unsqueeze(1))
-        if deriv is not None:
-            deriv[:, self.shard.num_real :] = 0.0  # padding columns (the weight's padding rows)
-        return z, deriv
-
-    def forward_chunk(self, h: torch.Tensor, t: torch.Tensor, temp=None) -> ChunkResult:
-        z, deriv = self._logits(h, temp)
-        col = shard_columns(t, self.shard)
-        spec = self.spec
-        stats, m = row_stats_(
-            z, col, self.shard.num_real, spec.with_sum, spec.entropy, spec.sum_pi_squared
-        )
-        merged = gather_merge_stats(stats, self.tp_group, spec.merge)  # z <- exp(z - m)
-        rv = stats_values(merged, spec)
-        state = ChunkState(z, m, None, deriv)
-        return ChunkResult(state, rv.value, rv.lse, rv.entropy, rv.sum_pi_squared)
-
-    def recompute(self, h: torch.Tensor, temp=None) -> ChunkState:
-        z, deriv = self._logits(h, temp)
-        return ChunkState(z, None, None, deriv)
-
-    def grad_chunk(
-        self, state, h, t, lse, w, gw: torch.Tensor | None, *, entropy=None, w_ent=None
-    ) -> torch.Tensor:
-        z, m = state.logits, state.row_max
-        valid = self.shard.num_real
-        if m is None:  # raw logits (backward recompute): softmax = exp(z - lse)
-            if valid < z.shape[1]:
-                z[:, valid:] = float("-inf")
-            p = z.sub_(lse.unsqueeze(1)).exp_()
-        else:  # exp(z - m) from forward: softmax = exp(z - m) * exp(m - lse)
-            p = z.mul_(torch.exp(m - lse).unsqueeze(1))
-        col = shard_columns(t, self.shard)
-        g = softmax_grad_rows_(p, col, w, self.spec, valid, lse=lse, entropy=entropy, w_ent=w_ent)
-        if state.deriv is not None:
-            g.mul_(state.deriv)
-        g = g.to(h.dtype)
-        if gw is not None:
-            _accumulate_weight_grad(gw, g, h)
-        gh = torch.mm(g, self.weight)  # (C, V_local) @ (V_local, H): this shard's part
-        gh = gh if gh.dtype == torch.float32 else gh.float()
-        return all_reduce_sum_(gh, self.tp_group)
-
-
-@dataclass(frozen=True, eq=False)
-class InvariantEngine:
+class TorchInvariantRunner:
     """Fixed-shape batched matmuls over groups of vocab blocks, batched block math, tree folds.
 
     A chunk of ``C`` tokens is ``T = ceil(C / TOKEN_TILE)`` tiles (the last one zero
@@ -198,7 +61,7 @@ class InvariantEngine:
     neither on the other tokens of the call. Chunks start on a multiple of
     ``TOKEN_TILE`` so tiles are the same for every chunk size.
 
-    Cost: the FLOPs of the shard engine plus the padding slots of a group (none when
+    Cost: the FLOPs of the default runner plus the padding slots of a group (none when
     ``K`` is a multiple of ``G``; the last group of a larger shard is a window over blocks
     already done) and of ``Hp - H``; memory: a padded copy of the weight shard (and of its
     fp32 gradient during each chunk's backward) when ``H`` is not a multiple of
@@ -225,6 +88,8 @@ class InvariantEngine:
         object.__setattr__(self, "_hp", hp)
         object.__setattr__(self, "_wb", wb)  # [max(K, G), B, Hp]
         object.__setattr__(self, "_groups", block_groups(k))
+        colw = column_weights(self.spec, self.layout.first * b, k * b)  # [K, B] or None
+        object.__setattr__(self, "_colw", None if colw is None else colw.view(k, b))
 
     def _take(self, x: torch.Tensor, grp: BlockGroup) -> torch.Tensor:
         """The ``G`` slots of ``grp`` from ``x [K, ...]`` (zero padded when ``K < G``)."""
@@ -268,35 +133,34 @@ class InvariantEngine:
             deriv[:, k - 1, :, self.layout.tail :] = 0.0  # padding columns
         return z, deriv
 
-    def _slots(self, t: torch.Tensor, tiles: int):
+    def _padded(self, t: torch.Tensor, tiles: int) -> torch.Tensor:
         padded = t.new_full((tiles * TOKEN_TILE,), -1)
         padded[: t.shape[0]] = t
-        return target_slots(padded, self.layout)
+        return padded
+
+    def _slots(self, t: torch.Tensor, tiles: int):
+        return target_slots(self._padded(t, tiles), self.layout)
 
     def recompute(self, h: torch.Tensor, temp=None) -> ChunkState:
         hb = self._tiles(h)
         z, deriv = self._logits(hb, temp)
         return ChunkState(z, exp_shift_(z, self.layout), hb, deriv)
 
-    def forward_chunk(self, h: torch.Tensor, t: torch.Tensor, temp=None) -> ChunkResult:
+    def forward_chunk(
+        self, h: torch.Tensor, t: torch.Tensor, temp=None
+    ) -> tuple[ChunkState, TokenOutputs]:
         hb = self._tiles(h)
         z, deriv = self._logits(hb, temp)
         tiles, lay, spec = hb.shape[0], self.layout, self.spec
         slots = self._slots(t, tiles)
-        stats, m = block_stats_(z, lay, slots, spec.with_sum, spec.entropy, spec.sum_pi_squared)
+        stats, m = block_stats_(z, lay, slots, spec, self._colw)
         pieces = fold_blocks(stats, 2, lay, spec.merge)  # z <- exp(z - m) above
         shape = (spec.num_stats, tiles, TOKEN_TILE)
         root = gather_fold(pieces, lay, self.tp_group, spec.combine, shape, h.device)
-        rv = stats_values(root, spec)
         n = h.shape[0]
-
-        def rows(v):
-            return None if v is None else v.reshape(-1)[:n]
-
-        state = ChunkState(z, m, hb, deriv)
-        return ChunkResult(
-            state, rows(rv.value), rows(rv.lse), rows(rv.entropy), rows(rv.sum_pi_squared)
-        )
+        omega = target_weights(spec, self._padded(t, tiles).view(tiles, TOKEN_TILE))
+        out = stats_values(root, spec, omega=omega).map(lambda v: v.reshape(-1)[:n])
+        return ChunkState(z, m, hb, deriv), out
 
     def grad_chunk(
         self, state, h, t, lse, w, gw: torch.Tensor | None, *, entropy=None, w_ent=None
@@ -319,6 +183,8 @@ class InvariantEngine:
             self.spec,
             entropy=by_tile(entropy),
             w_ent=by_tile(w_ent),
+            omega=by_tile(target_weights(self.spec, t)),
+            colw=self._colw,
         )
         if deriv is not None:
             g.mul_(deriv)

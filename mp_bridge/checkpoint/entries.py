@@ -1,0 +1,150 @@
+"""What a model and its optimizer put in a checkpoint: one :class:`Entry` per global tensor.
+
+Keys (the checkpoint's namespace, under the single-process parameter names):
+
+- ``model.<name>``: every parameter (``named_parameters``: a tied weight once, under its
+  first name) and persistent buffer; its global tensor is the *unpadded* full tensor its
+  ``ShardSpec`` declares (unmarked: replicated, the tensor itself);
+- ``optim.<name>.<state>``: an optimizer state tensor; one of the parameter's shape is
+  sharded like the parameter (``exp_avg``, ``exp_avg_sq``, ``momentum_buffer``), a scalar
+  (``step``) is replicated;
+- ``optim_group.<name>``: the hyper-parameters of the parameter's group (``lr``, ...),
+  an object.
+
+A parameter that is tensor-parallel in megatron's own marking (``tensor_model_parallel``)
+but declares no ``ShardSpec``, or whose megatron ``partition_stride`` is not 1 while it
+declares plain contiguous rows, is refused by name: saving it as replicated or as
+contiguous rows would write a wrong global tensor. So is a ``DTensor`` parameter (FSDP2's
+``fully_shard``): its global shape is one TP shard's, and the TP ranks' rows would be
+written under one key. No collective here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from mp_bridge.checkpoint.dcp_adapter import PiecesTensor
+from mp_bridge.layers import ShardSpec, shard_spec
+
+__all__ = ["Entry", "model_entries", "optimizer_entries", "param_name", "param_names"]
+
+MODEL, OPTIM, OPTIM_GROUP = "model.", "optim.", "optim_group."
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One global tensor of the checkpoint as this rank holds it (``spec`` None: whole)."""
+
+    key: str
+    local: torch.Tensor
+    spec: ShardSpec | None
+
+    @property
+    def global_shape(self) -> tuple[int, ...]:
+        shape = tuple(self.local.shape)
+        return shape if self.spec is None else self.spec.full_shape(self.local.shape)
+
+    def dcp_value(self, local: torch.Tensor | None = None):
+        """What DCP reads (save) or fills (load): ``local`` (default: this entry's) as a
+        :class:`PiecesTensor` of the global tensor, or the plain tensor when replicated."""
+        local = self.local if local is None else local
+        if self.spec is None:
+            return local
+        pieces = self.spec.local_pieces(local.shape[self.spec.dim])
+        return PiecesTensor(local, self.global_shape, self.spec.dim, pieces)
+
+
+def _check_declared(name: str, param: torch.Tensor, spec: ShardSpec | None) -> None:
+    if isinstance(param, DTensor):  # FSDP2's shard of a TP shard: DCP would dedup TP rows
+        raise ValueError(
+            f"parameter {name!r} is a DTensor ({param.placements} over {param.device_mesh}), "
+            f"as fully_shard (FSDP2) makes it; mp_bridge.checkpoint saves and loads plain TP "
+            f"shards only: save the full tensors of gather_full_state(model) (every TP "
+            f"rank's rows), or the model before fully_shard"
+        )
+    if getattr(param, "tensor_model_parallel", False) and spec is None:
+        raise ValueError(
+            f"parameter {name!r} is tensor-parallel (megatron's tensor_model_parallel) but "
+            f"declares no ShardSpec, so its global tensor is unknown; declare it where it is "
+            f"created with mp_bridge.layers.mark_sharded(param, dim=, group=, full_size=)"
+        )
+    stride = getattr(param, "partition_stride", 1)
+    if spec is not None and spec.parts == 1 and stride != 1:
+        raise ValueError(
+            f"parameter {name!r} has megatron partition_stride={stride}: its shard is not "
+            f"contiguous rows of the full tensor; declare its layout with "
+            f"mark_sharded(..., parts={stride}) (fused parts) or save it unfused"
+        )
+
+
+def param_names(model: nn.Module, prefix: str = "") -> dict[int, str]:
+    """``id(param) -> prefix + name`` for every parameter of ``model`` (tied: first name)."""
+    return {id(p): prefix + name for name, p in model.named_parameters()}
+
+
+def param_name(names: dict[int, str], param: torch.Tensor, group: int) -> str:
+    """``param``'s name in ``names`` (:func:`param_names`); ``ValueError`` for a parameter of
+    ``optimizer.param_groups[group]`` that the model does not hold."""
+    name = names.get(id(param))
+    if name is None:
+        raise ValueError(
+            f"optimizer.param_groups[{group}] holds a parameter of shape {tuple(param.shape)} "
+            f"that is not a parameter of the model; pass the optimizer built over "
+            f"model.parameters()"
+        )
+    return name
+
+
+def model_entries(model: nn.Module, prefix: str = "") -> dict[str, Entry]:
+    """The ``model.`` entries of ``model``'s parameters and persistent buffers, named
+    ``model.<prefix><name>``. ``ValueError`` naming a parameter whose layout is unknown."""
+    out: dict[str, Entry] = {}
+    persistent = set(model.state_dict(keep_vars=True))
+    for name, param in model.named_parameters():
+        spec = shard_spec(param)
+        _check_declared(name, param, spec)
+        out[MODEL + prefix + name] = Entry(MODEL + prefix + name, param.detach(), spec)
+    for name, buf in model.named_buffers():
+        if name in persistent:
+            out[MODEL + prefix + name] = Entry(MODEL + prefix + name, buf.detach(), shard_spec(buf))
+    return out
+
+
+def optimizer_entries(
+    optimizer: torch.optim.Optimizer, model: nn.Module, prefix: str = ""
+) -> tuple[dict[str, Entry], dict[str, object]]:
+    """``(state entries, objects)`` of ``optimizer``: the objects are each parameter's group
+    hyper-parameters (``optim_group.<name>``) and any non-tensor state value.
+
+    Reads ``optimizer.state`` as it is (never steps or initializes it: a parameter with
+    no state yet has no entry). ``ValueError`` naming a parameter that is not ``model``'s,
+    or a state tensor that is neither of the parameter's shape nor a scalar.
+    """
+    names = param_names(model, prefix)
+    entries: dict[str, Entry] = {}
+    objects: dict[str, object] = {}
+    for g, group in enumerate(optimizer.param_groups):
+        hyper = {k: v for k, v in group.items() if k != "params"}
+        for param in group["params"]:
+            name = param_name(names, param, g)
+            objects[OPTIM_GROUP + name] = hyper
+            for state_key, value in optimizer.state.get(param, {}).items():
+                key = f"{OPTIM}{name}.{state_key}"
+                if not isinstance(value, torch.Tensor):
+                    objects[key] = value  # e.g. SGD's momentum_buffer None without momentum
+                elif value.dim() == 0:
+                    entries[key] = Entry(key, value.detach(), None)  # replicated (step)
+                elif value.shape == param.shape:
+                    entries[key] = Entry(key, value.detach(), shard_spec(param))
+                else:
+                    raise ValueError(
+                        f"optimizer state {state_key!r} of parameter {name!r} has shape "
+                        f"{tuple(value.shape)}, neither the parameter's "
+                        f"{tuple(param.shape)} nor a scalar; such state (e.g. factored "
+                        f"second moments) cannot be resharded: use Adam, AdamW or SGD"
+                    )
+    return entries, objects

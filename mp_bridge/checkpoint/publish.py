@@ -1,0 +1,84 @@
+"""Atomic publication of a checkpoint directory, and the leftovers of saves that died.
+
+A save writes into ``<parent>/.<name>.partial-<token>`` beside ``path``; once every rank
+has finished and ``mp_bridge.json`` is written, the coordinator publishes it:
+
+1. an existing checkpoint at ``path`` is renamed aside to ``.<name>.old-<token>``;
+2. the new directory is renamed to ``path``; 3. the old one is deleted.
+
+Each rename is atomic, so at every moment one whole checkpoint exists: at ``path``, or,
+only between steps 1 and 2, beside it (:func:`resolve` finds it there and the next save
+puts it back). A save that dies leaves a ``.partial-`` directory without
+``mp_bridge.json``: a load never reads it and the next save deletes it. No collective.
+
+Example: ``save("ckpt/run", ...)`` writes ``ckpt/.run.partial-3f2a...`` then renames it
+to ``ckpt/run``.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import shutil
+
+from mp_bridge.checkpoint.info import INFO_FILE
+
+__all__ = ["clean_leftovers", "publish", "resolve", "staging_dir"]
+
+
+def _sibling(path: str, kind: str, token: str) -> str:
+    parent, name = os.path.split(os.path.abspath(path))
+    return os.path.join(parent, f".{name}.{kind}-{token}")
+
+
+def staging_dir(path: str, token: str) -> str:
+    """Where the save with ``token`` writes before it is published."""
+    return _sibling(path, "partial", token)
+
+
+def _leftovers(path: str) -> list[str]:
+    return glob.glob(_sibling(path, "partial", "*")) + glob.glob(_sibling(path, "old", "*"))
+
+
+def _complete(directory: str) -> bool:
+    return os.path.isfile(os.path.join(directory, INFO_FILE))
+
+
+def resolve(path: str) -> str:
+    """The directory holding the checkpoint published at ``path``: ``path`` itself, or,
+    when a publication was cut between its two renames, the whole one beside it (the
+    newest). ``path`` when there is none (the reader then names ``path`` in its error)."""
+    if os.path.exists(path):
+        return path
+    whole = [d for d in _leftovers(path) if _complete(d)]
+    return max(whole, key=lambda d: os.path.getmtime(os.path.join(d, INFO_FILE)), default=path)
+
+
+def clean_leftovers(path: str) -> None:
+    """Before a save: put back a checkpoint a cut publication left beside ``path``, then
+    delete every other leftover (partial writes of dead saves, old copies)."""
+    found = resolve(path)
+    if found != path:
+        os.rename(found, path)
+    for leftover in _leftovers(path):
+        shutil.rmtree(leftover, ignore_errors=True)
+
+
+def _fsync_dir(directory: str) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def publish(staging: str, path: str, token: str) -> None:
+    """Make the finished ``staging`` directory the checkpoint at ``path`` (see the module)."""
+    old = None
+    if os.path.exists(path):
+        old = _sibling(path, "old", token)
+        os.rename(path, old)
+    os.rename(staging, path)
+    _fsync_dir(os.path.dirname(os.path.abspath(path)))
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)

@@ -1,0 +1,289 @@
+"""FSDP2 (``fully_shard``) with our fused loss and vocab layers, on 4 gloo ranks.
+
+Oracle everywhere: the same model trained in one process on the full tensors and the
+global batch (every data-parallel rank's tokens): FSDP2 averages gradients over its ranks,
+and each rank's loss is a mean over the same number of tokens, so the reference loss is
+the mean over the global batch. Tolerance ``atol = rtol = 1e-5`` in fp32 (as the TP tests'
+fused-gradient checks): sums over the tokens in another order (FSDP's reduce-scatter, the
+fused loss's chunks, TP's all-reduce), ~1e-7 relative each, through two Adam steps whose
+update is bounded by the learning rate. Collective counts are exact.
+
+Meshes: FSDP over all 4 ranks (TP 1), or a ``("dp", "tp")`` mesh of 2 x 2: FSDP over
+``"dp"``, our layers' ``tp_group`` from ``"tp"`` (rank ``2 * dp + tp``).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, Shard
+
+from mp_bridge.checkpoint import load, save
+from mp_bridge.layers import (
+    ShardSpec,
+    VocabParallelEmbedding,
+    VocabParallelLMHead,
+    fused_linear_cross_entropy,
+    mark_sharded,
+    shard_spec,
+    vocab_parallel_cross_entropy,
+)
+from mp_bridge.models import gather_full_state, load_full_state
+from mp_bridge.testing import CollectiveCounter, DistributedWorld, current_device
+
+world = DistributedWorld(4, timeout_s=240)
+
+V, H, B, S, LR = 11, 6, 2, 3, 1e-2  # V = 11: at TP 2 rank 1 holds one zero padding row
+TOL = dict(atol=1e-5, rtol=1e-5)
+
+
+def _batch(dp: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The global batch: ``[dp * B, S]`` ids and targets, the same on every rank
+    (data-parallel rank ``d`` takes rows ``[d * B, (d + 1) * B)``)."""
+    g = torch.Generator().manual_seed(7)
+    ids = torch.randint(0, V, (dp * B, S), generator=g)
+    target = torch.randint(0, V, (dp * B, S), generator=g)
+    return ids, target
+
+
+def _full_weights() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    return {
+        "emb.weight": torch.randn(V, H, generator=g),
+        "head.weight": torch.randn(V, H, generator=g),
+    }
+
+
+def _mesh(tp: int):
+    return init_device_mesh(current_device().type, (4 // tp, tp), mesh_dim_names=("dp", "tp"))
+
+
+class TinyLM(nn.Module):
+    """Our vocab layers: ids -> embedding -> head -> vocab-parallel cross-entropy."""
+
+    def __init__(self, tp_group, full: dict[str, torch.Tensor]):
+        super().__init__()
+        dev = current_device()
+        self.tp_group = tp_group
+        self.emb = VocabParallelEmbedding.from_full(full["emb.weight"].to(dev), tp_group=tp_group)
+        self.head = VocabParallelLMHead.from_full(full["head.weight"].to(dev), tp_group=tp_group)
+
+    def forward(self, ids: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        logits = self.head(self.emb(ids))
+        return vocab_parallel_cross_entropy(
+            logits, target, tp_group=self.tp_group, vocab_size=V, reduction="mean"
+        )
+
+
+def _reference_lm(steps: int, dp: int):
+    """One process, full tensors: per-step losses of each data-parallel slice, and the
+    final weights."""
+    w = {k: v.clone().requires_grad_() for k, v in _full_weights().items()}
+    opt = torch.optim.Adam(w.values(), lr=LR)
+    ids, target = _batch(dp)
+    losses = []
+    for _ in range(steps):
+        logits = F.embedding(ids, w["emb.weight"]) @ w["head.weight"].t()
+        per_token = F.cross_entropy(logits.flatten(0, 1), target.flatten(), reduction="none")
+        losses.append(per_token.view(dp, B * S).mean(1).detach())
+        opt.zero_grad()
+        per_token.mean().backward()
+        opt.step()
+    return losses, {k: v.detach() for k, v in w.items()}
+
+
+@world.parametrize("tp", [1, 2])
+def test_vocab_layers_under_fully_shard_train_like_one_process(tp):
+    mesh = _mesh(tp)
+    tp_group = mesh.get_group("tp") if tp > 1 else None
+    dp_rank = mesh.get_local_rank("dp")
+    model = TinyLM(tp_group, _full_weights())
+    for part in (model.emb, model.head, model):
+        fully_shard(part, mesh=mesh["dp"])
+    for name, param in model.named_parameters():
+        # the TP declaration survives the swap to FSDP2's DTensor (global shape = TP shard)
+        assert isinstance(param, DTensor) and param.placements == (Shard(0),), name
+        assert shard_spec(param) == ShardSpec(0, tp_group, V), name
+    opt = torch.optim.Adam(model.parameters(), lr=LR)
+    want_losses, want_weights = _reference_lm(2, 4 // tp)
+    ids, target = _batch(4 // tp)
+    dev = current_device()
+    rows = slice(dp_rank * B, (dp_rank + 1) * B)
+    for want in want_losses:
+        loss = model(ids[rows].to(dev), target[rows].to(dev))
+        torch.testing.assert_close(loss.detach().cpu(), want[dp_rank], **TOL)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    got = gather_full_state(model)  # FSDP all-gather over dp, then TP, padding dropped
+    for name, want in want_weights.items():
+        torch.testing.assert_close(got[name].cpu(), want, **TOL)
+    load_full_state(model, _full_weights())  # into the DTensor shards, and back: exact
+    back = gather_full_state(model)
+    assert all(torch.equal(back[k].cpu(), v) for k, v in _full_weights().items())
+
+
+@world.case
+def test_checkpoint_save_and_load_refuse_an_fsdp2_model_by_name():
+    """FSDP x TP on the 2 x 2 mesh: each parameter is a DTensor whose global shape is one
+    TP shard, so writing it as is would keep one TP rank's rows (DCP dedups equal chunks):
+    ``save`` and ``load`` refuse it on every rank, and the checkpoint already at the path
+    (saved before wrapping) is left whole: it still loads, exactly."""
+    mesh = _mesh(2)
+    tp_group = mesh.get_group("tp")
+    model = TinyLM(tp_group, _full_weights())
+    path = os.path.join(tempfile.gettempdir(), f"mp_bridge_fsdp2_{os.getppid()}", "ckpt")
+    save(path, model)  # plain TP shards: fine
+    for part in (model.emb, model.head, model):
+        fully_shard(part, mesh=mesh["dp"])
+    message = r"parameter 'emb.weight' is a DTensor .* gather_full_state\(model\)"
+    with pytest.raises(ValueError, match=message):
+        save(path, model)
+    with pytest.raises(ValueError, match=message):
+        load(path, model)
+    fresh = TinyLM(tp_group, {k: torch.zeros_like(v) for k, v in _full_weights().items()})
+    load(path, fresh)
+    back = gather_full_state(fresh)
+    assert all(torch.equal(back[k].cpu(), v) for k, v in _full_weights().items())
+    dist.barrier()
+    if dist.get_rank() == 0:
+        shutil.rmtree(os.path.dirname(path))
+
+
+@world.case
+def test_a_plain_module_loses_its_declaration_to_fully_shard():
+    """Why the vocab layers keep their specs (``KeepsShardSpecs``): FSDP2 drops the
+    attribute of the parameter it replaces, as it does on any plain module."""
+    plain = nn.Linear(H, 4, bias=False, device=current_device())
+    mark_sharded(plain.weight, dim=0, group=None, full_size=4)
+    fully_shard(plain, mesh=_mesh(1)["dp"])
+    assert isinstance(plain.weight, DTensor) and shard_spec(plain.weight) is None
+
+
+class TiedLM(nn.Module):
+    def __init__(self, full: torch.Tensor):
+        super().__init__()
+        self.emb = VocabParallelEmbedding.from_full(full.to(current_device()), tp_group=None)
+        self.head = VocabParallelLMHead(H, V, tie_to=self.emb, device=current_device())
+
+    def forward(self, ids: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(self.head(self.emb(ids)).flatten(0, 1), target.flatten())
+
+
+@world.case
+def test_tied_embedding_and_head_in_one_fsdp_unit_train_like_one_process():
+    """A tied pair shares one Parameter; FSDP2 shards it once when both layers sit in one
+    unit (``fully_shard`` on their parent), and its gradient sums both uses."""
+    dev, rank = current_device(), dist.get_rank()
+    full = _full_weights()["emb.weight"]
+    model = TiedLM(full)
+    fully_shard(model, mesh=_mesh(1)["dp"])
+    assert model.emb.weight is model.head.weight and shard_spec(model.head.weight) is not None
+    ids, target = _batch(4)
+    rows = slice(rank * B, (rank + 1) * B)
+    model(ids[rows].to(dev), target[rows].to(dev)).backward()
+    w = full.clone().requires_grad_()
+    F.cross_entropy((F.embedding(ids, w) @ w.t()).flatten(0, 1), target.flatten()).backward()
+    got = gather_full_state(model, grads=True)
+    torch.testing.assert_close(got["emb.weight"].cpu(), w.grad, **TOL)
+
+
+@world.case
+def test_tied_pair_in_two_fsdp_units_is_refused_by_fsdp2():
+    """Wrapped apart, the tie would break (each unit swaps in its own parameter): FSDP2
+    refuses it at the first forward, naming the fix, before any collective."""
+    model = TiedLM(_full_weights()["emb.weight"])
+    mesh = _mesh(1)["dp"]
+    for part in (model.emb, model.head, model):
+        fully_shard(part, mesh=mesh)
+    ids, target = _batch(4)
+    with pytest.raises(ValueError, match=r"shared with a parameter already managed by another"):
+        model(ids[:B].to(current_device()), target[:B].to(current_device()))
+
+
+class FusedHead(nn.Module):
+    """The supported pattern: the fused loss inside the FSDP unit's ``forward``, where
+    FSDP2 has gathered ``weight`` (a plain tensor with FSDP alone)."""
+
+    def __init__(self, weight: torch.Tensor):
+        super().__init__()
+        self.weight = nn.Parameter(weight)
+
+    def forward(self, h: torch.Tensor, target: torch.Tensor, chunk_size: int | None):
+        assert not isinstance(self.weight, DTensor)  # gathered: FSDP alone
+        return fused_linear_cross_entropy(h, self.weight, target, chunk_size=chunk_size)
+
+
+class TrunkAndHead(nn.Module):
+    def __init__(self, trunk: torch.Tensor, head: torch.Tensor):
+        super().__init__()
+        self.trunk, self.head = nn.Linear(H, H, bias=False), FusedHead(head)
+        with torch.no_grad():
+            self.trunk.weight.copy_(trunk)
+
+    def forward(self, x, target, chunk_size=None):
+        return self.head(torch.tanh(self.trunk(x)), target, chunk_size)
+
+
+@world.parametrize("chunk_size", [1, 4, None])
+def test_fused_loss_inside_fsdp_forward_runs_only_fsdps_collectives(chunk_size):
+    """One step: FSDP2's all-gathers only (trunk and head: one in forward, one in backward
+    with ``reshard_after_forward=True``), the same at every ``chunk_size``; FSDP2
+    reduce-scatters both gradients; loss and gradients equal one process's."""
+    dev, rank = current_device(), dist.get_rank()
+    g = torch.Generator().manual_seed(11)
+    trunk_w, head_w = torch.randn(H, H, generator=g), torch.randn(V, H, generator=g)
+    x, target = torch.randn(4 * 5, H, generator=g), torch.randint(0, V, (4 * 5,), generator=g)
+    model = TrunkAndHead(trunk_w, head_w).to(dev)
+    mesh = _mesh(1)["dp"]
+    for part in (model.trunk, model.head, model):
+        fully_shard(part, mesh=mesh)
+    rows = slice(5 * rank, 5 * rank + 5)
+    with CollectiveCounter() as counter:
+        loss = model(x[rows].to(dev), target[rows].to(dev), chunk_size)
+        loss.backward()
+    assert counter.counts() == {"all_gather": 4, "reduce_scatter": 2}, counter.calls
+    # FSDP2 pads to equal shards: the trunk's 6 rows to 2 a rank, the head's 11 to 3; each
+    # all-gather receives 3 other ranks' rows of H fp32: 3 * 2 * 6 * 4 and 3 * 3 * 6 * 4.
+    gathers = sorted(c.bytes_received for c in counter.calls if c.name == "all_gather")
+    assert gathers == [144, 144, 216, 216], counter.calls
+    assert isinstance(model.head.weight.grad, DTensor)
+    wt, wh = trunk_w.clone().requires_grad_(), head_w.clone().requires_grad_()
+    per_token = F.cross_entropy(torch.tanh(x @ wt.t()) @ wh.t(), target, reduction="none")
+    per_token.mean().backward()
+    torch.testing.assert_close(loss.detach().cpu(), per_token[rows].mean().detach(), **TOL)
+    got = gather_full_state(model, grads=True)
+    torch.testing.assert_close(got["head.weight"].cpu(), wh.grad, **TOL)
+    torch.testing.assert_close(got["trunk.weight"].cpu(), wt.grad, **TOL)
+
+
+@world.case
+def test_mixed_precision_gives_an_fp32_gradient_from_bf16_products():
+    """``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``: forward and the
+    gradient's products run in bf16 (the gathered weight and the cast inputs); FSDP2
+    reduces in fp32 and keeps ``dW`` in the sharded parameter's dtype, fp32. Tolerance
+    against fp32: bf16's 8-bit mantissa, ``rtol = atol = 3e-2`` (the TP tests' bf16)."""
+    dev, rank = current_device(), dist.get_rank()
+    full = _full_weights()["head.weight"]
+    head = VocabParallelLMHead.from_full(full.to(dev), tp_group=None)
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    fully_shard(head, mesh=_mesh(1)["dp"], mp_policy=policy)
+    h = torch.randn(4 * 3, H, generator=torch.Generator().manual_seed(5))
+    rows = slice(3 * rank, 3 * rank + 3)
+    logits = head(h[rows].to(dev))
+    assert logits.dtype == torch.bfloat16
+    logits.float().square().mean().backward()
+    assert head.weight.dtype == head.weight.grad.dtype == torch.float32
+    w = full.clone().requires_grad_()
+    (h @ w.t()).square().view(4, 3, V).mean((1, 2)).mean().backward()
+    got = gather_full_state(head, grads=True)["weight"]
+    torch.testing.assert_close(got.cpu(), w.grad, rtol=3e-2, atol=3e-2)
