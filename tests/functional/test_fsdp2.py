@@ -9,7 +9,9 @@ fused loss's chunks, TP's all-reduce), ~1e-7 relative each, through two Adam ste
 update is bounded by the learning rate. Collective counts are exact.
 
 Meshes: FSDP over all 4 ranks (TP 1), or a ``("dp", "tp")`` mesh of 2 x 2: FSDP over
-``"dp"``, our layers' ``tp_group`` from ``"tp"`` (rank ``2 * dp + tp``).
+``"dp"``, our layers' ``tp_group`` from ``"tp"`` (rank ``2 * dp + tp``), or a ``"tp"``
+``DTensor`` output weight (FSDP x TP: oracle the TP-only plain ``tp_group`` call, within the
+TP tests' ``2e-5``).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+from collections import Counter
 
 import pytest
 import torch
@@ -24,8 +27,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.fsdp import DataParallelMeshDims, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from mp_bridge.checkpoint import load, save
 from mp_bridge.layers import (
@@ -39,6 +42,8 @@ from mp_bridge.layers import (
 )
 from mp_bridge.models import gather_full_state, load_full_state
 from mp_bridge.testing import CollectiveCounter, DistributedWorld, current_device
+from mp_bridge.testing.collectives import CollectiveCall
+from tests.oracles import vocab_cut
 
 world = DistributedWorld(4, timeout_s=240)
 
@@ -287,3 +292,81 @@ def test_mixed_precision_gives_an_fp32_gradient_from_bf16_products():
     (h @ w.t()).square().view(4, 3, V).mean((1, 2)).mean().backward()
     got = gather_full_state(head, grads=True)["weight"]
     torch.testing.assert_close(got.cpu(), w.grad, rtol=3e-2, atol=3e-2)
+
+
+class TpFusedHead(nn.Module):
+    """torchtitan's output module: a ``"tp"`` DTensor weight, the fused loss inside
+    ``forward`` (where FSDP2 has gathered the ``"dp"`` dim); records what it is handed."""
+
+    def __init__(self, weight: DTensor):
+        super().__init__()
+        self.weight = nn.Parameter(weight)
+        self.seen: list[tuple] = []
+
+    def forward(self, h: torch.Tensor, target: torch.Tensor, chunk_size: int | None):
+        w = self.weight
+        self.seen.append((w.device_mesh.mesh_dim_names, w.placements))
+        return fused_linear_cross_entropy(h, w, target, chunk_size=chunk_size)
+
+
+@world.parametrize("chunk_size, spmd", [(c, s) for s in (False, True) for c in (1, 4, None)])
+def test_fsdp_times_tp_on_a_2d_mesh_equals_the_tp_only_run(chunk_size, spmd):
+    """FSDP x TP: ``distribute_tensor(w, mesh["tp"], [Shard(0)])`` (V = 11: 6 and 5 rows)
+    wrapped by ``fully_shard(mesh=mesh["dp"])`` is ``(_StridedShard(0), Shard(0))`` on
+    ``("dp", "tp")``, refused outside ``forward``; inside, FSDP2 hands it over as
+    ``(Shard(0),)`` on ``("tp",)``. One step issues the TP-only run's collectives plus
+    FSDP2's own: an all-gather in forward and one in backward (the other dp rank's 3
+    padded rows of this TP shard) and one reduce-scatter, at every ``chunk_size``. Loss,
+    ``d hidden``, ``d W`` (averaged over ``"dp"``) and the Adam step equal the plain
+    ``tp_group`` call's on the same tokens within the TP tests' ``2e-5``. ``spmd``: the
+    weight ``(Replicate(), Shard(0))`` on the 2-D mesh, ``fully_shard(mesh=mesh,
+    dp_mesh_dims=DataParallelMeshDims(shard="dp"))``; forward sees that placement."""
+    tol, mesh, dev = dict(atol=2e-5, rtol=2e-5), _mesh(2), current_device()
+    dp, tp, tp_group = mesh.get_local_rank("dp"), mesh.get_local_rank("tp"), mesh.get_group("tp")
+    g = torch.Generator().manual_seed(13)
+    full, x = torch.randn(V, H, generator=g), torch.randn(2, 5, H, generator=g).to(dev)
+    target = torch.randint(0, V, (2, 5), generator=g).to(dev)
+    # the TP-only run: both dp slices' plain calls on this rank's padded rows, d W averaged
+    w_ref, ref = vocab_cut(full, 6, tp, 0).to(dev).requires_grad_(), []
+    for d in range(2):
+        h = x[d].clone().requires_grad_()
+        with CollectiveCounter() as plain:
+            loss = fused_linear_cross_entropy(
+                h, w_ref, target[d], tp_group=tp_group, vocab_size=V, chunk_size=chunk_size
+            )
+            loss.backward()
+        ref.append((loss.detach(), h.grad, plain.calls))
+    w_ref.grad /= 2
+    if spmd:
+        head = TpFusedHead(distribute_tensor(full.to(dev), mesh, [Replicate(), Shard(0)]))
+        # the parameter's own mesh: fully_shard wants that object, and DTensor's sharding
+        # cache may hand back an equal mesh of an earlier case for `nn.Parameter(w)`
+        spmd_mesh, dims = head.weight.device_mesh, DataParallelMeshDims(shard="dp")
+        fully_shard(head, mesh=spmd_mesh, dp_mesh_dims=dims, reshard_after_forward=True)
+    else:
+        head = TpFusedHead(distribute_tensor(full.to(dev), mesh["tp"], [Shard(0)]))
+        fully_shard(head, mesh=mesh["dp"], reshard_after_forward=True)
+    assert head.weight.device_mesh.mesh_dim_names == ("dp", "tp")
+    outside = r"_StridedShard\(dim=0, sf=2\) over mesh dim 'dp' as well as Shard\(0\) over 'tp'"
+    with CollectiveCounter() as refused, pytest.raises(ValueError, match=outside):
+        fused_linear_cross_entropy(x[dp], head.weight, target[dp])  # outside forward
+    assert not refused.calls and not refused.check_calls, refused.calls
+    h = x[dp].clone().requires_grad_()
+    with CollectiveCounter() as counter:
+        loss = head(h, target[dp], chunk_size)
+        loss.backward()
+    seen = (("dp", "tp"), (Replicate(), Shard(0))) if spmd else (("tp",), (Shard(0),))
+    assert head.seen == [seen], head.seen
+    fsdp = [CollectiveCall("all_gather", 2, 3 * H * 4)] * 2 + [
+        CollectiveCall("reduce_scatter", 2, 3 * H * 4)
+    ]
+    assert Counter(counter.calls) == Counter(ref[dp][2] + fsdp), (counter.calls, ref[dp][2])
+    torch.testing.assert_close(loss.detach(), ref[dp][0], **tol)
+    torch.testing.assert_close(h.grad, ref[dp][1], **tol)
+    grad = head.weight.grad  # FSDP2's reduce-scatter: rows [3 dp, 3 dp + 3) of the TP shard
+    assert isinstance(grad, DTensor) and grad.placements == head.weight.placements
+    rows = slice(3 * dp, 3 * dp + grad.to_local().shape[0])
+    torch.testing.assert_close(grad.to_local(), w_ref.grad[rows], **tol)
+    for param in (head.weight, w_ref):
+        torch.optim.Adam([param], lr=LR).step()
+    torch.testing.assert_close(head.weight.to_local().detach(), w_ref.detach()[rows], **tol)
