@@ -38,11 +38,13 @@ from mp_bridge.checkpoint.ckpt_arguments import check_common, check_extra
 from mp_bridge.checkpoint.dcp_adapter import PiecesSavePlanner
 from mp_bridge.checkpoint.entries import MODEL, Entry, model_entries, optimizer_entries
 from mp_bridge.checkpoint.info import FORMAT_VERSION, CheckpointInfo, write_info
-from mp_bridge.checkpoint.publish import clean_leftovers, publish, staging_dir
+from mp_bridge.checkpoint.publish import check_target, clean_leftovers, publish, staging_dir
 from mp_bridge.checkpoint.ranks import (
+    DCP_ERRORS,
     agree_errors,
     broadcast,
     checkpoint_group,
+    dcp_errors,
     dcp_quietly,
     gather,
     is_coordinator,
@@ -99,10 +101,13 @@ def _write(path: str, state: dict, info: CheckpointInfo, group) -> None:
     error = None
     if is_coordinator(group):
         try:
+            check_target(path)
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
             clean_leftovers(path)
-        except OSError as exc:
+        except ValueError as exc:
             error = exc
+        except OSError as exc:
+            error = RuntimeError(f"cannot save a checkpoint at {path!r}: {exc}")
     agree_errors(error, group)
     try:
         with dcp_quietly():
@@ -110,15 +115,15 @@ def _write(path: str, state: dict, info: CheckpointInfo, group) -> None:
                 state, storage_writer=dcp.FileSystemWriter(staging),
                 planner=PiecesSavePlanner(), process_group=group, no_dist=group is None,
             )  # fmt: skip
-    except Exception as exc:  # DCP raises the same CheckpointException on every rank
-        raise RuntimeError(f"saving the checkpoint at {path!r} failed: {exc}") from exc
+    except DCP_ERRORS as exc:  # DCP raises the same CheckpointException on every rank
+        raise RuntimeError(f"saving the checkpoint at {path!r} failed: {dcp_errors(exc)}") from exc
     status = None
     if is_coordinator(group):
         try:
             write_info(staging, info)
             publish(staging, path, token)
-        except OSError as exc:
-            status = f"publishing the checkpoint at {path!r} failed: {exc}"
+        except Exception as exc:  # any error here must reach every rank (none may wait)
+            status = f"publishing the checkpoint at {path!r} failed: {exc!r}"
     status = broadcast(status, group)
     if status is not None:
         raise RuntimeError(status)
