@@ -50,6 +50,7 @@ from mp_bridge.checkpoint.ranks import (
     dcp_quietly,
     gather,
 )
+from mp_bridge.checkpoint.save import finish_pending
 from mp_bridge.layers import shard_spec
 
 __all__ = ["load", "read_checkpoint"]
@@ -181,6 +182,7 @@ def load(
     names then lack the prefix); RNG states are restored only without a prefix. A model-
     only load (``optimizer=None``) of a checkpoint with optimizer state is fine.
     """
+    finish_pending()  # an asynchronous save still publishing (maybe at this path)
     group = checkpoint_group()
     rank = 0 if group is None else dist.get_rank(group)
     error = info = metadata = None

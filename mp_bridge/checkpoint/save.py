@@ -17,7 +17,8 @@ optimizer's state by stepping it) and only reads the RNG states.
 
 With ``async_save=True`` step 1 and a copy of every tensor (to CPU) run in the caller;
 steps 2 and 3 run in a background thread on a process group of their own (made here,
-collectively; freed by ``wait()``), and ``save`` returns an :class:`AsyncSave`.
+collectively; freed by ``wait()``), and ``save`` returns an :class:`AsyncSave`. A later
+``save`` or ``load`` first waits for it to be published (:func:`finish_pending`).
 """
 
 from __future__ import annotations
@@ -52,7 +53,9 @@ from mp_bridge.checkpoint.ranks import (
 from mp_bridge.comm import group_size
 from mp_bridge.grid import GridLayout
 
-__all__ = ["AsyncSave", "save"]
+__all__ = ["AsyncSave", "finish_pending", "save"]
+
+_PENDING: list[AsyncSave] = []  # this process's asynchronous saves, oldest first
 
 
 def _grids(model: nn.Module) -> dict[str, dict]:
@@ -129,6 +132,14 @@ def _write(path: str, state: dict, info: CheckpointInfo, group) -> None:
         raise RuntimeError(status)
 
 
+def finish_pending() -> None:
+    """Wait until every earlier asynchronous save of this process is published (its
+    error stays for its own ``wait()``): saves publish in the order they were made, and
+    a save never deletes the staging directory of one still writing."""
+    while _PENDING:
+        _PENDING.pop(0)._thread.join()
+
+
 class AsyncSave:
     """A save running in the background (``save(..., async_save=True)``).
 
@@ -141,6 +152,7 @@ class AsyncSave:
         self.path = path
         self._group = group
         self._error: BaseException | None = None
+        _PENDING.append(self)
         self._thread = threading.Thread(
             target=self._run, args=(state, info), name=f"mp_bridge-save:{path}", daemon=True
         )
@@ -157,6 +169,8 @@ class AsyncSave:
 
     def wait(self) -> None:
         self._thread.join()
+        if self in _PENDING:
+            _PENDING.remove(self)
         if self._group is not None:
             dist.destroy_process_group(self._group)
             self._group = None
@@ -186,8 +200,10 @@ def save(
     atomically: it stays whole until the new one is published.
 
     Returns ``None`` once published, or with ``async_save=True`` an :class:`AsyncSave`
-    whose ``wait()`` returns once published (see the module).
+    whose ``wait()`` returns once published (see the module). An earlier asynchronous
+    save still running is waited for first.
     """
+    finish_pending()
     group = checkpoint_group()
     rank = 0 if group is None else dist.get_rank(group)
     error, entries, objects = None, {}, {}

@@ -14,7 +14,7 @@ the gathered tensors against the full ones, bitwise.
 
 In the same world, errors every rank raises alike (none left waiting): ranks whose
 models disagree on a global shape, a bad ``extra`` on one rank only, a save into a file
-(seen by the coordinator only).
+(seen by the coordinator only); and two asynchronous saves in a row both publish.
 """
 
 from __future__ import annotations
@@ -112,10 +112,13 @@ def test_fused_projections_change_tp_through_a_checkpoint():
 
 
 @world.case
-def test_every_rank_raises_the_same_error():
+def test_every_rank_raises_the_same_error_and_async_saves_queue():
     path, rank, group = _shared_path(), dist.get_rank(), _tp_group(4)
     model = Fused(group)
-    save(path, model, step=2)
+    first = save(path, model, step=1, async_save=True)
+    second = save(path, model, step=2, async_save=True)  # no wait() between
+    first.wait()
+    second.wait()
     if rank == 0:
         open(path + "/../file", "w").close()
     other = Fused(group)

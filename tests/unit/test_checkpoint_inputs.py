@@ -1,5 +1,5 @@
 """Checkpoints in one process: the inputs a save or load meets at its edges (damaged files
-of the right size, paths that hold something else, bad ``extra``).
+of the right size, paths that hold something else, bad ``extra``, back-to-back async saves).
 
 Each expected message is written out here; a model round-trips through ``Toy`` of
 ``test_checkpoint.py`` (a padded vocab layer, a fused weight, a norm).
@@ -68,3 +68,16 @@ def test_save_never_replaces_what_is_not_a_checkpoint(tmp_path):
     assert load(tmp_path / "empty", Toy()).step == 4
     with pytest.raises(ValueError, match=r"'.*notes' is not a checkpoint: it is a file"):
         load(tmp_path / "notes", Toy())
+
+
+def test_async_saves_in_a_row_to_one_path_both_publish(tmp_path):
+    model, opt = _trained()
+    first = save(tmp_path / "ck", model, opt, step=1, async_save=True)
+    second = save(tmp_path / "ck", model, opt, step=2, async_save=True)  # no wait() between
+    first.wait()
+    second.wait()
+    assert load(tmp_path / "ck", Toy()).step == 2
+    third = save(tmp_path / "ck", model, opt, step=3, async_save=True)
+    assert load(tmp_path / "ck", Toy()).step == 3  # a load waits for the save before it
+    third.wait()
+    assert os.listdir(tmp_path) == ["ck"]
