@@ -16,8 +16,8 @@ they are (it does not use DCP's ``get_optimizer_state_dict``, which initializes 
 optimizer's state by stepping it) and only reads the RNG states.
 
 With ``async_save=True`` step 1 and a copy of every tensor (to CPU) run in the caller;
-steps 2 and 3 run in a background thread on a process group of their own (made here,
-collectively; freed by ``wait()``), and ``save`` returns an :class:`AsyncSave`. A later
+steps 2 and 3 run in a background thread on a gloo process group of their own (made
+here, collectively; freed by ``wait()``), and ``save`` returns an :class:`AsyncSave`. A later
 ``save`` or ``load`` first waits for it to be published (:func:`finish_pending`).
 """
 
@@ -230,4 +230,8 @@ def save(
         _write(path, _dcp_state(entries, objects, snapshot=False), info, group)
         return None
     state = _dcp_state(entries, objects, snapshot=True)
-    return AsyncSave(path, state, info, None if group is None else dist.new_group())
+    # gloo: the snapshot is on the CPU, and the thread has no CUDA device of its own (an
+    # NCCL group's object collectives there would all use cuda:0); DCP's own async_save
+    # asks for a CPU backend too.
+    own = None if group is None else dist.new_group(backend="gloo")
+    return AsyncSave(path, state, info, own)
