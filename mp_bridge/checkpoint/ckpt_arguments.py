@@ -45,16 +45,20 @@ def check_common(path: Any, model: Any, optimizer: Any, stateful: Any) -> str:
 
 
 def check_extra(step: Any, extra: Any, async_save: Any) -> None:
-    """``step`` an int >= 0, ``extra`` JSON values, ``async_save`` a bool."""
+    """``step`` an int >= 0, ``async_save`` a bool, ``extra`` JSON values: ``ValueError``
+    unless it comes back from JSON as it is (no NaN, no tuple, only ``str`` keys)."""
     check_int("step", step, low=0, fix="the training step this checkpoint follows")
     check_bool("async_save", async_save)
     try:
-        json.dumps(extra, allow_nan=False)
+        same = json.loads(json.dumps(extra, allow_nan=False, sort_keys=True)) == extra
+        problem = "" if same else "JSON gives back another value (a tuple? a non-str key?)"
     except (TypeError, ValueError) as exc:
-        raise TypeError(
-            f"extra must hold JSON values (dict, list, str, int, float, bool, None), got "
-            f"{extra!r} ({exc})"
-        ) from exc
+        problem = str(exc)
+    if problem:
+        raise ValueError(
+            f"extra must hold JSON values (dict with str keys, list, str, int, float, bool, "
+            f"None), got {extra!r}: {problem}"
+        )
 
 
 def check_prefix(prefix: Any) -> str:

@@ -73,8 +73,10 @@ def read_info(directory: str) -> CheckpointInfo:
     ``FileNotFoundError`` / ``ValueError`` naming the path when it does not exist, is not
     a checkpoint, is of a newer format, or a file is missing or has another size.
     """
-    if not os.path.isdir(directory):
+    if not os.path.exists(directory):
         raise FileNotFoundError(f"no checkpoint at {directory!r}: the directory does not exist")
+    if not os.path.isdir(directory):
+        raise ValueError(f"{directory!r} is not a checkpoint: it is a file, not a directory")
     target = os.path.join(directory, INFO_FILE)
     if not os.path.isfile(target):
         raise ValueError(

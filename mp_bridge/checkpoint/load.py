@@ -8,7 +8,8 @@ Collective over every rank of the world. Steps:
 2. the whole-model check: the union of every rank's keys and global shapes (one gather:
    a pipeline stage holds only its own layers) against the saved ones. A missing or
    unexpected key or another global shape is a ``ValueError`` naming the key with the
-   saved and expected shapes, raised on every rank before any parameter changes;
+   saved and expected shapes, raised on every rank before any parameter changes (so
+   are ranks whose models disagree on a key's global shape);
 3. DCP reads each rank's pieces of every global tensor into fresh buffers (padding rows
    stay zero); a read error is the same error on every rank, with nothing changed yet;
 4. the buffers are copied into the parameters, the optimizer state and hyper-parameters
@@ -41,7 +42,15 @@ from mp_bridge.checkpoint.entries import (
 )
 from mp_bridge.checkpoint.info import CheckpointInfo, read_info
 from mp_bridge.checkpoint.publish import resolve
-from mp_bridge.checkpoint.ranks import agree_errors, checkpoint_group, dcp_quietly, gather
+from mp_bridge.checkpoint.ranks import (
+    DCP_ERRORS,
+    agree_errors,
+    checkpoint_group,
+    dcp_errors,
+    dcp_quietly,
+    gather,
+)
+from mp_bridge.checkpoint.save import finish_pending
 from mp_bridge.layers import shard_spec
 
 __all__ = ["load", "read_checkpoint"]
@@ -71,8 +80,14 @@ def _shape(metadata: Metadata, key: str) -> tuple[int, ...] | None:
 def _check_model(path: str, metadata: Metadata, ours: list[dict], prefix: str) -> None:
     """Step 2 on the gathered ``{key: global shape}`` of every rank (same on every rank)."""
     expected: dict[str, tuple[int, ...]] = {}
-    for part in ours:
-        expected.update(part)
+    for rank, part in enumerate(ours):
+        for key, shape in part.items():
+            if expected.setdefault(key, shape) != shape:
+                first = next(r for r, p in enumerate(ours) if key in p)
+                raise ValueError(
+                    f"the ranks' models disagree on {key}: global shape {expected[key]} on "
+                    f"rank {first}, {shape} on rank {rank}; build the same model on every rank"
+                )
     saved = {
         k: _shape(metadata, k) for k in metadata.state_dict_metadata if k.startswith(MODEL + prefix)
     }
@@ -167,6 +182,7 @@ def load(
     names then lack the prefix); RNG states are restored only without a prefix. A model-
     only load (``optimizer=None``) of a checkpoint with optimizer state is fine.
     """
+    finish_pending()  # an asynchronous save still publishing (maybe at this path)
     group = checkpoint_group()
     rank = 0 if group is None else dist.get_rank(group)
     error = info = metadata = None
@@ -217,8 +233,10 @@ def load(
                 state, storage_reader=dcp.FileSystemReader(info.path),
                 planner=PiecesLoadPlanner(), process_group=group, no_dist=group is None,
             )  # fmt: skip
-    except Exception as exc:  # DCP raises the same CheckpointException on every rank
-        raise RuntimeError(f"damaged checkpoint at {path!r}: reading it failed ({exc})") from exc
+    except DCP_ERRORS as exc:  # DCP raises the same CheckpointException on every rank
+        raise RuntimeError(
+            f"damaged checkpoint at {path!r}: reading it failed ({dcp_errors(exc)})"
+        ) from exc
     with torch.no_grad():
         for key, entry in entries.items():
             if key.startswith(MODEL):

@@ -23,7 +23,7 @@ import shutil
 
 from mp_bridge.checkpoint.info import INFO_FILE
 
-__all__ = ["clean_leftovers", "publish", "resolve", "staging_dir"]
+__all__ = ["check_target", "clean_leftovers", "publish", "resolve", "staging_dir"]
 
 
 def _sibling(path: str, kind: str, token: str) -> str:
@@ -52,6 +52,25 @@ def resolve(path: str) -> str:
         return path
     whole = [d for d in _leftovers(path) if _complete(d)]
     return max(whole, key=lambda d: os.path.getmtime(os.path.join(d, INFO_FILE)), default=path)
+
+
+def check_target(path: str) -> None:
+    """``ValueError`` naming ``path`` when a save may not write there: it (or a folder
+    above it) is a file, or it is a directory that is neither a checkpoint nor empty
+    (publishing would delete what it holds)."""
+    parent = os.path.dirname(os.path.abspath(path))
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise ValueError(f"cannot save a checkpoint at {path!r}: {parent!r} is a file")
+    if os.path.exists(path) and not (
+        os.path.isdir(path) and (_complete(path) or not os.listdir(path))
+    ):
+        kind = "a directory that is not a checkpoint" if os.path.isdir(path) else "a file"
+        raise ValueError(
+            f"cannot save a checkpoint at {path!r}: it is {kind} (no {INFO_FILE}), and a "
+            f"save replaces what is at its path; pass a new path or an earlier checkpoint's"
+        )
 
 
 def clean_leftovers(path: str) -> None:

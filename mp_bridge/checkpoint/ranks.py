@@ -14,11 +14,14 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
 __all__ = [
+    "DCP_ERRORS",
     "agree_errors",
     "broadcast",
     "checkpoint_group",
+    "dcp_errors",
     "dcp_quietly",
     "gather",
     "is_coordinator",
@@ -66,6 +69,22 @@ def agree_errors(error: BaseException | None, group: dist.ProcessGroup | None) -
                "FileNotFoundError": FileNotFoundError}.get(kind, RuntimeError)  # fmt: skip
         where = "" if len(found) == 1 else f" (rank {rank})"
         raise cls(f"{message}{where}") from error
+
+
+#: What a failed DCP save or load raises: DCP's ``CheckpointException`` is a
+#: ``BaseException`` (an ``except Exception`` lets it through), the rest are our planners'.
+DCP_ERRORS = (Exception, CheckpointException)
+
+
+def dcp_errors(exc: BaseException) -> str:
+    """A failed DCP call in one line: each failing rank's exception (type and message),
+    without DCP's tracebacks. E.g. ``rank 1: UnpicklingError: Weights only load failed``."""
+    if not isinstance(exc, CheckpointException):
+        return f"{type(exc).__name__}: {exc}"
+    return "; ".join(
+        f"rank {rank}: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+        for rank, (err, _) in sorted(exc.failures.items())
+    )
 
 
 @contextlib.contextmanager

@@ -16,8 +16,9 @@ they are (it does not use DCP's ``get_optimizer_state_dict``, which initializes 
 optimizer's state by stepping it) and only reads the RNG states.
 
 With ``async_save=True`` step 1 and a copy of every tensor (to CPU) run in the caller;
-steps 2 and 3 run in a background thread on a process group of their own (made here,
-collectively; freed by ``wait()``), and ``save`` returns an :class:`AsyncSave`.
+steps 2 and 3 run in a background thread on a gloo process group of their own (made
+here, collectively; freed by ``wait()``), and ``save`` returns an :class:`AsyncSave`. A later
+``save`` or ``load`` first waits for it to be published (:func:`finish_pending`).
 """
 
 from __future__ import annotations
@@ -38,11 +39,13 @@ from mp_bridge.checkpoint.ckpt_arguments import check_common, check_extra
 from mp_bridge.checkpoint.dcp_adapter import PiecesSavePlanner
 from mp_bridge.checkpoint.entries import MODEL, Entry, model_entries, optimizer_entries
 from mp_bridge.checkpoint.info import FORMAT_VERSION, CheckpointInfo, write_info
-from mp_bridge.checkpoint.publish import clean_leftovers, publish, staging_dir
+from mp_bridge.checkpoint.publish import check_target, clean_leftovers, publish, staging_dir
 from mp_bridge.checkpoint.ranks import (
+    DCP_ERRORS,
     agree_errors,
     broadcast,
     checkpoint_group,
+    dcp_errors,
     dcp_quietly,
     gather,
     is_coordinator,
@@ -50,7 +53,9 @@ from mp_bridge.checkpoint.ranks import (
 from mp_bridge.comm import group_size
 from mp_bridge.grid import GridLayout
 
-__all__ = ["AsyncSave", "save"]
+__all__ = ["AsyncSave", "finish_pending", "save"]
+
+_PENDING: list[AsyncSave] = []  # this process's asynchronous saves, oldest first
 
 
 def _grids(model: nn.Module) -> dict[str, dict]:
@@ -99,10 +104,13 @@ def _write(path: str, state: dict, info: CheckpointInfo, group) -> None:
     error = None
     if is_coordinator(group):
         try:
+            check_target(path)
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
             clean_leftovers(path)
-        except OSError as exc:
+        except ValueError as exc:
             error = exc
+        except OSError as exc:
+            error = RuntimeError(f"cannot save a checkpoint at {path!r}: {exc}")
     agree_errors(error, group)
     try:
         with dcp_quietly():
@@ -110,18 +118,26 @@ def _write(path: str, state: dict, info: CheckpointInfo, group) -> None:
                 state, storage_writer=dcp.FileSystemWriter(staging),
                 planner=PiecesSavePlanner(), process_group=group, no_dist=group is None,
             )  # fmt: skip
-    except Exception as exc:  # DCP raises the same CheckpointException on every rank
-        raise RuntimeError(f"saving the checkpoint at {path!r} failed: {exc}") from exc
+    except DCP_ERRORS as exc:  # DCP raises the same CheckpointException on every rank
+        raise RuntimeError(f"saving the checkpoint at {path!r} failed: {dcp_errors(exc)}") from exc
     status = None
     if is_coordinator(group):
         try:
             write_info(staging, info)
             publish(staging, path, token)
-        except OSError as exc:
-            status = f"publishing the checkpoint at {path!r} failed: {exc}"
+        except Exception as exc:  # any error here must reach every rank (none may wait)
+            status = f"publishing the checkpoint at {path!r} failed: {exc!r}"
     status = broadcast(status, group)
     if status is not None:
         raise RuntimeError(status)
+
+
+def finish_pending() -> None:
+    """Wait until every earlier asynchronous save of this process is published (its
+    error stays for its own ``wait()``): saves publish in the order they were made, and
+    a save never deletes the staging directory of one still writing."""
+    while _PENDING:
+        _PENDING.pop(0)._thread.join()
 
 
 class AsyncSave:
@@ -136,6 +152,7 @@ class AsyncSave:
         self.path = path
         self._group = group
         self._error: BaseException | None = None
+        _PENDING.append(self)
         self._thread = threading.Thread(
             target=self._run, args=(state, info), name=f"mp_bridge-save:{path}", daemon=True
         )
@@ -152,6 +169,8 @@ class AsyncSave:
 
     def wait(self) -> None:
         self._thread.join()
+        if self in _PENDING:
+            _PENDING.remove(self)
         if self._group is not None:
             dist.destroy_process_group(self._group)
             self._group = None
@@ -181,8 +200,10 @@ def save(
     atomically: it stays whole until the new one is published.
 
     Returns ``None`` once published, or with ``async_save=True`` an :class:`AsyncSave`
-    whose ``wait()`` returns once published (see the module).
+    whose ``wait()`` returns once published (see the module). An earlier asynchronous
+    save still running is waited for first.
     """
+    finish_pending()
     group = checkpoint_group()
     rank = 0 if group is None else dist.get_rank(group)
     error, entries, objects = None, {}, {}
@@ -209,4 +230,8 @@ def save(
         _write(path, _dcp_state(entries, objects, snapshot=False), info, group)
         return None
     state = _dcp_state(entries, objects, snapshot=True)
-    return AsyncSave(path, state, info, None if group is None else dist.new_group())
+    # gloo: the snapshot is on the CPU, and the thread has no CUDA device of its own (an
+    # NCCL group's object collectives there would all use cuda:0); DCP's own async_save
+    # asks for a CPU backend too.
+    own = None if group is None else dist.new_group(backend="gloo")
+    return AsyncSave(path, state, info, own)

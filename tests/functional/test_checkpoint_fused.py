@@ -11,9 +11,15 @@ at TP 4, saved, loaded at TP 2, saved, loaded at TP 1, saved, loaded at TP 4. Af
 load, every rank's local shard is checked against the slice of the full tensor written
 out here by hand (qkv: its contiguous rows; gate_up: ``cat(gate[rows], up[rows])``), and
 the gathered tensors against the full ones, bitwise.
+
+In the same world, errors every rank raises alike (none left waiting): ranks whose
+models disagree on a global shape, a bad ``extra`` on one rank only, a save into a file
+(seen by the coordinator only); and two asynchronous saves in a row both publish.
 """
 
 from __future__ import annotations
+
+import re
 
 import torch
 import torch.distributed as dist
@@ -39,6 +45,20 @@ class Fused(nn.Module):
         rows = 2 * FFN // group_size(group)
         self.gate_up = nn.Parameter(torch.zeros(rows, HIDDEN))
         mark_sharded(self.gate_up, dim=0, group=group, full_size=2 * FFN, parts=2)
+
+
+def _shared_path() -> str:
+    box = [__import__("tempfile").mkdtemp() if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0] + "/ck"
+
+
+def _error(fn, *args, **kwargs) -> str:
+    try:
+        fn(*args, **kwargs)
+    except ValueError as exc:
+        return str(exc)
+    return "no error"
 
 
 def _tp_group(tp: int):
@@ -77,9 +97,7 @@ def _wrong_shards(model: Fused, full: dict[str, torch.Tensor]) -> list[str]:
 
 @world.case
 def test_fused_projections_change_tp_through_a_checkpoint():
-    box = [__import__("tempfile").mkdtemp() if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(box, src=0)
-    path = box[0] + "/ck"
+    path = _shared_path()
     full = _full()
     model = Fused(_tp_group(4))
     load_full_state(model, full)
@@ -91,3 +109,32 @@ def test_fused_projections_change_tp_through_a_checkpoint():
         wrong = _wrong_shards(model, full)
         assert not wrong, (tp, wrong)
     assert info.group_sizes["gate_up"] == 1 and info.group_sizes["block.attn.qkv.weight"] == 1
+
+
+@world.case
+def test_every_rank_raises_the_same_error_and_async_saves_queue():
+    path, rank, group = _shared_path(), dist.get_rank(), _tp_group(4)
+    model = Fused(group)
+    first = save(path, model, step=1, async_save=True)
+    second = save(path, model, step=2, async_save=True)  # no wait() between
+    first.wait()
+    second.wait()
+    if rank == 0:
+        open(path + "/../file", "w").close()
+    other = Fused(group)
+    if rank == 0:  # rank 0 alone: a model with twice the FFN rows
+        other.gate_up = nn.Parameter(torch.zeros(4 * FFN // 4, HIDDEN))
+        mark_sharded(other.gate_up, dim=0, group=group, full_size=4 * FFN, parts=2)
+    errors = [
+        _error(load, path, other),
+        _error(save, path + "2", model, extra={"x": (1,)} if rank == 1 else None),
+        _error(save, path + "/../file/ck", model),
+    ]
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, errors)
+    assert all(e == errors for e in gathered), gathered
+    assert re.search(r"disagree on model.gate_up: global shape \(128, 16\) on rank 0, "
+                     r"\(64, 16\) on rank 1", errors[0]), errors[0]  # fmt: skip
+    assert "extra must hold JSON values" in errors[1] and errors[1].endswith("(rank 1)")
+    assert re.search(r"/file/ck': '.*file' is a file \(rank 0\)$", errors[2]), errors[2]
+    assert load(path, model).step == 2

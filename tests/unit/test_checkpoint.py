@@ -263,7 +263,7 @@ def test_an_optimizer_load_from_a_model_only_checkpoint(tmp_path):
     "kwargs, error, match",
     [
         (dict(step=-1), ValueError, r"step=-1 must be an int >= 0"),
-        (dict(extra={"x": object()}), TypeError, r"extra must hold JSON values"),
+        (dict(extra={"x": object()}), ValueError, r"extra must hold JSON values"),
         (dict(async_save="yes"), TypeError, r"async_save"),
         (dict(stateful=[1]), TypeError, r"stateful must be a mapping"),
         (dict(stateful={"s": 1}), TypeError, r"stateful\['s'\] must .* state_dict\(\)"),
