@@ -200,7 +200,9 @@ class TritonDefaultRunner:
         """``(d h [N, H] fp32, reduced over TP; d W [V_local, H] in the weight's dtype or
         None)`` for per-token factors ``w`` (and ``w_ent``; with class weights ``wab``,
         ``row_grad``'s)."""
-        colw = kernel_column_weights(self.spec, self.shard.start, self.shard.num_real)
+        colw = None  # with wab only (class_weights: the rest runs unweighted)
+        if wab is not None:
+            colw = kernel_column_weights(self.spec, self.shard.start, self.shard.num_real)
         gh = torch.zeros(h.shape, dtype=torch.float32, device=h.device)
         gw = torch.empty_like(self.weight) if want_gw else None
         for v0, w_s in self._slabs(h.shape[0]):

@@ -17,6 +17,9 @@ values take the tokens' ``omega`` on the kernels' statistics (the sum weighted b
 columns' weights, in the kernels, only with smoothing); backward hands the kernels ``w a``
 and ``w b`` per token (``token_coefficients``) and the column weights. Without them the
 kernels compile the weight code out (a ``HAS_CW`` constexpr): the same builds and bits.
+Without smoothing and z-loss (``a = omega``, ``b = -omega``, ``c = 0``) the gradient is
+the unweighted kernels' for ``w omega`` (``(w omega) 1 = w a``, ``(w omega) (-1) = w b``
+bit for bit), so that common case runs the unweighted builds only.
 What it takes is data (``registry.ENGINE_CAPS["triton"]``: CUDA tensors, CPU ones under
 ``TRITON_INTERPRET=1``; fp32 / bf16 / fp16); ``unsupported`` names the one shape limit, a
 weight shard of ``2**31`` or more elements (int32 offsets). An explicit ``engine="triton"``
@@ -76,10 +79,14 @@ class _TritonLinearLoss(torch.autograd.Function):
 
         w = factor(g_values)
         w_ent = factor(g_entropy) if runner.spec.entropy else None
-        wab = None
-        if runner.spec.class_weight is not None:  # (w a, w b) per token, as grad's
-            a, b, _ = token_coefficients(runner.spec, target_weights(runner.spec, target))
-            wab = ((w * a).float().contiguous(), (w * b).float().contiguous())
+        wab, spec = None, runner.spec
+        if spec.class_weight is not None:
+            omega = target_weights(spec, target)
+            if spec.with_sum or spec.z_loss_weight != 0.0:  # (w a, w b) per token, as grad's
+                a, b, _ = token_coefficients(spec, omega)
+                wab = ((w * a).float().contiguous(), (w * b).float().contiguous())
+            else:  # a = omega, b = -omega, c = 0: the unweighted kernels' bits for w omega
+                w = (w * omega).float()
         want_gw = ctx.needs_input_grad[1]
         gh, gw = runner.grads(hidden, tcol, temp, lse, w, w_ent, ent, want_gw, wab=wab)
         grad_h = gh.to(hidden.dtype) if ctx.needs_input_grad[0] else None

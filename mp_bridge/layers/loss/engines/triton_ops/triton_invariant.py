@@ -112,7 +112,8 @@ class TritonInvariantRunner:
         return out
 
     def grads(self, h, tcol, temp, lse, w, w_ent, ent, want_gw: bool, wab=None):
-        lay, wt, colw = self.layout, self.weight.detach(), self._colw
+        lay, wt = self.layout, self.weight.detach()
+        colw = None if wab is None else self._colw  # without wab: the unweighted kernels
         k, hd = lay.num_local, h.shape[1]
         gh = torch.empty(h.shape, dtype=torch.float32, device=h.device)
         rows_w = min(k * VOCAB_BLOCK, wt.shape[0])
