@@ -32,8 +32,10 @@ from mp_bridge.layers.loss.engines.triton_ops import (
 TARGET = GPUTarget("cuda", 90, 32)
 #: Per-token fp32 vectors (``w_ptr`` is one in ``row_grad``, the weight in the block kernels).
 ROW = ("temp_ptr", "lse_ptr", "w_tok_ptr", "went_ptr", "ent_ptr")
+#: The fp32 class weights of the shard's columns (``HAS_CW``).
+COLUMN = ("cw_ptr",)
 FLOATS = ("cap", "coef_a", "coef_b", "coef_c", "zw2")
-ALL_ON = dict(HAS_CAP=True, HAS_Z=True, HAS_ENT=True, WITH_ENT=True, WITH_SQ=True)
+ALL_ON = dict(HAS_CAP=True, HAS_Z=True, HAS_ENT=True, WITH_ENT=True, WITH_SQ=True, HAS_CW=True)
 BLOCK = dict(TILE_M=block_stats.TILE_M, BLOCK=VOCAB_BLOCK, BK=block_stats.BK, INTERPRET=False)
 
 
@@ -73,7 +75,7 @@ def _signature(fn, pointers: dict[str, str], consts: dict, dt: str) -> dict[str,
             sig[name] = "constexpr"
         elif name == "tcol_ptr":
             sig[name] = "*i64"
-        elif name in ROW:
+        elif name in ROW or name in COLUMN:
             sig[name] = "*fp32"
         elif name.endswith("_ptr"):
             sig[name] = "*" + pointers.get(name, dt)

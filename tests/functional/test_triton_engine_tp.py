@@ -1,5 +1,6 @@
 """The ``"triton"`` loss engine over gloo ranks: TP 1 / 2 / 4 against the fp64 oracle on
-the full weight, and the invariant mode's bits across TP sizes and batch composition.
+the full weight, and the invariant mode's bits across TP sizes and batch composition;
+per-class weights (``ce_weight``) against torch's ``F.cross_entropy(weight=)`` and in bits.
 
 Kernels run under ``TRITON_INTERPRET=1`` without CUDA (``tests.triton_engine``, imported
 before the world forks its ranks). Every rank builds the same full tensors from one seed;
@@ -16,7 +17,7 @@ import torch
 
 from mp_bridge.layers import vocab_shard_ranges
 from mp_bridge.testing import DistributedWorld
-from tests.loss_refs import Checks
+from tests.loss_refs import Checks, weighted_cross_entropy
 from tests.oracles import tp_member
 from tests.triton_engine import oracle, run, triton_loss
 
@@ -50,7 +51,7 @@ def _ours(kind, kw, tp, invariant, hidden, target, temp=None, up=None):
         return None
     _, weight, _ = _data()
     w_local, start = _local(weight, tp, rank, invariant)
-    kw = dict(kw, tp_group=group, vocab_size=VOCAB, invariant=invariant, chunk_size=32)
+    kw = dict(dict(chunk_size=32), **kw, tp_group=group, vocab_size=VOCAB, invariant=invariant)
     if temp is not None:
         kw["temperature"] = temp
     return run(functools.partial(triton_loss, kind, **kw), hidden, w_local, target, up=up), start
@@ -98,4 +99,39 @@ def test_invariant_bits_equal_across_tp_and_batches():
         if not front:
             rows = gw.shape[0]
             checks.equal(gw, ref_gw[start : start + rows], f"{what} d weight")
+    checks.done()
+
+
+@world.case
+def test_ce_weight_matches_fp64_at_tp_2_and_invariant_bits_equal_tp_1():
+    """Smoothed, soft-capped, z-loss cross-entropy with class weights (three at 0, one a
+    target's): "mean" at TP 2 in both modes against the fp64 oracle; "none" in invariant
+    mode: TP 2 at chunk 16 gives TP 1 at chunk 32's bits."""
+    hidden, weight, target = _data()
+    cw = torch.rand(VOCAB, generator=torch.Generator().manual_seed(3)) * 2 + 0.2
+    cw[[5, 600, int(target[0])]] = 0.0
+    opts = dict(label_smoothing=0.1, z_loss_weight=1e-2, softcap=4.0)
+    kw = dict(opts, ce_weight=cw)
+
+    def want_fn(h, w, t):
+        z = h.double() @ w.double()[:VOCAB].t()
+        return weighted_cross_entropy(z, t, cw, reduction="mean", **opts)
+
+    want = run(want_fn, hidden, weight, target, device="cpu")
+    checks = Checks()
+    for invariant in (False, True):
+        (outs, gh, gw), start = _ours(
+            "ce", dict(kw, reduction="mean"), 2, invariant, hidden, target
+        )
+        what = f"ce_weight tp=2 invariant={invariant}"
+        checks.close(outs[0], want[0][0], f"{what} value", **TOL)
+        checks.close(gh, want[1], f"{what} d hidden", **TOL)
+        rows = max(0, min(gw.shape[0], VOCAB - start))
+        checks.close(gw[:rows], want[2][start : start + rows], f"{what} d weight", **TOL)
+    none = dict(kw, reduction="none")
+    (ref, ref_gh, ref_gw), _ = _ours("ce", none, 1, True, hidden, target)
+    (outs, gh, gw), start = _ours("ce", dict(none, chunk_size=16), 2, True, hidden, target)
+    checks.equal(outs[0], ref[0], "ce_weight tp=2 value bits")
+    checks.equal(gh, ref_gh, "ce_weight tp=2 d hidden bits")
+    checks.equal(gw, ref_gw[start : start + gw.shape[0]], "ce_weight tp=2 d weight bits")
     checks.done()

@@ -1,8 +1,9 @@
 """Per-class cross-entropy weights (``ce_weight``) on one process: both cross-entropy
-doors x default / invariant against torch's own ``F.cross_entropy(weight=)`` in fp64 on
-the full logits (smoothing, ``ignore_index``, every reduction; temperature, soft-cap and
-the unweighted z-loss), bad weights refused by name, and the ``"triton"`` engine's
-refusal (an explicit choice raises, ``"auto"`` picks torch).
+doors x default / invariant (the fused door on the torch and the ``"triton"`` engine, its
+kernels under ``TRITON_INTERPRET=1``) against torch's own ``F.cross_entropy(weight=)`` in
+fp64 on the full logits (smoothing, ``ignore_index``, every reduction; temperature,
+soft-cap and the unweighted z-loss), bad weights refused by name, and ``"auto"`` picking
+the triton engine with them.
 
 Shapes: 5 x 9 tokens (two ignored), H = 24, V = 600 (3 blocks of 256, the last partial);
 weights in [0.2, 2.2) with three classes at 0 (one of them a target's).
@@ -17,7 +18,7 @@ from mp_bridge.layers import fused_linear_cross_entropy, vocab_parallel_cross_en
 from tests.loss_refs import fp64_oracle, weighted_cross_entropy
 
 V, H, B, S = 600, 24, 5, 9
-PATHS = ("materialized", "materialized_inv", "fused", "fused_inv")
+PATHS = ("materialized", "materialized_inv", "fused", "fused_inv", "triton", "triton_inv")
 # fp32 against fp64: as tests/unit/test_loss_token_options.py (fp32 sums of <= 600 terms
 # and one fp32 rounding of the mean's weight scale); a dropped or unweighted term moves
 # values by > 1e-3 with these weights.
@@ -65,6 +66,9 @@ def _ours(path, hidden, weight, target, ce_weight, opts):
             leaves[0], target, ce_weight=ce_weight, invariant=inv, **opts
         )
     else:
+        if path.startswith("triton"):
+            pytest.importorskip("triton")
+            opts = dict(opts, engine="triton")
         leaves = [hidden.clone().requires_grad_(), weight.clone().requires_grad_()]
         out = fused_linear_cross_entropy(
             *leaves, target, ce_weight=ce_weight, invariant=inv, chunk_size=29, **opts
@@ -151,25 +155,24 @@ def test_bad_ce_weight_is_a_clear_error(door, what, make, error, message):
     assert message in str(exc.value), str(exc.value)
 
 
-def test_triton_engine_refuses_ce_weight_and_auto_picks_torch():
-    """The triton kernels have no per-class weight: an explicit ``engine="triton"`` is a
-    ``ValueError`` naming it (never a silent fallback); ``"auto"`` on a CUDA call with a
-    ``ce_weight`` picks ``"torch"``, without one ``"triton"``."""
+def test_auto_picks_the_triton_engine_with_ce_weight():
+    """The triton kernels take per-class weights: ``"auto"`` on a CUDA call picks
+    ``"triton"`` with a ``ce_weight`` as without one."""
     pytest.importorskip("triton")
     from mp_bridge.layers.loss.engines.protocol import choose_engine
 
-    hidden, weight, target, ce_weight, _ = _inputs()
-    with pytest.raises(ValueError, match="ce_weight \\(per-class weights\\) is not in its"):
-        fused_linear_cross_entropy(hidden, weight, target, ce_weight=ce_weight, engine="triton")
     inputs = (("hidden", (B * S, H), torch.float32), ("weight", (V, H), torch.float32))
     cuda = torch.device("cuda")
     assert choose_engine("auto", inputs, cuda) == "triton"
-    assert choose_engine("auto", (*inputs, ("ce_weight", (V,), torch.float32)), cuda) == "torch"
+    assert choose_engine("auto", (*inputs, ("ce_weight", (V,), torch.float32)), cuda) == "triton"
 
 
-def test_invariant_fused_ce_weight_is_bitwise_the_same_at_every_chunk_size():
+@pytest.mark.parametrize("engine", ["torch", "triton"])
+def test_invariant_fused_ce_weight_is_bitwise_the_same_at_every_chunk_size(engine):
+    if engine == "triton":
+        pytest.importorskip("triton")
     hidden, weight, target, ce_weight, _ = _inputs()
-    kw = {"label_smoothing": 0.1, "reduction": "none", "invariant": True}
+    kw = {"label_smoothing": 0.1, "reduction": "none", "invariant": True, "engine": engine}
     outs = []
     for chunk in (7, 64, None):
         leaves = [hidden.clone().requires_grad_(), weight.clone().requires_grad_()]

@@ -6,7 +6,7 @@ are padding and never enter a softmax: the layout of ``VocabParallelLMHead`` or 
 ``VocabParallelEmbedding``), ``target [N]``. Options (``LossSpec``; the same names and
 defaults as ``vocab_parallel``): temperature (a float, or a tensor per token / per
 sample), soft-cap, z-loss, ``ignore_index`` (default -100), ``reduction``, on the
-cross-entropy per-class weights ``ce_weight`` (``class_weights``; the torch engine), and on
+cross-entropy per-class weights ``ce_weight`` (``class_weights``; both engines), and on
 log-probs the entropy and ``sum_pi_squared`` of the same distribution from the same pass.
 Outputs are fp32; statistics and gradients accumulate in fp32 whatever the input dtype.
 
@@ -108,8 +108,7 @@ def fused_linear_cross_entropy(
     in forward). ``ce_weight``: per-class weights ``[vocab_size]`` as
     ``vocab_parallel_cross_entropy``'s (``F.cross_entropy(weight=)``, with smoothing; "mean"
     divides it by the sum of the counted targets' weights; the z-loss is not weighted and its
-    "mean" is over the counted tokens); the
-    ``"torch"`` engine only for now (``engine="triton"`` refuses it, ``"auto"`` picks torch).
+    "mean" is over the counted tokens); on both engines.
     ``weight`` may be a ``DTensor``: ``Shard(0)`` over the mesh dim ``"tp"`` (or
     ``vocab_mesh_dim=``) is vocab parallelism over it, any other is a ``ValueError``
     (``dtensor_weight``).

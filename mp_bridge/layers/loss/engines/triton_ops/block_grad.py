@@ -68,6 +68,7 @@ def _block_grad_kernel(
     w_tok_ptr,
     went_ptr,
     ent_ptr,
+    cw_ptr,
     cap,
     coef_a,
     coef_b,
@@ -76,6 +77,7 @@ def _block_grad_kernel(
     HAS_CAP: tl.constexpr,
     HAS_Z: tl.constexpr,
     HAS_ENT: tl.constexpr,
+    HAS_CW: tl.constexpr,
     TILE_M: tl.constexpr,
     BLOCK: tl.constexpr,
     BK: tl.constexpr,
@@ -97,22 +99,37 @@ def _block_grad_kernel(
         ids = cols + half * HALF
         g = grad_of(
             x, ids, rmask[:, None], rows, rmask, temp_ptr, tcol_ptr, lse_ptr, w_tok_ptr,
-            went_ptr, ent_ptr, num_valid, cap, coef_a, coef_b, coef_c, zw2, HAS_CAP, HAS_Z,
-            HAS_ENT,
+            went_ptr, ent_ptr, cw_ptr, num_valid, cap, coef_a, coef_b, coef_c, zw2, HAS_CAP,
+            HAS_Z, HAS_ENT, HAS_CW,
         )  # fmt: skip
         out = out_ptr + rows[:, None] * out_stride + ids[None, :]
         tl.store(out, rounded(g, out_ptr, INTERPRET), mask=rmask[:, None])
 
 
 def block_grad(
-    h, weight, temp, tcol, lse, w, w_ent, ent, *, n_blocks: int, num_valid: int, spec: LossSpec
+    h,
+    weight,
+    temp,
+    tcol,
+    lse,
+    w,
+    w_ent,
+    ent,
+    *,
+    n_blocks: int,
+    num_valid: int,
+    spec: LossSpec,
+    colw=None,
+    wab=None,
 ) -> torch.Tensor:
-    """``g [C, K * BLOCK]`` in ``h``'s dtype for chunk ``h [C, H]`` (0 off true columns)."""
+    """``g [C, K * BLOCK]`` in ``h``'s dtype for chunk ``h [C, H]`` (0 off true columns).
+    With class weights: ``colw`` the shard's fp32 column weights (by local id), ``wab``
+    the chunk's per-token ``(w a, w b)`` (``tiles.grad_params``)."""
     n, hd = h.shape
     out = torch.empty((n, n_blocks * VOCAB_BLOCK), dtype=h.dtype, device=h.device)
     if n == 0 or n_blocks == 0:
         return out
-    args, flags = grad_params(spec, w, w_ent, ent)
+    args, flags = grad_params(spec, w, w_ent, ent, colw, wab)
     tm = row_tile(h.dtype)
     if tm == TILE_M and _aligned(
         h, weight, out, n, hd, weight.shape[0], h.stride(0), weight.stride(0)

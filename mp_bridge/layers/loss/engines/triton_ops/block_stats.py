@@ -63,9 +63,11 @@ def _block_stats_kernel(
     w_rows,
     n_blocks,
     num_valid,
+    cw_ptr,
     cap,
     HAS_CAP: tl.constexpr,
     WITH_ENT: tl.constexpr,
+    HAS_CW: tl.constexpr,
     WITH_SQ: tl.constexpr,
     TILE_M: tl.constexpr,
     BLOCK: tl.constexpr,
@@ -81,8 +83,9 @@ def _block_stats_kernel(
         TILE_M, BLOCK, BK, INTERPRET, False,
     )  # fmt: skip
     m, s, t, sz, u, q = stats_of(
-        x, cols, rmask[:, None], rows, rmask, temp_ptr, tcol_ptr, num_valid, cap, HAS_CAP
-    )
+        x, cols, rmask[:, None], rows, rmask, temp_ptr, tcol_ptr, cw_ptr, num_valid, cap,
+        HAS_CAP, HAS_CW,
+    )  # fmt: skip
     out = stats_ptr + j * n_rows + rows
     plane = n_blocks * n_rows
     tl.store(out, m, mask=rmask)
@@ -104,14 +107,16 @@ def block_stats(
     n_blocks: int,
     num_valid: int,
     spec: LossSpec,
+    colw: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``[S, K, N]`` fp32 per-block statistics of ``h [N, H]`` against the first ``K =
-    n_blocks`` blocks of ``weight [V_local, H]`` (rows past ``V_local`` are zeros)."""
+    n_blocks`` blocks of ``weight [V_local, H]`` (rows past ``V_local`` are zeros).
+    ``colw``: the shard's fp32 column weights (by local id), with class weights."""
     n, hd = h.shape
     stats = torch.empty((spec.num_stats, n_blocks, n), dtype=torch.float32, device=h.device)
     if n == 0 or n_blocks == 0:
         return stats
-    args, flags = stats_params(spec)
+    args, flags = stats_params(spec, colw, temp)
     tm = row_tile(h.dtype)
     _block_stats_kernel[(triton.cdiv(n, tm), n_blocks)](
         h, h.stride(0), weight, weight.stride(0), stats, temp, tcol, n, hd, weight.shape[0],

@@ -49,6 +49,7 @@ def _row_grad_kernel(
     w_ptr,
     went_ptr,
     ent_ptr,
+    cw_ptr,
     cap,
     coef_a,
     coef_b,
@@ -57,6 +58,7 @@ def _row_grad_kernel(
     HAS_CAP: tl.constexpr,
     HAS_Z: tl.constexpr,
     HAS_ENT: tl.constexpr,
+    HAS_CW: tl.constexpr,
     ROWS: tl.constexpr,
     COLS: tl.constexpr,
     INTERPRET: tl.constexpr,
@@ -68,7 +70,8 @@ def _row_grad_kernel(
     x = tl.load(z_ptr + rows[:, None] * z_stride + cols[None, :], mask=inside, other=0.0)
     g = grad_of(
         x, cols + col0, inside, rows, rmask, temp_ptr, tcol_ptr, lse_ptr, w_ptr, went_ptr,
-        ent_ptr, num_valid, cap, coef_a, coef_b, coef_c, zw2, HAS_CAP, HAS_Z, HAS_ENT,
+        ent_ptr, cw_ptr, num_valid, cap, coef_a, coef_b, coef_c, zw2, HAS_CAP, HAS_Z, HAS_ENT,
+        HAS_CW,
     )  # fmt: skip
     out = out_ptr + rows[:, None] * out_stride + cols[None, :]
     tl.store(out, rounded(g, out_ptr, INTERPRET), mask=inside)
@@ -87,12 +90,16 @@ def row_grad(
     num_valid: int,
     col0: int,
     spec: LossSpec,
+    colw: torch.Tensor | None = None,
+    wab: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """``out [N, Vs] <- d loss / d z`` (``out`` may be ``z`` itself); returns ``out``."""
+    """``out [N, Vs] <- d loss / d z`` (``out`` may be ``z`` itself); returns ``out``.
+    With class weights: ``colw`` the shard's fp32 column weights (by local id), ``wab``
+    the per-token ``(w a, w b)`` (``tiles.grad_params``)."""
     n, vs = z.shape
     if n == 0 or vs == 0:
         return out
-    args, flags = grad_params(spec, w, w_ent, ent)
+    args, flags = grad_params(spec, w, w_ent, ent, colw, wab)
     _row_grad_kernel[(triton.cdiv(n, ROWS), triton.cdiv(vs, COLS))](
         z, z.stride(0), out, out.stride(0), n, vs, col0, num_valid, temp, tcol, lse, *args,
         **flags, ROWS=ROWS, COLS=COLS, INTERPRET=INTERPRET, num_warps=NUM_WARPS,

@@ -45,9 +45,11 @@ def _row_stats_kernel(
     n_cols,
     col0,
     num_valid,
+    cw_ptr,
     cap,
     HAS_CAP: tl.constexpr,
     WITH_ENT: tl.constexpr,
+    HAS_CW: tl.constexpr,
     WITH_SQ: tl.constexpr,
     FIRST: tl.constexpr,
     ROWS: tl.constexpr,
@@ -66,8 +68,9 @@ def _row_stats_kernel(
         inside = rmask[:, None] & (cols < n_cols)[None, :]
         x = tl.load(z_ptr + rows[:, None] * z_stride + cols[None, :], mask=inside, other=0.0)
         m2, s2, t2, z2, u2, q2 = stats_of(
-            x, cols + col0, inside, rows, rmask, temp_ptr, tcol_ptr, num_valid, cap, HAS_CAP
-        )
+            x, cols + col0, inside, rows, rmask, temp_ptr, tcol_ptr, cw_ptr, num_valid, cap,
+            HAS_CAP, HAS_CW,
+        )  # fmt: skip
         m, s, t, sz, u, q = merge_stats2(m, s, t, sz, u, q, m2, s2, t2, z2, u2, q2)
     if not FIRST:  # the slabs before this one lie left of it in vocab order
         m0 = tl.load(stats_ptr + rows, mask=rmask, other=float("-inf"))
@@ -101,13 +104,15 @@ def row_stats_(
     col0: int,
     spec: LossSpec,
     first: bool,
+    colw: torch.Tensor | None = None,
 ) -> None:
     """Merge the statistics of slab ``z [N, Vs]`` (fp32, unit column stride) into
-    ``stats [S, N]`` (fp32, contiguous; written, not merged, when ``first``)."""
+    ``stats [S, N]`` (fp32, contiguous; written, not merged, when ``first``). ``colw``:
+    the shard's fp32 column weights (by local id), with class weights."""
     n, vs = z.shape
     if n == 0:
         return
-    args, flags = stats_params(spec)
+    args, flags = stats_params(spec, colw, temp)
     _row_stats_kernel[(triton.cdiv(n, ROWS),)](
         z, z.stride(0), stats, temp, tcol, n, vs, col0, num_valid, *args, **flags,
         FIRST=first, ROWS=ROWS, COLS=COLS, num_warps=NUM_WARPS, num_stages=NUM_STAGES,

@@ -17,6 +17,9 @@ unchanged to what the kernels write:
   T`` and the upstream gradient): ``(p k + c w [true]) - w_ent p log p + (w b) [target]``
   with ``k = (a + 2 zw lse) w - w_ent H`` and ``p = exp(z - lse)``, times the soft-cap
   derivative.
+- class weights (``class_weights``, a ``HAS_CW`` constexpr that compiles out without
+  them): ``sz`` is ``sum w_c z_c`` (``stats_of``), and ``tile_grad`` reads the per-row
+  ``w a``, ``w b`` and adds ``(w c) w_j`` on true columns.
 - ``rounded``: ``g`` in the dtype of the pointer it is stored to, round to nearest even (the
   GPU's conversion; the interpreter truncates fp32 -> bf16, so there it is done on the
   bits).
@@ -33,9 +36,11 @@ from __future__ import annotations
 
 import os
 
+import torch
 import triton
 import triton.language as tl
 
+from mp_bridge.layers.loss.class_weights import column_weights
 from mp_bridge.layers.loss.formulas import LossSpec
 
 __all__ = [
@@ -45,6 +50,7 @@ __all__ = [
     "dot_acc",
     "grad_of",
     "grad_params",
+    "kernel_column_weights",
     "rounded",
     "stats_of",
     "stats_params",
@@ -105,8 +111,9 @@ def transform(x, temp, cap, HAS_CAP: tl.constexpr):
 
 
 @triton.jit
-def tile_stats(z, valid, is_target):
-    """Per-row ``(m, s, tl, sz, u, q)`` of the true columns ``valid`` of ``z [R, C]``."""
+def tile_stats(z, valid, is_target, zs):
+    """Per-row ``(m, s, tl, sz, u, q)`` of the true columns ``valid`` of ``z [R, C]``;
+    ``sz`` sums ``zs`` (``z``, or ``z`` times the column weights)."""
     zm = tl.where(valid, z, float("-inf"))
     m = tl.max(zm, 1)
     shift = tl.where(m == float("-inf"), 0.0, m)
@@ -114,7 +121,7 @@ def tile_stats(z, valid, is_target):
     e = tl.exp(d)  # 0 off the true columns
     s = tl.sum(e, 1)
     tlg = tl.sum(tl.where(is_target, z, 0.0), 1)
-    sz = tl.sum(tl.where(valid, z, 0.0), 1)
+    sz = tl.sum(tl.where(valid, zs, 0.0), 1)
     u = tl.sum(e * tl.where(e > 0, d, 0.0), 1)  # 0 log 0 = 0, no nan
     q = tl.sum(e * e, 1)
     return m, s, tlg, sz, u, q
@@ -147,23 +154,34 @@ def tile_grad(
     coef_b,
     coef_c,
     zw2,
+    cw,
     HAS_Z: tl.constexpr,
     HAS_ENT: tl.constexpr,
     HAS_CAP: tl.constexpr,
+    HAS_CW: tl.constexpr,
 ):
     """``d loss / d x [R, C]`` of transformed logits ``z`` (see the module docstring);
-    ``zw2 = 2 z_loss_weight``; 0 on columns that are not ``valid``."""
+    ``zw2 = 2 z_loss_weight``; 0 on columns that are not ``valid``. ``HAS_CW`` (class
+    weights, cross-entropy: no entropy): ``w_ent`` holds ``w a`` and ``ent`` ``w b`` per
+    row, ``cw [C]`` the column weights, so the ``c`` term is ``(w c) cw``."""
     logp = z - lse[:, None]
     p = tl.where(valid, tl.exp(logp), 0.0)
-    k = w * coef_a
+    if HAS_CW:
+        k = w_ent
+    else:
+        k = w * coef_a
     if HAS_Z:
         k += w * lse * zw2
     if HAS_ENT:
         k -= w_ent * ent
-    g = p * k[:, None] + tl.where(valid, (w * coef_c)[:, None], 0.0)
-    if HAS_ENT:
-        g -= tl.where(p > 0, p * logp, 0.0) * w_ent[:, None]
-    g += tl.where(is_target, (w * coef_b)[:, None], 0.0)
+    if HAS_CW:
+        g = p * k[:, None] + tl.where(valid, (w * coef_c)[:, None] * cw[None, :], 0.0)
+        g += tl.where(is_target, ent[:, None], 0.0)
+    else:
+        g = p * k[:, None] + tl.where(valid, (w * coef_c)[:, None], 0.0)
+        if HAS_ENT:
+            g -= tl.where(p > 0, p * logp, 0.0) * w_ent[:, None]
+        g += tl.where(is_target, (w * coef_b)[:, None], 0.0)
     if HAS_CAP:
         g = g * deriv
     return g
@@ -227,16 +245,21 @@ def block_logits(
 
 @triton.jit
 def stats_of(
-    x, ids, inside, rows, rmask, temp_ptr, tcol_ptr, num_valid, cap, HAS_CAP: tl.constexpr
-):
+    x, ids, inside, rows, rmask, temp_ptr, tcol_ptr, cw_ptr, num_valid, cap,
+    HAS_CAP: tl.constexpr, HAS_CW: tl.constexpr,
+):  # fmt: skip
     """``tile_stats`` of raw logits ``x [R, C]``: rows ``rows`` (``rmask``: real
     tokens), columns the shard's local ids ``ids [C]`` (true below ``num_valid``),
-    ``inside``: the tile's elements that exist."""
+    ``inside``: the tile's elements that exist; ``HAS_CW``: the sum weighted by the
+    column weights ``cw_ptr [num_valid]`` (local ids)."""
     temp = tl.load(temp_ptr + rows, mask=rmask, other=1.0)
     tcol = tl.load(tcol_ptr + rows, mask=rmask, other=-1)
     z, _ = transform(x, temp, cap, HAS_CAP)
     valid = inside & (ids < num_valid)[None, :]
-    return tile_stats(z, valid, valid & (ids[None, :] == tcol[:, None]))
+    zs = z
+    if HAS_CW:
+        zs = z * tl.load(cw_ptr + ids, mask=ids < num_valid, other=0.0)[None, :]
+    return tile_stats(z, valid, valid & (ids[None, :] == tcol[:, None]), zs)
 
 
 @triton.jit
@@ -252,6 +275,7 @@ def grad_of(
     w_ptr,
     went_ptr,
     ent_ptr,
+    cw_ptr,
     num_valid,
     cap,
     coef_a,
@@ -261,39 +285,63 @@ def grad_of(
     HAS_CAP: tl.constexpr,
     HAS_Z: tl.constexpr,
     HAS_ENT: tl.constexpr,
+    HAS_CW: tl.constexpr,
 ):
     """``tile_grad`` of raw logits ``x [R, C]`` (rows, ids, masks: ``stats_of``), the
     per-row inputs loaded from their ``[N]`` vectors (``went`` / ``ent``: with
-    ``HAS_ENT``)."""
+    ``HAS_ENT``; ``w a`` / ``w b`` with ``HAS_CW``, the column weights from ``cw_ptr``)."""
     temp = tl.load(temp_ptr + rows, mask=rmask, other=1.0)
     tcol = tl.load(tcol_ptr + rows, mask=rmask, other=-1)
     lse = tl.load(lse_ptr + rows, mask=rmask, other=0.0)
     w = tl.load(w_ptr + rows, mask=rmask, other=0.0)
     w_ent = w * 0.0
     ent = w * 0.0
+    cw = w
     if HAS_ENT:
         w_ent = tl.load(went_ptr + rows, mask=rmask, other=0.0)
         ent = tl.load(ent_ptr + rows, mask=rmask, other=0.0)
+    if HAS_CW:  # w a and w b in the entropy's places
+        w_ent = tl.load(went_ptr + rows, mask=rmask, other=0.0)
+        ent = tl.load(ent_ptr + rows, mask=rmask, other=0.0)
+        cw = tl.load(cw_ptr + ids, mask=ids < num_valid, other=0.0)
     z, deriv = transform(x, temp, cap, HAS_CAP)
     valid = inside & (ids < num_valid)[None, :]
     is_target = valid & (ids[None, :] == tcol[:, None])
     return tile_grad(
-        z, deriv, valid, is_target, lse, w, w_ent, ent, coef_a, coef_b, coef_c, zw2,
-        HAS_Z, HAS_ENT, HAS_CAP,
+        z, deriv, valid, is_target, lse, w, w_ent, ent, coef_a, coef_b, coef_c, zw2, cw,
+        HAS_Z, HAS_ENT, HAS_CAP, HAS_CW,
     )  # fmt: skip
 
 
-def stats_params(spec: LossSpec) -> tuple[tuple[float], dict[str, bool]]:
-    """The statistics kernels' spec arguments: ``(cap,)`` and their constexpr flags."""
-    flags = dict(HAS_CAP=spec.softcap is not None, WITH_ENT=spec.entropy)
-    return (float(spec.softcap or 1.0),), dict(flags, WITH_SQ=spec.sum_pi_squared)
+def kernel_column_weights(spec: LossSpec, start: int, size: int):
+    """The fp32 class weights of a shard's local ids ``[0, size)`` (global ``start +
+    id``; 0 past the vocab), at least one element (a pointer the kernels mask); ``None``
+    without class weights."""
+    colw = column_weights(spec, start, max(size, 1))
+    return None if colw is None else colw.to(torch.float32).contiguous()
 
 
-def grad_params(spec: LossSpec, w, w_ent, ent) -> tuple[tuple, dict[str, bool]]:
-    """The gradient kernels' trailing arguments ``(w, w_ent, ent, cap, a, b, c, 2 zw)``
-    (``w`` stands in for the absent entropy vectors) and their constexpr flags."""
+def stats_params(spec: LossSpec, colw, stand_in) -> tuple[tuple, dict[str, bool]]:
+    """The statistics kernels' trailing arguments ``(column weights, cap)`` and their
+    constexpr flags. ``colw``: the shard's fp32 column weights, used (``HAS_CW``) only
+    where the value needs the sum (smoothing); ``stand_in`` takes their place otherwise."""
+    weighted = colw is not None and spec.with_sum
+    flags = dict(HAS_CAP=spec.softcap is not None, WITH_ENT=spec.entropy, HAS_CW=weighted)
+    args = (colw if weighted else stand_in, float(spec.softcap or 1.0))
+    return args, dict(flags, WITH_SQ=spec.sum_pi_squared)
+
+
+def grad_params(spec: LossSpec, w, w_ent, ent, colw=None, wab=None) -> tuple[tuple, dict]:
+    """The gradient kernels' trailing arguments ``(w, w_ent, ent, colw, cap, a, b, c, 2
+    zw)`` (``w`` stands in for absent vectors) and their constexpr flags. With class
+    weights (``HAS_CW``): ``wab = (w a, w b)`` per token in the entropy's places
+    (``class_weights.token_coefficients``; a cross-entropy has no entropy) and ``colw``
+    the shard's fp32 column weights."""
     a, b, c = spec.coefficients
+    weighted = colw is not None
+    if weighted:
+        w_ent, ent = wab
     args = (w, w if w_ent is None else w_ent, w if ent is None else ent)
-    args += (float(spec.softcap or 1.0), a, b, c, 2.0 * spec.z_loss_weight)
+    args += (colw if weighted else w, float(spec.softcap or 1.0), a, b, c)
     flags = dict(HAS_CAP=spec.softcap is not None, HAS_Z=spec.z_loss_weight != 0.0)
-    return args, dict(flags, HAS_ENT=spec.entropy)
+    return (*args, 2.0 * spec.z_loss_weight), dict(flags, HAS_ENT=spec.entropy, HAS_CW=weighted)

@@ -49,6 +49,7 @@ import torch.distributed as dist
 
 from mp_bridge.layers.loss.engines.triton_ops.row_grad import row_grad
 from mp_bridge.layers.loss.engines.triton_ops.row_stats import row_stats_
+from mp_bridge.layers.loss.engines.triton_ops.tiles import kernel_column_weights
 from mp_bridge.layers.loss.formulas import LossSpec
 from mp_bridge.layers.loss.reduce import all_reduce_sum_, gather_merge_stats
 from mp_bridge.layers.vocab_shards import VocabShard
@@ -185,18 +186,23 @@ class TritonDefaultRunner:
         stats = h.new_empty((self.spec.num_stats, h.shape[0]), dtype=torch.float32)
         if not self.weight.shape[0]:  # an empty shard (a DTensor's last): the merge identity
             stats.zero_()[0] = float("-inf")
+        colw = kernel_column_weights(self.spec, self.shard.start, self.shard.num_real)
         for i, (v0, w_s) in enumerate(self._slabs(h.shape[0])):
             z = mm_f32(h, w_s.t())  # (N, H) @ (H, Vs)
             row_stats_(
                 z, stats, temp, tcol, num_valid=self.shard.num_real, col0=v0,
-                spec=self.spec, first=i == 0,
+                spec=self.spec, first=i == 0, colw=colw,
             )  # fmt: skip
             del z
         return gather_merge_stats(stats, self.tp_group, self.spec.merge)
 
-    def grads(self, h, tcol, temp, lse, w, w_ent, ent, want_gw: bool):
+    def grads(self, h, tcol, temp, lse, w, w_ent, ent, want_gw: bool, wab=None):
         """``(d h [N, H] fp32, reduced over TP; d W [V_local, H] in the weight's dtype or
-        None)`` for per-token factors ``w`` (and ``w_ent``)."""
+        None)`` for per-token factors ``w`` (and ``w_ent``; with class weights ``wab``,
+        ``row_grad``'s)."""
+        colw = None  # with wab only (class_weights: the rest runs unweighted)
+        if wab is not None:
+            colw = kernel_column_weights(self.spec, self.shard.start, self.shard.num_real)
         gh = torch.zeros(h.shape, dtype=torch.float32, device=h.device)
         gw = torch.empty_like(self.weight) if want_gw else None
         for v0, w_s in self._slabs(h.shape[0]):
@@ -204,7 +210,7 @@ class TritonDefaultRunner:
             g = z if h.dtype == torch.float32 else torch.empty_like(z, dtype=h.dtype)
             row_grad(
                 z, g, temp, tcol, lse, w, w_ent, ent, num_valid=self.shard.num_real,
-                col0=v0, spec=self.spec,
+                col0=v0, spec=self.spec, colw=colw, wab=wab,
             )  # fmt: skip
             del z
             if gw is not None:

@@ -11,9 +11,15 @@ runner's ``d h`` (reduced over TP) and ``d W`` (this shard). The reductions ("su
 reduction: no fp32 ``d W`` is held from forward to backward.
 
 Every option of ``LossSpec`` (temperature, float or per token, soft-cap, z-loss, label
-smoothing, ``ignore_index``, the extra per-token outputs) runs in the kernels (``tiles``),
-except the per-class weights ``ce_weight`` (``class_weights``): ``unsupported`` names them
-(issue 35's kernel work carries them into the tiles).
+smoothing, ``ignore_index``, the extra per-token outputs, the per-class weights
+``ce_weight``) runs in the kernels (``tiles``). Class weights (``class_weights``): the
+values take the tokens' ``omega`` on the kernels' statistics (the sum weighted by the
+columns' weights, in the kernels, only with smoothing); backward hands the kernels ``w a``
+and ``w b`` per token (``token_coefficients``) and the column weights. Without them the
+kernels compile the weight code out (a ``HAS_CW`` constexpr): the same builds and bits.
+Without smoothing and z-loss (``a = omega``, ``b = -omega``, ``c = 0``) the gradient is
+the unweighted kernels' for ``w omega`` (``(w omega) 1 = w a``, ``(w omega) (-1) = w b``
+bit for bit), so that common case runs the unweighted builds only.
 What it takes is data (``registry.ENGINE_CAPS["triton"]``: CUDA tensors, CPU ones under
 ``TRITON_INTERPRET=1``; fp32 / bf16 / fp16); ``unsupported`` names the one shape limit, a
 weight shard of ``2**31`` or more elements (int32 offsets). An explicit ``engine="triton"``
@@ -30,6 +36,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from mp_bridge.layers.loss.arguments import forbid_double_backward
+from mp_bridge.layers.loss.class_weights import target_weights, token_coefficients
 from mp_bridge.layers.loss.engines.triton_ops.triton_default import TritonDefaultRunner
 from mp_bridge.layers.loss.engines.triton_ops.triton_invariant import TritonInvariantRunner
 from mp_bridge.layers.loss.formulas import stats_values
@@ -51,7 +58,8 @@ class _TritonLinearLoss(torch.autograd.Function):
     def forward(ctx, hidden, weight, target, temp, runner):
         spec = runner.spec
         tcol = runner.columns(target)
-        out = stats_values(runner.stats(hidden, tcol, temp), spec)
+        omega = target_weights(spec, target)
+        out = stats_values(runner.stats(hidden, tcol, temp), spec, omega=omega)
         if spec.ignore_index is not None:
             out = out.masked(target == spec.ignore_index)
         ctx.runner = runner
@@ -71,7 +79,16 @@ class _TritonLinearLoss(torch.autograd.Function):
 
         w = factor(g_values)
         w_ent = factor(g_entropy) if runner.spec.entropy else None
-        gh, gw = runner.grads(hidden, tcol, temp, lse, w, w_ent, ent, ctx.needs_input_grad[1])
+        wab, spec = None, runner.spec
+        if spec.class_weight is not None:
+            omega = target_weights(spec, target)
+            if spec.with_sum or spec.z_loss_weight != 0.0:  # (w a, w b) per token, as grad's
+                a, b, _ = token_coefficients(spec, omega)
+                wab = ((w * a).float().contiguous(), (w * b).float().contiguous())
+            else:  # a = omega, b = -omega, c = 0: the unweighted kernels' bits for w omega
+                w = (w * omega).float()
+        want_gw = ctx.needs_input_grad[1]
+        gh, gw = runner.grads(hidden, tcol, temp, lse, w, w_ent, ent, want_gw, wab=wab)
         grad_h = gh.to(hidden.dtype) if ctx.needs_input_grad[0] else None
         return grad_h, gw, None, None, None
 
@@ -87,8 +104,6 @@ class TritonEngine:
         for name, shape, _ in inputs:
             if name == "weight" and math.prod(shape) >= _MAX_OFFSET:
                 return f"weight {tuple(shape)} of 2**31 or more elements (int32 offsets)"
-            if name == "ce_weight":  # the kernels have no per-class weight yet (issue 35)
-                return "ce_weight (per-class weights) is not in its kernels yet"
         return None
 
     def loss(self, hidden, weight, target, temperature, options: LossOptions) -> TokenOutputs:

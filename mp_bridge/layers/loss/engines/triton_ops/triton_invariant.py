@@ -35,6 +35,7 @@ from mp_bridge.layers.loss.engines.triton_ops.block_dhidden import block_dhidden
 from mp_bridge.layers.loss.engines.triton_ops.block_dweight import block_dweight_
 from mp_bridge.layers.loss.engines.triton_ops.block_grad import block_grad
 from mp_bridge.layers.loss.engines.triton_ops.block_stats import TILE_M, block_stats
+from mp_bridge.layers.loss.engines.triton_ops.tiles import kernel_column_weights
 from mp_bridge.layers.loss.formulas import LossSpec
 from mp_bridge.layers.loss.reduce import gather_fold
 
@@ -71,6 +72,11 @@ class TritonInvariantRunner:
         lay = self.layout
         return max(0, min(lay.num_local * VOCAB_BLOCK, lay.vocab_size - lay.shard.start))
 
+    @property
+    def _colw(self) -> torch.Tensor | None:
+        """fp32 class weights of the local ids below ``_num_valid`` (``None``: none)."""
+        return kernel_column_weights(self.spec, self.layout.shard.start, self._num_valid)
+
     def columns(self, target: torch.Tensor) -> torch.Tensor:
         start, stop = self.layout.shard.start, self.layout.shard.stop
         inside = (target >= start) & (target < stop)
@@ -83,6 +89,7 @@ class TritonInvariantRunner:
     def stats(self, h: torch.Tensor, tcol: torch.Tensor, temp: torch.Tensor) -> torch.Tensor:
         lay, spec, w, n = self.layout, self.spec, self.weight.detach(), h.shape[0]
         out = torch.empty((spec.num_stats, n), dtype=torch.float32, device=h.device)
+        colw = self._colw
         group = max(self.chunk, FOLD_TOKENS // self.chunk * self.chunk)
         for g0 in range(0, n, group):  # fold whole groups of chunks: fewer torch launches
             g1 = min(g0 + group, n)
@@ -91,7 +98,7 @@ class TritonInvariantRunner:
                 at = slice(g0 + rows.start, g0 + rows.stop)
                 part = block_stats(
                     h[at], w, temp[at], tcol[at], n_blocks=lay.num_local,
-                    num_valid=self._num_valid, spec=spec,
+                    num_valid=self._num_valid, spec=spec, colw=colw,
                 )  # fmt: skip
                 if rows.stop - rows.start == g1 - g0:  # the group is one chunk
                     st = part
@@ -104,8 +111,9 @@ class TritonInvariantRunner:
             out[:, g0:g1] = gather_fold(pieces, lay, self.tp_group, spec.combine, shape, h.device)
         return out
 
-    def grads(self, h, tcol, temp, lse, w, w_ent, ent, want_gw: bool):
+    def grads(self, h, tcol, temp, lse, w, w_ent, ent, want_gw: bool, wab=None):
         lay, wt = self.layout, self.weight.detach()
+        colw = None if wab is None else self._colw  # without wab: the unweighted kernels
         k, hd = lay.num_local, h.shape[1]
         gh = torch.empty(h.shape, dtype=torch.float32, device=h.device)
         rows_w = min(k * VOCAB_BLOCK, wt.shape[0])
@@ -114,7 +122,8 @@ class TritonInvariantRunner:
             g = block_grad(
                 h[rows], wt, temp[rows], tcol[rows], lse[rows], w[rows],
                 None if w_ent is None else w_ent[rows], None if ent is None else ent[rows],
-                n_blocks=k, num_valid=self._num_valid, spec=self.spec,
+                n_blocks=k, num_valid=self._num_valid, spec=self.spec, colw=colw,
+                wab=None if wab is None else (wab[0][rows], wab[1][rows]),
             )  # fmt: skip
             scratch = block_dhidden(g, wt, n_blocks=k, first=lay.first)
             pieces = list(zip(lay.pieces(lay.rank), scratch))
