@@ -283,10 +283,11 @@ def _fmt(x: float | None, spec: str) -> str | None:
 
 def predicted(args, vocab: int) -> dict[str, float]:
     """The roofline's *predicted* H200 ms of our two triton methods at this shape, TP 1
-    (``bench/gpu/roofline.py``; bf16 only, the dtype it models)."""
+    (``bench/gpu/roofline.py``; bf16 and fp32, the dtypes it models)."""
     from roofline import predicted_ms
 
-    return predicted_ms(args.n, args.hidden, vocab) if args.dtype == "bfloat16" else {}
+    dtype = {"bfloat16": "bf16", "float32": "fp32"}.get(args.dtype)
+    return predicted_ms(args.n, args.hidden, vocab, dtype=dtype) if dtype else {}
 
 
 def shape_report(args, vocab: int, res: dict, title: str | None = None) -> str:

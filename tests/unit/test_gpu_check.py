@@ -161,12 +161,16 @@ def test_smoke_path_runs_the_stages_on_cpu_and_writes_each_table(tmp_path):
     proc = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = (out / "gpu_check.md").read_text()
-    for stage, step in (("unit", "unit (all)"), ("invariance", "small"), ("speed", "V=2048")):
+    steps = ("unit", "unit (all)"), ("invariance", "small"), ("invariance", "invariant bits")
+    for stage, step in (*steps, ("speed", "V=2048")):
         assert re.search(rf"^\| {stage} \| {re.escape(step)}[^|]* \| ok \|", summary, re.M), summary
     tests = (out / "tests.md").read_text()
     assert re.search(r"\| unit \(all\) \| [1-9]\d* \| 0 \| 0 \|", tests), tests
     invariance = (out / "invariance.md").read_text()
     assert "| fused_ce_none | float32 | bitwise | bitwise | bitwise |" in invariance, invariance
+    # the invariant bits hashed at a fixed shape, the interpreter's under its own key
+    assert re.search(r"^\| bfloat16 \| ce \| [0-9a-f]{16} \| new \|$", invariance, re.M), invariance
+    assert "\ncpu-interpreter triton=" in invariance and " 70x48x1024 float16 lp " in invariance
     assert "ours_default" in (out / "speed.md").read_text()
     assert sorted(f.name for f in out.iterdir()) == [
         "gpu_check.md",
