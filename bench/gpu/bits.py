@@ -87,8 +87,9 @@ def hashes(n: int, hidden: int, vocab: int, dtype: torch.dtype, device) -> dict[
     return out
 
 
-def recorded(path: Path = RECORD) -> dict[tuple[str, str, str], str]:
+def recorded(path: Path | None = None) -> dict[tuple[str, str, str], str]:
     """``{(key, dtype, check): digest}`` of the record (``#`` lines are comments)."""
+    path = path or RECORD
     if not path.exists():
         return {}
     rows = {}
@@ -118,13 +119,13 @@ def main(argv: list[str] | None = None) -> int:
             differs |= was is not None and was != hx
             lines.append(f"{k} {name} {check} {hx}")
             rows.append((name, check, hx, state))
-        text = report(args, k, rows, lines)
+        text = table_text(args, k, rows, lines)
         Path(args.out).write_text(text)
     print(text)
     return 1 if differs else 0
 
 
-def report(args, k: str, rows: list, lines: list[str]) -> str:
+def table_text(args, k: str, rows: list, lines: list[str]) -> str:
     from report import markdown_table
 
     return (

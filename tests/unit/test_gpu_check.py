@@ -181,3 +181,28 @@ def test_smoke_path_runs_the_stages_on_cpu_and_writes_each_table(tmp_path):
         "tests.log",
         "tests.md",
     ]
+
+
+def test_the_bits_step_compares_with_the_record_and_fails_on_a_difference(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(GPU))
+    bits = _load("bits")
+    monkeypatch.setattr(bits, "hashes", lambda *a: {"ce": "1111222233334444", "lp": "ab" * 8})
+    monkeypatch.setattr(bits, "key", lambda *a: "sm_90 triton=3.9.0 torch=2.13.0 2x3x4")
+    record = tmp_path / "record.txt"
+    record.write_text(
+        "# a comment line\n"
+        "sm_90 triton=3.9.0 torch=2.13.0 2x3x4 bfloat16 ce 1111222233334444\n"
+        "sm_90 triton=3.9.0 torch=2.13.0 2x3x4 bfloat16 lp 0000000000000000\n"
+        "sm_80 triton=3.9.0 torch=2.13.0 2x3x4 float32 ce 0000000000000000\n"
+    )
+    monkeypatch.setattr(bits, "RECORD", record)
+    out = tmp_path / "bits.md"
+    argv = ["--device", "cpu", "--dtypes", "bfloat16", "float32", "--out", str(out)]
+    assert bits.main(argv) == 1  # bf16 lp differs
+    text = out.read_text()
+    assert "| bfloat16 | ce | 1111222233334444 | same |" in text
+    assert "| bfloat16 | lp | abababababababab | **differs** (was 0000000000000000) |" in text
+    assert "| float32 | ce | 1111222233334444 | new |" in text  # sm_80's line is not ours
+    assert "sm_90 triton=3.9.0 torch=2.13.0 2x3x4 float32 lp abababababababab" in text
+    record.write_text(record.read_text().replace("lp 0000000000000000", "lp " + "ab" * 8))
+    assert bits.main(argv) == 0

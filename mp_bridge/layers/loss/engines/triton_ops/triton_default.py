@@ -126,10 +126,14 @@ def exact_reduction(dtype: torch.dtype):
     if name is None:
         yield
         return
-    old = (getattr(mm, name), getattr(mm, f"{name}_split_k"))
+    try:  # a torch with the split-K switch: (reduced precision, split-K), split-K kept
+        old = (getattr(mm, name), getattr(mm, f"{name}_split_k"))
+        off = (False, old[1])
+    except AttributeError:  # an older torch (one bool)
+        old, off = getattr(mm, name), False
     acc = dtype == torch.float16 and hasattr(torch._C, "_get_cublas_allow_fp16_accumulation")
     old_acc = mm.allow_fp16_accumulation if acc else None
-    setattr(mm, name, (False, old[1]))
+    setattr(mm, name, off)
     if acc:
         mm.allow_fp16_accumulation = False
     try:
