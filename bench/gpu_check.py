@@ -18,13 +18,18 @@ is killed keeps everything it measured:
    the rest), one pytest ``-v`` run whose per-test lines stream to ``tests.log``; the
    per-file pass/fail/skip table is made from those lines, so a run cut at its budget
    still counts what it ran.
-4. ``invariance`` (90 s): ``bench/gpu/invariance.py``, bitwise across TP 1/2/4/8 and
+4. ``invariance`` (90 s): ``bench/gpu/bits.py`` first (30 % of the stage): the
+   invariant mode's outputs and gradients hashed at a fixed shape (2048 x 2048 x 65536,
+   fp32 / bf16 / fp16), compared with ``bench/gpu/invariant_bits.txt`` under this
+   architecture and Triton version, the lines to record printed; then
+   ``bench/gpu/invariance.py``, bitwise across TP 1/2/4/8 and
    batch composition, values and gradients, at the small shape (N=1000 H=512 V=50000,
    both engines' fused losses and the materialized ones, fp32 and bf16) and at a
    production-like one (N=2048 H=4096 V=131072: the triton engine's three fused checks
    and the torch engine's cross-entropy, one call per input dtype).
 5. ``speed`` (110 s): ``bench/gpu/speed.py``, the LM-head speed / memory / precision
-   table (every method, losses and gradients against float64 on the same inputs) at
+   table (every method, measured ms next to the roofline's *predicted* ms and their
+   ratio, losses and gradients against float64 on the same inputs) at
    8192 x 4096 x 131072 with the per-rank TP-8 figure (``V_local`` = 16384), then 262144.
 6. ``mimo`` (30 s): ``mp-bridge demo`` in the one-GPU mode: colocated MIMO training
    steps (encoder tp=2,dp=4 -> LLM tp=2,cp=2,dp=2) with their oracle parity table and
@@ -200,7 +205,10 @@ def _steps(stage: str, args, py: str) -> list[Step]:
             small = ["--n", "1000", "--hidden", "512", "--vocab", "50000"]
             prod = ["--n", "2048", "--hidden", "4096", "--vocab", "131072"]
         fused = ["--checks", "triton_ce_none", "triton_ce_mean", "triton_lp", "fused_ce_none"]
-        steps = [Step([*inv, *small], share=0.35, label="small, fp32 + bf16")]
+        bits = [py, str(HERE / "bits.py")]
+        bits += ["--device", "cpu", "--n", "70", "--hidden", "48", "--vocab", "1024"] * args.smoke
+        steps = [Step(bits, share=0.3, label="invariant bits hash, fixed shape")]
+        steps.append(Step([*inv, *small], share=0.35, label="small, fp32 + bf16"))
         for i, dtype in enumerate(() if args.smoke else ("float32", "bfloat16")):
             argv = [*inv, *prod, *fused, "--dtypes", dtype]
             steps.append(Step(argv, share=0.5 if i == 0 else 1.0, label=f"production, {dtype}"))

@@ -12,10 +12,16 @@ fused = ``fused_linear_*`` (default / ``invariant``); ``fused, logits_precision=
 = the old rounding mode (matmuls in the input dtype). Shapes from issue 16.
 
     .venv/bin/python bench/lm_head_accuracy.py
+    TRITON_INTERPRET=1 .venv/bin/python bench/lm_head_accuracy.py --engine triton
+
+``--engine triton``: the fused paths on the triton engine (default and invariant mode;
+under Triton's CPU interpreter here, its cuBLAS products by their CPU stand-ins), the
+materialized and ``precision=input`` paths left out.
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 import warnings
@@ -43,7 +49,7 @@ def _inputs(n, h, v, dtype):
     return hidden, weight, target
 
 
-def _ours(path, hidden, weight, target):
+def _ours(path, hidden, weight, target, engine="torch"):
     inv = "inv" in path
     h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
     if path.startswith("materialized"):
@@ -51,7 +57,7 @@ def _ours(path, hidden, weight, target):
         lp = vocab_parallel_logprobs(logits.detach(), target, invariant=inv)
         ce = vocab_parallel_cross_entropy(logits, target, invariant=inv)
     else:
-        kw = {"invariant": inv}
+        kw = {"invariant": inv} if engine == "torch" else {"invariant": inv, "engine": engine}
         if "precision=input" in path:
             kw["logits_precision"] = "input"
         lp = fused_linear_logprobs(hidden, weight, target, **kw)
@@ -69,10 +75,15 @@ def _reference(hidden, weight, target):
     return lp, ce.detach(), h.grad, w.grad
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--engine", default="torch", choices=("torch", "triton"))
+    engine = p.parse_args(argv).engine
+    paths = PATHS if engine == "torch" else ("fused", "fused inv")
     warnings.filterwarnings("ignore")
     print(f"command: {' '.join([os.path.basename(sys.executable), *sys.argv])}")
-    print(f"torch {torch.__version__}, CPU, {torch.get_num_threads()} threads, TP 1\n")
+    threads = torch.get_num_threads()
+    print(f"torch {torch.__version__}, CPU, {threads} threads, TP 1, {engine} engine\n")
     print(
         "| N, H, V | dtype | path | log-probs | loss | d hidden | d weight "
         "| floor d hidden | floor d weight |"
@@ -83,10 +94,10 @@ def main() -> None:
             hidden, weight, target = _inputs(n, h, v, dtype)
             ref = _reference(hidden, weight, target)
             floor = [(g.to(dtype).double() - g).abs().max().item() for g in ref[2:]]
-            for path in PATHS:
+            for path in paths:
                 if "precision=input" in path and dtype == torch.float32:
                     continue  # same as "fused" for fp32
-                ours = _ours(path, hidden, weight, target)
+                ours = _ours(path, hidden, weight, target, engine)
                 errs = [(a.double() - b).abs().max().item() for a, b in zip(ours, ref)]
                 cells = " | ".join(f"{e:.2e}" for e in errs + floor)
                 print(f"| {n}, {h}, {v} | {str(dtype)[6:]} | {path} | {cells} |", flush=True)

@@ -25,7 +25,7 @@ call, so the gradients count). A method that fails (missing package, out of memo
 reported with its error and left out of later rounds. Never asserts on time.
 
 Precision (after the timed rounds, ``--precision``, the default): one more call of each
-method against float64 on the *same* bf16 inputs (``_reference``: fp64 logits in token
+method against float64 on the *same* bf16 inputs (``fp64_reference.py``: fp64 logits in token
 chunks, exact products of the bf16 values): the loss's absolute error, the normwise
 relative error ``|g - g64| / |g64|`` of ``d hidden`` and ``d weight``, and for our fused
 methods the largest log-prob error over the tokens (``fused_linear_logprobs``; issue 29's
@@ -62,6 +62,8 @@ import torch.nn.functional as F
 
 if not torch.cuda.is_available():  # the triton engine's kernels on CPU: the interpreter
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from fp64_reference import fp64_reference, rel_err  # noqa: E402 - a sibling (bench/gpu)
 
 from mp_bridge.layers import (  # noqa: E402 - after TRITON_INTERPRET
     fused_linear_cross_entropy,
@@ -169,34 +171,6 @@ def _error(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}".splitlines()[0][:160]
 
 
-def _reference(h, w, t, chunk: int = 1024):
-    """fp64 ``(mean loss, d hidden, d weight, target log-probs [N])`` of the mean
-    cross-entropy of ``h @ w.T`` on the same inputs, tokens in chunks (``[chunk, V]`` fp64
-    logits at a time)."""
-    w64 = w.detach().double()
-    lp = torch.empty(h.shape[0], dtype=torch.float64, device=h.device)
-    gh = torch.empty(h.shape, dtype=torch.float64, device=h.device)
-    gw = torch.zeros_like(w64)
-    n = h.shape[0]
-    for s in range(0, n, chunk):
-        hc, tc = h.detach()[s : s + chunk].double(), t[s : s + chunk]
-        z = hc @ w64.t()
-        lp[s : s + chunk] = z.gather(1, tc[:, None])[:, 0] - torch.logsumexp(z, dim=1)
-        p = torch.softmax(z, dim=1)
-        del z
-        p.scatter_add_(1, tc[:, None], p.new_full((tc.shape[0], 1), -1.0)).div_(n)
-        gh[s : s + chunk] = p @ w64
-        gw.addmm_(p.t(), hc)
-        del p
-    return -lp.mean(), gh, gw, lp
-
-
-def _rel(a: torch.Tensor | None, ref: torch.Tensor) -> float | None:
-    if a is None:
-        return None
-    return ((a.double() - ref).norm() / ref.norm()).item()
-
-
 def precision(method: str, h, w, t, ref) -> dict:
     """``{"loss_err", "dh_rel", "dw_rel"}`` of one call of ``method`` against ``ref``, and
     for our fused methods ``"lp_err"``: the largest ``|log-prob - fp64|`` over the tokens
@@ -206,8 +180,8 @@ def precision(method: str, h, w, t, ref) -> dict:
     loss.backward()
     out = {
         "loss_err": abs(loss.item() - ref[0].item()),
-        "dh_rel": _rel(h.grad, ref[1]),
-        "dw_rel": _rel(w.grad, ref[2]),
+        "dh_rel": rel_err(h.grad, ref[1]),
+        "dw_rel": rel_err(w.grad, ref[2]),
     }
     h.grad = w.grad = None
     if method in FUSED_KW:
@@ -257,7 +231,7 @@ def bench_shape(args, vocab: int, methods, deadline: float) -> dict:
                 cur["peak"] = peak if cur["peak"] is None else max(cur["peak"], peak)
             cur["runs"] += 1
     if args.precision and live:
-        ref = _reference(h, w, t)
+        ref = fp64_reference(h, w, t)
         for m in live:
             try:
                 res[m]["precision"] = precision(m, h, w, t, ref)
@@ -283,10 +257,11 @@ def _fmt(x: float | None, spec: str) -> str | None:
 
 def predicted(args, vocab: int) -> dict[str, float]:
     """The roofline's *predicted* H200 ms of our two triton methods at this shape, TP 1
-    (``bench/gpu/roofline.py``; bf16 only, the dtype it models)."""
+    (``bench/gpu/roofline.py``; bf16 and fp32, the dtypes it models)."""
     from roofline import predicted_ms
 
-    return predicted_ms(args.n, args.hidden, vocab) if args.dtype == "bfloat16" else {}
+    dtype = {"bfloat16": "bf16", "float32": "fp32"}.get(args.dtype)
+    return predicted_ms(args.n, args.hidden, vocab, dtype=dtype) if dtype else {}
 
 
 def shape_report(args, vocab: int, res: dict, title: str | None = None) -> str:

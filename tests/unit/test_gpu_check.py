@@ -161,12 +161,16 @@ def test_smoke_path_runs_the_stages_on_cpu_and_writes_each_table(tmp_path):
     proc = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = (out / "gpu_check.md").read_text()
-    for stage, step in (("unit", "unit (all)"), ("invariance", "small"), ("speed", "V=2048")):
+    steps = ("unit", "unit (all)"), ("invariance", "small"), ("invariance", "invariant bits")
+    for stage, step in (*steps, ("speed", "V=2048")):
         assert re.search(rf"^\| {stage} \| {re.escape(step)}[^|]* \| ok \|", summary, re.M), summary
     tests = (out / "tests.md").read_text()
     assert re.search(r"\| unit \(all\) \| [1-9]\d* \| 0 \| 0 \|", tests), tests
     invariance = (out / "invariance.md").read_text()
     assert "| fused_ce_none | float32 | bitwise | bitwise | bitwise |" in invariance, invariance
+    # the invariant bits hashed at a fixed shape, the interpreter's under its own key
+    assert re.search(r"^\| bfloat16 \| ce \| [0-9a-f]{16} \| new \|$", invariance, re.M), invariance
+    assert "\ncpu-interpreter triton=" in invariance and " 70x48x1024 float16 lp " in invariance
     assert "ours_default" in (out / "speed.md").read_text()
     assert sorted(f.name for f in out.iterdir()) == [
         "gpu_check.md",
@@ -177,3 +181,28 @@ def test_smoke_path_runs_the_stages_on_cpu_and_writes_each_table(tmp_path):
         "tests.log",
         "tests.md",
     ]
+
+
+def test_the_bits_step_compares_with_the_record_and_fails_on_a_difference(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(GPU))
+    bits = _load("bits")
+    monkeypatch.setattr(bits, "hashes", lambda *a: {"ce": "1111222233334444", "lp": "ab" * 8})
+    monkeypatch.setattr(bits, "key", lambda *a: "sm_90 triton=3.9.0 torch=2.13.0 2x3x4")
+    record = tmp_path / "record.txt"
+    record.write_text(
+        "# a comment line\n"
+        "sm_90 triton=3.9.0 torch=2.13.0 2x3x4 bfloat16 ce 1111222233334444\n"
+        "sm_90 triton=3.9.0 torch=2.13.0 2x3x4 bfloat16 lp 0000000000000000\n"
+        "sm_80 triton=3.9.0 torch=2.13.0 2x3x4 float32 ce 0000000000000000\n"
+    )
+    monkeypatch.setattr(bits, "RECORD", record)
+    out = tmp_path / "bits.md"
+    argv = ["--device", "cpu", "--dtypes", "bfloat16", "float32", "--out", str(out)]
+    assert bits.main(argv) == 1  # bf16 lp differs
+    text = out.read_text()
+    assert "| bfloat16 | ce | 1111222233334444 | same |" in text
+    assert "| bfloat16 | lp | abababababababab | **differs** (was 0000000000000000) |" in text
+    assert "| float32 | ce | 1111222233334444 | new |" in text  # sm_80's line is not ours
+    assert "sm_90 triton=3.9.0 torch=2.13.0 2x3x4 float32 lp abababababababab" in text
+    record.write_text(record.read_text().replace("lp 0000000000000000", "lp " + "ab" * 8))
+    assert bits.main(argv) == 0

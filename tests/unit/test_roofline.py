@@ -101,3 +101,53 @@ def test_the_speed_table_puts_measured_next_to_predicted(monkeypatch):
     assert f"| {pred['ours_default']:.1f} | 2.00 |" in row
     assert "| liger | 50.0 | n/a | n/a |" in text
     assert "*predicted*" in text
+
+
+def test_the_default_modes_d_w_comes_out_of_cublas_in_bf16_with_no_copy():
+    ks = rl.default_mode(rl.Shape(8192, 4096, 131072), FACTS)
+    assert [k.facts for k in ks].count("torch copy") == 0 and len(ks) == 6
+    dw = ks[4]
+    assert dw.name.startswith("bwd: dW_s") and dw.kind == "cublas_bf16"
+    # h (64 MiB > L2) per slab, W once, per slab g bf16 (32 MiB) in and d W_s bf16 (16 MiB) out
+    assert dw.hbm == 64 * 67_108_864 + 1_073_741_824 + 64 * (33_554_432 + 16_777_216)
+    assert dw.seconds == pytest.approx(8_796_093_022_208 / 786e12)  # 11.19 ms, was 11.65
+
+
+def test_fp32_inputs_run_sgemm_and_fma_tiles():
+    fma = {"kind": "none", "mma": [], "stages": 3, "ctas_per_sm": 1}
+    facts = {f"{k.split()[0]} fp32 spec": fma for k in FACTS}
+    s = rl.Shape(64, 64, 512, dtype="fp32")
+    z = rl.default_mode(s, facts)[0]
+    assert z.kind == "cublas_fp32" and z.times["compute"] == pytest.approx(4_194_304 / 53.6e12)
+    k = rl.block_logits_pass(s, facts, "_block_stats_kernel", "s", 2048)
+    # W (512 * 64 * 4) + h (64 * 64 * 4) + stats; 32-row tiles: 2 tiles x 2 blocks = 4
+    # programs * (32 + 256) rows * 64 * 4 B
+    assert k.hbm == 131_072 + 16_384 + 2_048 and k.l2 == 294_912
+    assert k.kind == "fma" and k.times["compute"] == pytest.approx(4_194_304 / (0.45 * 53.6e12))
+    assert not any("copy" in x.facts for x in rl.invariant_mode(s, facts))  # acc is d W
+
+
+def test_the_default_modes_peak_memory_by_hand():
+    mm = rl_memory()
+    # 8192 x 4096 x 131072 bf16, Vs 2048: d W 1024 MiB + d h acc 128 + z 64 + g 32 at row_grad
+    phase, peak = mm.default_peak(8192, 4096, 131072, 2, 2048)
+    assert phase.startswith("row_grad") and peak == 1248 * 2**20
+    phases = mm.default_phases(8192, 4096, 131072, 2, 2048, fp32_dw_product=True)
+    assert phases["d W_s (d W, d h acc, g)"] == (1024 + 128 + 32 + 32) * 2**20  # was; now - 32
+    assert mm.floor_bytes(8192, 4096, 131072, 2) == (1024 + 64) * 2**20
+
+
+def rl_memory():
+    spec = importlib.util.spec_from_file_location("gpu_memory_model", GPU / "memory_model.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_table_states_the_memory_target(monkeypatch):
+    monkeypatch.syspath_prepend(str(GPU))
+    text = rl.table([rl.Shape(8192, 4096, 131072)], rl.load_facts())
+    assert "- predicted default peak GiB / 1.25, 8192x4096x131072, TP 1: **met**" in text
+    assert "bf16: default mode 1.219 GiB at row_grad" in text
+    fp32 = rl.table([rl.Shape(8192, 4096, 131072, dtype="fp32")], rl.load_facts())
+    assert "none at this dtype" in fp32 and "FMA dot (no MMA)" in fp32

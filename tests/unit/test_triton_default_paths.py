@@ -4,7 +4,10 @@ fp32 cuBLAS products kept exact whatever the caller set for TF32.
 On CPU: ``choose_addmm_path`` on a call that runs and on one that fails (the warning names
 the error, once per process through ``addmm_path``'s cache), and ``exact_fp32`` under each
 way a user turns TF32 on (legacy flag, ``set_float32_matmul_precision``, the new API),
-restoring the user's setting. The GPU run names the chosen path (``bench/gpu/speed.py``).
+restoring the user's setting; ``exact_reduction`` likewise for torch's bf16 / fp16
+reduced-precision switches; ``mm_into_``'s CPU stand-in (one rounding of the fp32 sum,
+written in place). The GPU run names the chosen path (``bench/gpu/speed.py``), and on CUDA
+``mm_into_`` stays at the bf16 rounding floor with the user's reduced-precision switch on.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.triton_engine import DEVICE  # noqa: F401 - TRITON_INTERPRET, importorskip
 
@@ -77,3 +81,69 @@ print("ok")
         [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120
     )
     assert out.stdout.strip().endswith("ok"), out.stderr[-2000:]
+
+
+def test_exact_reduction_turns_reduced_precision_off_inside_and_restores_the_users():
+    code = """
+import torch
+from mp_bridge.layers.loss.engines.triton_ops.triton_default import exact_reduction
+mm = torch.backends.cuda.matmul
+for user in ((True, True), (False, False), (False, True)):
+    mm.allow_bf16_reduced_precision_reduction = user
+    mm.allow_fp16_reduced_precision_reduction = user
+    mm.allow_fp16_accumulation = True
+    for dt, name in ((torch.bfloat16, "bf16"), (torch.float16, "fp16")):
+        flag = f"allow_{name}_reduced_precision_reduction"
+        with exact_reduction(dt):
+            assert getattr(mm, flag) is False, (user, name)
+            assert getattr(mm, flag + "_split_k") is user[1], (user, name)  # kept
+            assert mm.allow_fp16_accumulation is (dt == torch.bfloat16), (user, name)
+        assert (getattr(mm, flag), getattr(mm, flag + "_split_k")) == user, (user, name)
+        assert mm.allow_fp16_accumulation is True
+    with exact_reduction(torch.float32):  # nothing to guard
+        assert mm.allow_bf16_reduced_precision_reduction is user[0]
+print("ok")
+"""
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert out.stdout.strip().endswith("ok"), out.stderr[-2000:]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_mm_into_writes_one_rounding_of_the_fp32_sum_into_its_rows(dtype):
+    g = torch.Generator().manual_seed(3)
+    a = torch.randn(700, 48, generator=g).to(dtype).t()  # (48, 700): g^T's layout
+    b = torch.randn(700, 40, generator=g).to(dtype)
+    gw = torch.full((100, 40), 7.0, dtype=dtype)
+    triton_default.mm_into_(gw[16:64], a, b)
+    assert torch.equal(gw[16:64], (a.float() @ b.float()).to(dtype))  # the fp32 sum, rounded
+    assert (gw[:16] == 7).all() and (gw[64:] == 7).all()  # its rows only, in place
+    if dtype != torch.float32:  # one rounding: at the floor of rounding the exact sum
+        ref = a.double() @ b.double()
+        floor = (ref.to(dtype).double() - ref).norm()
+        assert (gw[16:64].double() - ref).norm() <= 1.05 * floor
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="cuBLAS: the GPU run's unit stage")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_mm_into_on_cuda_stays_at_the_rounding_floor(dtype):
+    # a long reduction and a small output: where cuBLAS picks split-K; the user allows
+    # reduced-precision reductions (torch's default), mm_into_ must not use them
+    mm = torch.backends.cuda.matmul
+    flag = "allow_bf16_reduced_precision_reduction" if dtype == torch.bfloat16 else (
+        "allow_fp16_reduced_precision_reduction")  # fmt: skip
+    old = (getattr(mm, flag), getattr(mm, f"{flag}_split_k"))
+    setattr(mm, flag, True)
+    try:
+        g = torch.Generator().manual_seed(5)
+        a = torch.randn(65536, 64, generator=g).to("cuda", dtype).t()
+        b = torch.randn(65536, 64, generator=g).to("cuda", dtype) / 16
+        out = torch.empty(64, 64, dtype=dtype, device="cuda")
+        triton_default.mm_into_(out, a, b)
+        assert getattr(mm, flag) is True  # restored
+    finally:
+        setattr(mm, flag, old)
+    ref = a.double() @ b.double()
+    floor = (ref.to(dtype).double() - ref).norm()
+    assert (out.double() - ref).norm() <= 1.1 * floor

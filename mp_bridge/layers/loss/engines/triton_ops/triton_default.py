@@ -9,18 +9,21 @@ The shard's weight rows are cut into slabs of ``Vs`` rows (``slab_rows``: about
   ranks' statistics (``reduce.gather_merge_stats``). 1 GEMM; ``lse`` (and the entropy)
   are kept for backward.
 - backward: per slab, ``z`` again, ``row_grad`` writes ``g = d loss / d z`` in the input
-  dtype, ``d W_s = g^T @ h`` is **complete** (every token is in it) and is written once in
-  the weight's dtype, ``d h += g @ W_s`` in fp32 (``addmm_f32_``); one all-reduce of ``d h``.
-  3 GEMMs.
+  dtype, ``d W_s = g^T @ h`` is **complete** (every token is in it) and comes straight out
+  of cuBLAS into ``d W``'s rows in the weight's dtype (``mm_into_``: fp32 accumulation, one
+  rounding, no fp32 ``[Vs, H]`` product and copy), ``d h += g @ W_s`` in fp32
+  (``addmm_f32_``); one all-reduce of ``d h``. 3 GEMMs.
 
 ``chunk_size`` does not apply (the slab, not a token chunk, bounds the logits held). So
 4 GEMMs of ``N x V_local x H`` per call, no ``[N, V_local]`` buffer, no fp32 copy of
 the weight and no fp32 ``d W`` accumulator. Extra memory at ``N x H x V = 8192 x 4096 x
 131072`` bf16, TP 1 (``Vs = 2048``), during the slab loop of backward: ``d W`` 1 GiB (bf16,
-the gradient itself), ``d h``'s fp32 accumulator 128 MiB, the slab's ``z`` 64 MiB, ``g``
-32 MiB and ``d W_s``'s fp32 product 32 MiB: about 1.25 GiB (+128 MiB of fp32 ``d h``
-product where ``addmm`` lacks ``out_dtype``); the bf16 ``d h`` (64 MiB) is made after the
-slabs are freed. The floor of any method is the two bf16 gradients, 1.06 GiB (issue 29
+the gradient itself), ``d h``'s fp32 accumulator 128 MiB, and at ``row_grad`` (the peak)
+the slab's ``z`` 64 MiB with ``g`` 32 MiB: 1248 MiB = 1.22 GiB (*predicted*,
+``bench/gpu/roofline.py``; +128 MiB of fp32 ``d h`` product where ``addmm`` lacks
+``out_dtype``). ``z`` is freed before the slab's ``d W_s``, which is written in place (it
+was a 32 MiB fp32 product and a copy); the bf16 ``d h`` (64 MiB) is made after the slabs
+are freed. The floor of any method is the two bf16 gradients, 1.06 GiB (issue 29
 measured CCE there and Liger at 1.13 GiB on an H200); the fp32 ``d h`` accumulator is
 most of our gap. Unmeasured on a GPU.
 
@@ -30,6 +33,15 @@ b.float()`` of the same operands, the same exact products (a bf16 / fp16 product
 in fp32) summed in fp32: the stand-in that lets the CPU interpreter run this code path.
 fp32 operands on CUDA go through cuBLAS inside ``exact_fp32``: never TF32, whatever the
 caller set (``allow_tf32``, ``set_float32_matmul_precision``).
+
+``mm_into_``: ``out = a @ b`` in ``out``'s dtype. On CUDA with bf16 / fp16 operands and an
+output of their dtype, one cuBLAS GEMM: fp32 accumulation (``CUBLAS_COMPUTE_32F``), a
+split-K reduction in fp32, one rounding to the output, inside ``exact_reduction`` (torch's
+``allow_bf16/fp16_reduced_precision_reduction``, on by default, would let cuBLAS reduce
+split-K partials in the output dtype; ``allow_fp16_accumulation`` would accumulate fp16 in
+fp16). Elsewhere (CPU) the fp32 product of ``mm_f32`` copied into ``out``: the same one
+rounding of an fp32 sum (only the summation order of the fp32 sum can differ, as between
+any two GEMM libraries).
 
 ``addmm_path``: which product ``addmm_f32_`` uses on CUDA, checked once per process by a
 tiny call (``ADDMM_OUT_DTYPE``, or ``MM_THEN_ADD`` with a warning naming the error where
@@ -63,7 +75,9 @@ __all__ = [
     "addmm_path",
     "choose_addmm_path",
     "exact_fp32",
+    "exact_reduction",
     "mm_f32",
+    "mm_into_",
     "slab_rows",
 ]
 
@@ -92,6 +106,43 @@ def exact_fp32():
         yield
     finally:
         setattr(mm, name, old)
+
+
+#: The operand dtypes whose cuBLAS GEMMs ``exact_reduction`` guards, and torch's flag name.
+_REDUCTION_FLAG = {
+    torch.bfloat16: "allow_bf16_reduced_precision_reduction",
+    torch.float16: "allow_fp16_reduced_precision_reduction",
+}
+
+
+@contextlib.contextmanager
+def exact_reduction(dtype: torch.dtype):
+    """cuBLAS GEMMs of ``dtype`` (bf16 / fp16) operands accumulate *and* reduce split-K
+    partials in fp32 inside, so a result in ``dtype`` is one rounding of an fp32 sum; the
+    caller's settings restored after (``exact_fp32``'s pattern). Turns off torch's
+    ``allow_{bf16,fp16}_reduced_precision_reduction`` (keeping its split-K switch) and,
+    for fp16, ``allow_fp16_accumulation``. Other dtypes: nothing to guard."""
+    mm = torch.backends.cuda.matmul
+    name = _REDUCTION_FLAG.get(dtype)
+    if name is None:
+        yield
+        return
+    try:  # a torch with the split-K switch: (reduced precision, split-K), split-K kept
+        old = (getattr(mm, name), getattr(mm, f"{name}_split_k"))
+        off = (False, old[1])
+    except AttributeError:  # an older torch (one bool)
+        old, off = getattr(mm, name), False
+    acc = dtype == torch.float16 and hasattr(torch._C, "_get_cublas_allow_fp16_accumulation")
+    old_acc = mm.allow_fp16_accumulation if acc else None
+    setattr(mm, name, off)
+    if acc:
+        mm.allow_fp16_accumulation = False
+    try:
+        yield
+    finally:
+        setattr(mm, name, old)
+        if acc:
+            mm.allow_fp16_accumulation = old_acc
 
 
 def choose_addmm_path(try_addmm: Callable[[], object]) -> str:
@@ -138,6 +189,16 @@ def mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     if a.is_cuda:
         return torch.mm(a, b, out_dtype=torch.float32)
     return torch.mm(a.float(), b.float())
+
+
+def mm_into_(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``out = a @ b``, accumulated in fp32 and rounded once to ``out``'s dtype (see the
+    module docstring); ``out`` is written in place (a contiguous block of rows)."""
+    if a.is_cuda and out.dtype == a.dtype:
+        ctx = exact_fp32() if a.dtype == torch.float32 else exact_reduction(a.dtype)
+        with ctx:
+            return torch.mm(a, b, out=out)
+    return out.copy_(mm_f32(a, b))  # CPU stand-in (and mixed dtypes): fp32 sum, one rounding
 
 
 def addmm_f32_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -214,6 +275,6 @@ class TritonDefaultRunner:
             )  # fmt: skip
             del z
             if gw is not None:
-                gw[v0 : v0 + w_s.shape[0]] = mm_f32(g.t(), h)  # (Vs, N) @ (N, H): complete
+                mm_into_(gw[v0 : v0 + w_s.shape[0]], g.t(), h)  # (Vs, N) @ (N, H): complete
             addmm_f32_(gh, g, w_s)  # (N, Vs) @ (Vs, H)
         return all_reduce_sum_(gh, self.tp_group), gw
