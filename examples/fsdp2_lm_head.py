@@ -120,6 +120,10 @@ def main() -> None:
         dist.all_reduce(logged)  # equal tokens per rank: the mean is the global mean
         if rank == 0:
             print(f"step {step}/{args.steps}  loss {logged.item() / world:.6f}", flush=True)
+    # every rank past its last collective before any tears its sockets down: without it a
+    # gloo rank still finishing the last all-reduce can abort ("terminate called without an
+    # active exception", seen once under load)
+    dist.barrier()
     dist.destroy_process_group()
 
 
