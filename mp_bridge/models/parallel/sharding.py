@@ -40,7 +40,8 @@ def build_from_full(cls, reference: nn.Module, cfg, *, device=None, names=None, 
         model = cls(cfg, device=device, **kwargs)
     state = reference.state_dict()
     if names is not None:
-        state = {k: v for k, v in state.items() if k in names(model)}
+        keep = names(model)
+        state = {k: v for k, v in state.items() if k in keep}
     load_full_state(model, state)
     return model if device is None else model.to(device)
 
