@@ -67,6 +67,10 @@ SAME = {
     "cp2-sp-routed": dict(
         E_TP2, llm_tp=2, llm_cp=2, llm_dp=2, sequence_parallel=True, flow="routed"
     ),  # fmt: skip
+    # One encoder TP group spans a first and a middle LLM stage: building them must not
+    # leave the global generator in a stage-dependent state (image noise drawn from it
+    # would differ over encoder TP, and the replicated encoder parameters with it).
+    "enc-tp4-pp4": dict(encoder_tp=4, encoder_dp=2, llm_tp=2, llm_pp=4),
 }
 
 

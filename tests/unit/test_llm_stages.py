@@ -55,6 +55,16 @@ def test_stages_hold_every_reference_parameter_once(n_stages):
     assert sorted(names) == sorted(n for n, _ in ref.named_parameters())
 
 
+def test_building_a_stage_draws_no_random_numbers():
+    # A stage's default inits (embedding, head) depend on the stage; were they drawn from
+    # the global generator, data drawn after the build would differ between stages.
+    ref = ReferenceLLM(CFG)
+    before = torch.get_rng_state()
+    for s in range(4):
+        TPLLMStage.from_full(ref, CFG, stage=s, n_stages=4)
+    assert torch.equal(torch.get_rng_state(), before)
+
+
 def test_one_stage_pipeline_matches_reference():
     torch.manual_seed(0)
     ref = ReferenceLLM(CFG)

@@ -35,7 +35,7 @@ from mp_bridge.layers import (
     vocab_parallel_cross_entropy,
 )
 from mp_bridge.models.data.config import MimoConfig
-from mp_bridge.models.parallel.sharding import FullStateMixin, load_full_state
+from mp_bridge.models.parallel.sharding import FullStateMixin, build_from_full
 from mp_bridge.models.parallel.tp_blocks import TPBlock, make_norm, parallel_config
 
 __all__ = ["TPLLMStage", "stage_layers"]
@@ -126,12 +126,12 @@ class TPLLMStage(FullStateMixin, nn.Module):
     @classmethod
     def from_full(cls, reference: nn.Module, cfg, *, device: torch.device | None = None, **kwargs):
         """This stage's TP shards of ``reference`` (a :class:`ReferenceLLM` or a state
-        with its names): only the names this stage holds are loaded (no collective)."""
-        model = cls(cfg, device=device, **kwargs)
-        names = {name for name, _ in model.named_parameters()}
-        state = {k: v for k, v in reference.state_dict().items() if k in names}
-        load_full_state(model, state)
-        return model if device is None else model.to(device)
+        with its names): only the names this stage holds are loaded (no collective); draws
+        no random numbers, whatever the stage holds (:func:`build_from_full`)."""
+        return build_from_full(
+            cls, reference, cfg, device=device,
+            names=lambda model: {name for name, _ in model.named_parameters()}, **kwargs,
+        )  # fmt: skip
 
     # ------------------------------------------------------------------ forward
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:

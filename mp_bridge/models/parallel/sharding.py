@@ -20,7 +20,30 @@ from mp_bridge.layers import gather_shard, load_shard_, shard_spec
 
 # The per-parameter names (ShardSpec, mark_sharded, shard_of) have one public home,
 # mp_bridge.layers; this module holds the whole-module steps only.
-__all__ = ["FullStateMixin", "gather_full_state", "load_full_state"]
+__all__ = ["FullStateMixin", "build_from_full", "gather_full_state", "load_full_state"]
+
+
+def build_from_full(cls, reference: nn.Module, cfg, *, device=None, names=None, **kwargs):
+    """``cls(cfg, device=device, **kwargs)`` loaded with this rank's slices of
+    ``reference.state_dict()`` (only ``names`` when given; no collective), then moved to
+    ``device``.
+
+    Draws no random numbers: the constructor's default inits (overwritten by the load) run
+    under ``torch.random.fork_rng`` on the CPU generator, where modules are built. What a
+    rank builds differs by rank (a pipeline stage holds the embedding, the head, or
+    neither), so without this the global generator would leave the build in a
+    rank-dependent state, and data drawn from it afterwards (e.g. image noise) would
+    differ between ranks that must see the same inputs (one encoder TP group spanning
+    several LLM stages: its replicated parameters then diverge).
+    """
+    with torch.random.fork_rng(devices=[]):
+        model = cls(cfg, device=device, **kwargs)
+    state = reference.state_dict()
+    if names is not None:
+        keep = names(model)
+        state = {k: v for k, v in state.items() if k in keep}
+    load_full_state(model, state)
+    return model if device is None else model.to(device)
 
 
 @torch.no_grad()
@@ -67,10 +90,9 @@ class FullStateMixin:
     @classmethod
     def from_full(cls, reference: nn.Module, cfg, *, device: torch.device | None = None, **kwargs):
         """This rank's shards of ``reference``: ``cls(cfg, device=device, **kwargs)`` loaded
-        with :func:`load_full_state` (no collective), then moved to ``device``."""
-        model = cls(cfg, device=device, **kwargs)
-        load_full_state(model, reference.state_dict())
-        return model if device is None else model.to(device)
+        with :func:`load_full_state` (no collective), then moved to ``device``; draws no
+        random numbers (:func:`build_from_full`)."""
+        return build_from_full(cls, reference, cfg, device=device, **kwargs)
 
     def to_full(self) -> dict[str, torch.Tensor]:
         """Full ``state_dict``-shaped tensors (:func:`gather_full_state`; collective over TP)."""
