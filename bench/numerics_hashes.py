@@ -49,6 +49,13 @@ def _digest(*tensors: torch.Tensor) -> str:
     return h.hexdigest()[:16]
 
 
+def _gathered(grad: torch.Tensor, tp: int) -> torch.Tensor:
+    """The TP ranks' ``grad`` shards all-gathered and concatenated along dim 0."""
+    parts = [torch.empty_like(grad) for _ in range(tp)]
+    dist.all_gather(parts, grad.contiguous())
+    return torch.cat(parts)
+
+
 def _inputs(dtype: torch.dtype):
     g = torch.Generator().manual_seed(1234)
     hidden = torch.randn(N, H, generator=g).to(dtype)
@@ -97,9 +104,7 @@ def _rank_hashes() -> list[str]:
                         h, w, valid, tp_group=group, chunk_size=16, invariant=invariant
                     )
                 val.sum().backward()
-                gw = [torch.empty_like(w.grad) for _ in range(tp)]
-                dist.all_gather(gw, w.grad.contiguous())
-                out.append(f"{tag} fused_{what:<9}{_digest(val, h.grad, torch.cat(gw))}")
+                out.append(f"{tag} fused_{what:<9}{_digest(val, h.grad, _gathered(w.grad, tp))}")
     out += _fused_multi_tile(tp, rank, group)
     return out
 
@@ -126,10 +131,8 @@ def _fused_multi_tile(tp: int, rank: int, group) -> list[str]:
                 h, w, target, tp_group=group, chunk_size=chunk, invariant=invariant
             )
             (loss + lp.sum()).backward()
-            gw = [torch.empty_like(w.grad) for _ in range(tp)]
-            dist.all_gather(gw, w.grad.contiguous())
             tag = f"float32 inv={int(invariant)} n={n} chunk={chunk}"
-            out.append(f"{tag} fused  {_digest(loss, lp, h.grad, torch.cat(gw))}")
+            out.append(f"{tag} fused  {_digest(loss, lp, h.grad, _gathered(w.grad, tp))}")
     return out
 
 
@@ -163,10 +166,8 @@ def _triton_hashes() -> list[str]:
                 return_sum_pi_squared=True, **kw,
             )  # fmt: skip
             (loss + (lp * 0.5).sum() + ent.sum()).backward()
-            gw = [torch.empty_like(w.grad) for _ in range(tp)]
-            dist.all_gather(gw, w.grad.contiguous())
             tag = f"{str(dtype)[6:]} inv={int(invariant)} triton"
-            out.append(f"{tag} {_digest(loss, z, lp, ent, sq, h.grad, torch.cat(gw))}")
+            out.append(f"{tag} {_digest(loss, z, lp, ent, sq, h.grad, _gathered(w.grad, tp))}")
     return out
 
 
