@@ -93,19 +93,29 @@ MM_THEN_ADD = "mm(out_dtype=float32) + add_"
 
 
 @contextlib.contextmanager
+def _matmul_flags(values: dict[str, object], old: dict[str, object] | None = None):
+    """``torch.backends.cuda.matmul``'s flags set to ``values`` inside, ``old`` (default:
+    what they read now) restored after: the one set-and-restore behind ``exact_fp32`` and
+    ``exact_reduction``."""
+    mm = torch.backends.cuda.matmul
+    old = {name: getattr(mm, name) for name in values} if old is None else old
+    for name, value in values.items():
+        setattr(mm, name, value)
+    try:
+        yield
+    finally:
+        for name, value in old.items():
+            setattr(mm, name, value)
+
+
 def exact_fp32():
     """cuBLAS fp32 matmuls in IEEE fp32 (no TF32) inside, the caller's setting restored
     after. Through ``fp32_precision`` where torch has it (the legacy ``allow_tf32`` and
     ``set_float32_matmul_precision`` map onto it; writing the legacy flag after a user set
     the new one is an error in torch >= 2.9), else through ``allow_tf32``."""
-    mm = torch.backends.cuda.matmul
-    name = "fp32_precision" if hasattr(mm, "fp32_precision") else "allow_tf32"
-    old = getattr(mm, name)
-    setattr(mm, name, "ieee" if name == "fp32_precision" else False)
-    try:
-        yield
-    finally:
-        setattr(mm, name, old)
+    if hasattr(torch.backends.cuda.matmul, "fp32_precision"):
+        return _matmul_flags({"fp32_precision": "ieee"})
+    return _matmul_flags({"allow_tf32": False})
 
 
 #: The operand dtypes whose cuBLAS GEMMs ``exact_reduction`` guards, and torch's flag name.
@@ -115,34 +125,25 @@ _REDUCTION_FLAG = {
 }
 
 
-@contextlib.contextmanager
 def exact_reduction(dtype: torch.dtype):
     """cuBLAS GEMMs of ``dtype`` (bf16 / fp16) operands accumulate *and* reduce split-K
     partials in fp32 inside, so a result in ``dtype`` is one rounding of an fp32 sum; the
-    caller's settings restored after (``exact_fp32``'s pattern). Turns off torch's
+    caller's settings restored after. Turns off torch's
     ``allow_{bf16,fp16}_reduced_precision_reduction`` (keeping its split-K switch) and,
     for fp16, ``allow_fp16_accumulation``. Other dtypes: nothing to guard."""
     mm = torch.backends.cuda.matmul
     name = _REDUCTION_FLAG.get(dtype)
     if name is None:
-        yield
-        return
-    try:  # a torch with the split-K switch: (reduced precision, split-K), split-K kept
-        old = (getattr(mm, name), getattr(mm, f"{name}_split_k"))
-        off = (False, old[1])
+        return contextlib.nullcontext()
+    try:  # a torch with the split-K switch: set and read as (reduced precision, split-K)
+        old: dict[str, object] = {name: (getattr(mm, name), getattr(mm, f"{name}_split_k"))}
+        values: dict[str, object] = {name: (False, old[name][1])}  # split-K kept
     except AttributeError:  # an older torch (one bool)
-        old, off = getattr(mm, name), False
-    acc = dtype == torch.float16 and hasattr(torch._C, "_get_cublas_allow_fp16_accumulation")
-    old_acc = mm.allow_fp16_accumulation if acc else None
-    setattr(mm, name, off)
-    if acc:
-        mm.allow_fp16_accumulation = False
-    try:
-        yield
-    finally:
-        setattr(mm, name, old)
-        if acc:
-            mm.allow_fp16_accumulation = old_acc
+        old, values = {name: getattr(mm, name)}, {name: False}
+    if dtype == torch.float16 and hasattr(torch._C, "_get_cublas_allow_fp16_accumulation"):
+        old["allow_fp16_accumulation"] = mm.allow_fp16_accumulation
+        values["allow_fp16_accumulation"] = False
+    return _matmul_flags(values, old)
 
 
 def choose_addmm_path(try_addmm: Callable[[], object]) -> str:
