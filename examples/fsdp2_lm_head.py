@@ -130,7 +130,7 @@ def main() -> None:
     # The FSDP2 modules, their mesh and the optimizer are gone (train returned; collect the
     # cycles FSDP2's hooks make) before the group is torn down. Left alive until interpreter
     # exit, one gloo rank in ten aborted there ("terminate called without an active
-    # exception": 3 of 22 runs of this file, 0 of 40 with this order; see the closing note).
+    # exception": 3 of 22 runs of this file, 0 of 50 with this order).
     gc.collect()
     dist.barrier()
     dist.destroy_process_group()
