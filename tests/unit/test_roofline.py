@@ -137,6 +137,21 @@ def test_the_default_modes_peak_memory_by_hand():
     assert mm.floor_bytes(8192, 4096, 131072, 2) == (1024 + 64) * 2**20
 
 
+def test_the_invariant_modes_peak_memory_by_hand():
+    mm = rl_memory()
+    # 8192 x 4096 x 131072 bf16, TP 1: the end holds d h fp32 128 MiB, the fp32 d W
+    # accumulator 2048, d W bf16 1024 and d h bf16 64
+    phases = mm.invariant_phases(8192, 4096, 131072, 1, 2)
+    assert max(phases.values()) == phases["end (d h, d W acc, d W, d h copy)"]
+    assert phases["end (d h, d W acc, d W, d h copy)"] == (128 + 2048 + 1024 + 64) * 2**20
+    # a chunk: d h 128 + acc 2048 + g [1024, 131072] bf16 256
+    assert phases["backward chunk (d h, d W acc, g)"] == (128 + 2048 + 256) * 2**20
+    # TP 8 per rank: acc 256 MiB, local g 32, gathered g 256, W columns [131072, 512] 128,
+    # two [1024, 4096] fp32 column buffers 32
+    tp8 = mm.invariant_phases(8192, 4096, 131072, 8, 2)
+    assert tp8["backward chunk (d h, d W acc, g)"] == (128 + 256 + 32 + 256 + 128 + 32) * 2**20
+
+
 def rl_memory():
     spec = importlib.util.spec_from_file_location("gpu_memory_model", GPU / "memory_model.py")
     module = importlib.util.module_from_spec(spec)
@@ -148,6 +163,7 @@ def test_the_table_states_the_memory_target(monkeypatch):
     monkeypatch.syspath_prepend(str(GPU))
     text = rl.table([rl.Shape(8192, 4096, 131072)], rl.load_facts())
     assert "- predicted default peak GiB / 1.25, 8192x4096x131072, TP 1: **met**" in text
+    assert "- predicted invariant peak GiB / 4.5, 8192x4096x131072, TP 1: **met**" in text
     assert "bf16: default mode 1.219 GiB at row_grad" in text
     fp32 = rl.table([rl.Shape(8192, 4096, 131072, dtype="fp32")], rl.load_facts())
     assert "none at this dtype" in fp32 and "FMA dot (no MMA)" in fp32
