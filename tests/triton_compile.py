@@ -61,9 +61,13 @@ def _kernels(dt: str):
     )
     yield (
         block_dweight._block_dweight_kernel,
-        {"acc_ptr": "fp32"},
+        {"out_ptr": "fp32"},
         dict(
-            TILE_M=block_stats.TILE_M, BVW=block_dweight.BVW, BH=block_dhidden.BH, INTERPRET=False
+            TILE_M=block_dweight.TILE_K,
+            BVW=block_dweight.BVW,
+            BH=block_dweight.BH,
+            ADD=True,
+            INTERPRET=False,
         ),
     )
 

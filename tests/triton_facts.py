@@ -90,7 +90,7 @@ def _calls(dt: torch.dtype, c: int, hd: int):
     )
     yield (
         block_dweight._block_dweight_kernel,
-        lambda: block_dweight.block_dweight_(m(V_LOCAL, hd, dtype=torch.float32), g, h),
+        lambda: block_dweight.block_dweight_(block_dweight.accumulator(V_LOCAL, hd, "meta"), g, h),
     )
 
 

@@ -75,7 +75,7 @@ TILE_M, TILE_DH, BH = 64, 128, 64  # block_stats.TILE_M, block_dhidden.TILE_M, .
 TILE_M_FP32 = 32  # block_stats.TILE_M_FP32: every fp32 row tile (row_tile)
 #: Token rows per program of each logits kernel in the running (16-divisible) build
 ROW_TILE = {"_block_stats_kernel": TILE_M, "_block_grad_kernel": 128}  # block_grad.WIDE_M
-BVW, BHW, TILE_K = 128, 128, 32  # block_dweight.BVW, .BH (bf16 / fp16), .TILE_K
+BVW, BHW, TILE_K = 128, 256, 64  # block_dweight.BVW, .BH (bf16 / fp16), .TILE_K
 BVW_FP32 = BHW_FP32 = 64  # block_dweight.BVW_FP32, .BH_FP32
 CHUNK = 1024  # triton_invariant.DEFAULT_CHUNK_TOKENS
 FOLD_TOKENS = 8192  # triton_invariant.FOLD_TOKENS: tokens folded at once (whole chunks)
@@ -258,8 +258,10 @@ def block_dhidden_pass(s: Shape, facts) -> Kernel:
 
 def block_dweight_pass(s: Shape, facts) -> Kernel:
     """Grid ``(H / BHW, R / BVW)``, hidden tiles fastest; each program loads its fp32
-    ``[BVW, BHW]`` accumulator, adds ``g^T h`` over the chunk's ``TILE_K``-token steps,
-    stores it."""
+    ``[BVW, BHW]`` accumulator, adds ``g^T h`` over the chunk's ``TILE_K``-token steps
+    (one ``[BVW, TILE_K]`` ``g^T`` tile and ``[TILE_K, BHW]`` of ``h`` per step), stores
+    it. A single chunk (``N <= CHUNK``) starts from zero and writes ``d W`` in the input
+    dtype: no accumulator traffic."""
     f = _fact(facts, "_block_dweight_kernel", s.dtype)
     bvw, bhw = (BVW_FP32, BHW_FP32) if s.dtype == "fp32" else (BVW, BHW)
     c = min(CHUNK, s.n)
@@ -272,7 +274,8 @@ def block_dweight_pass(s: Shape, facts) -> Kernel:
     # reused one grid row (H / BHW programs) later, touching the h chunk + one g slice
     h_reads = 1 if fits(h_chunk + c * bvw * s.elt) else rows
     acc = s.v_local * s.h * F32
-    hbm = chunks * (g_chunk + h_reads * h_chunk + 2 * acc)
+    out = s.v_local * s.h * s.elt if chunks == 1 else 2 * chunks * acc
+    hbm = chunks * (g_chunk + h_reads * h_chunk) + out
     l2 = programs * math.ceil(c / TILE_K) * (bvw + bhw) * TILE_K * s.elt
     return Kernel("invariant", "bwd: block_dweight (dW += g^T h, fp32 acc)", _triton_kind(f),
                   2.0 * s.n * s.v_local * s.h, hbm, l2, facts=_facts_text(f))  # fmt: skip

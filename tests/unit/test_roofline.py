@@ -48,12 +48,12 @@ def test_block_stats_at_a_small_shape():
 
 def test_block_dweight_at_a_small_shape_and_its_g_reads_at_the_production_one():
     k = rl.block_dweight_pass(rl.Shape(64, 64, 512), FACTS)
-    # g chunk 64 * 512 * 2 (once) + h 64 * 64 * 2 (fits: once) + the fp32 acc 512 * 64 * 4
-    # in and out
-    assert k.hbm == 65_536 + 8_192 + 2 * 131_072
-    # 4 programs (512 / 128 row tiles x one 128-wide hidden tile) * 2 token steps of 32
-    # * (128 + 128) * 32 * 2 B
-    assert k.l2 == 131_072
+    # g chunk 64 * 512 * 2 (once) + h 64 * 64 * 2 (fits: once) + d W 512 * 64 * 2 written
+    # in bf16 (one chunk: no fp32 accumulator)
+    assert k.hbm == 65_536 + 8_192 + 65_536
+    # 4 programs (512 / 128 row tiles x one 256-wide hidden tile) * 1 token step of 64
+    # * (128 + 256) * 64 * 2 B
+    assert k.l2 == 196_608
     assert k.times["compute"] == pytest.approx(4_194_304 / (0.8 * 786e12))
     big = rl.block_dweight_pass(rl.Shape(8192, 4096, 131072), FACTS)
     # hidden tiles fastest: each 256 MiB g chunk read once (its 32 hidden-tile users run

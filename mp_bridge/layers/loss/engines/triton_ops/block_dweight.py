@@ -4,11 +4,18 @@ order, each output element owned by one program (no split-K, no atomics).
 Grid ``(ceil(H / BH), ceil(R / BVW))`` over the ``R`` real weight rows, hidden tiles
 fastest (the grid order moves no bit): the programs in flight share one ``g[:, v-tile]``
 slice, read from HBM once per chunk, and stream the chunk's ``h`` from L2. Program ``(c,
-v)`` loads its ``[BVW, BH]`` fp32 accumulator from ``acc`` (the sum of the earlier
-chunks), adds ``g[tile]^T @ h[tile]`` for the chunk's ``TILE_K``-token tiles in order
-(``dot_acc``, ``K = TILE_K``), and stores it back. Chunks start on whole tiles, so every
-element gets the same adds in the same order whatever the chunking or the TP size; tokens
-appended with zero upstream gradient add exact zeros.
+v)`` loads its ``[BVW, BH]`` fp32 accumulator from ``out`` (the sum of the earlier
+chunks; an ``accumulator``) as two ``[BVW, BH / 2]`` halves, adds ``g[tile]^T @
+h[tile]`` for the chunk's ``TILE_K``-token tiles in order (``dot_acc``, ``K = TILE_K``;
+both halves share the loaded ``g^T`` tile), and stores it back. Chunks start on whole
+tiles, so every element gets the same adds in the same order whatever the chunking or the
+TP size; tokens appended with zero upstream gradient add exact zeros.
+
+``fresh`` (the whole token range is one chunk): the sum starts at zero instead of a
+loaded accumulator (the same ``+0.0`` the zeroed accumulator holds) and is stored rounded
+to nearest even straight into ``d W`` in the weight's dtype (``tiles.rounded``, the
+conversion ``acc.to(dtype)`` makes): no fp32 ``[R, H]`` and no copy, the same bits as
+the multi-chunk path.
 """
 
 from __future__ import annotations
@@ -18,24 +25,53 @@ import triton
 import triton.language as tl
 
 from mp_bridge.layers.loss.engines.triton_ops.block_stats import NUM_STAGES, NUM_WARPS
-from mp_bridge.layers.loss.engines.triton_ops.tiles import FP_FUSION, INTERPRET, dot_acc
+from mp_bridge.layers.loss.engines.triton_ops.tiles import (
+    FP_FUSION,
+    INTERPRET,
+    dot_acc,
+    rounded,
+)
 
-__all__ = ["BH", "BH_FP32", "BVW", "BVW_FP32", "TILE_K", "block_dweight_", "out_tile"]
+__all__ = [
+    "ACC_ALIGN",
+    "BH",
+    "BH_FP32",
+    "BVW",
+    "BVW_FP32",
+    "TILE_K",
+    "accumulator",
+    "block_dweight_",
+    "out_tile",
+]
 
 #: Tokens per product step (``K`` of each ``dot_acc``; fixed: part of the bits, and a
-#: divisor of the chunk, a whole number of ``block_stats.TILE_M``).
-TILE_K = 32
+#: divisor of the chunk: ``triton_invariant`` rounds chunks to whole multiples of it and
+#: of ``block_stats.TILE_M``).
+TILE_K = 64
 #: Output tile ``[BVW, BH]`` per program, fixed per dtype (each element is one program's
 #: own sum, so the tile moves no bit of it; it sets the traffic: ``BVW BH / (BVW + BH)``
-#: FLOP per streamed byte). bf16 / fp16: 128 x 128 (``wgmma m64n128k16``, no spill in
-#: either build); fp32 (FMA dot): 64 x 64.
-BVW, BH = 128, 128
+#: FLOP per streamed byte). bf16 / fp16: 128 x 256 as two 128 x 128 accumulators (``wgmma
+#: m64n128k16``; one 128 x 256 accumulator, ``m64n256k16``, spills in the odd-``H``
+#: build), 3 stages of 48 KiB; fp32 (FMA dot): 64 x 64 (two 64 x 32 halves).
+BVW, BH = 128, 256
 BVW_FP32, BH_FP32 = 64, 64
+#: Row stride of the fp32 accumulator, in elements, rounded up to a multiple of this
+#: (``accumulator``): the kernel's accumulator loads and stores vectorize whatever ``H``
+#: (an odd row stride spills the 128 x 256 tile's address registers).
+ACC_ALIGN = 16
 
 
 def out_tile(dtype: torch.dtype) -> tuple[int, int]:
     """``(BVW, BH)`` of ``d W`` for inputs of ``dtype``."""
     return (BVW_FP32, BH_FP32) if dtype == torch.float32 else (BVW, BH)
+
+
+def accumulator(rows: int, hidden: int, device) -> torch.Tensor:
+    """A zeroed fp32 ``[rows, hidden]`` accumulator for ``block_dweight_``, its row stride
+    rounded up to ``ACC_ALIGN`` elements (a view of ``[rows, stride]``; contiguous when
+    ``hidden`` is a multiple of ``ACC_ALIGN``)."""
+    stride = -(-hidden // ACC_ALIGN) * ACC_ALIGN
+    return torch.zeros((rows, stride), dtype=torch.float32, device=device)[:, :hidden]
 
 
 @triton.jit
@@ -44,22 +80,32 @@ def _block_dweight_kernel(
     g_stride,
     h_ptr,
     h_stride,
-    acc_ptr,
+    out_ptr,
+    out_stride,
     n_rows,
     hidden,
     v_rows,
     TILE_M: tl.constexpr,
     BVW: tl.constexpr,
     BH: tl.constexpr,
+    ADD: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
-    hcols = tl.program_id(0) * BH + tl.arange(0, BH)
+    HALF: tl.constexpr = BH // 2
+    ha = tl.program_id(0) * BH + tl.arange(0, HALF)
+    hb = ha + HALF
     vs = tl.program_id(1) * BVW + tl.arange(0, BVW)
     vmask = vs < v_rows
-    hmask = hcols < hidden
-    out = acc_ptr + vs[:, None] * hidden + hcols[None, :]
-    omask = vmask[:, None] & hmask[None, :]
-    acc = tl.load(out, mask=omask, other=0.0)
+    amask = vmask[:, None] & (ha < hidden)[None, :]
+    bmask = vmask[:, None] & (hb < hidden)[None, :]
+    out_a = out_ptr + vs[:, None] * out_stride + ha[None, :]
+    out_b = out_ptr + vs[:, None] * out_stride + hb[None, :]
+    if ADD:  # the fp32 sum of the earlier chunks
+        acc_a = tl.load(out_a, mask=amask, other=0.0)
+        acc_b = tl.load(out_b, mask=bmask, other=0.0)
+    else:
+        acc_a = tl.zeros((BVW, HALF), tl.float32)
+        acc_b = tl.zeros((BVW, HALF), tl.float32)
     for m0 in range(0, n_rows, TILE_M):
         ms = m0 + tl.arange(0, TILE_M)
         mmask = ms < n_rows
@@ -68,35 +114,45 @@ def _block_dweight_kernel(
             mask=mmask[None, :] & vmask[:, None],
             other=0.0,
         )  # [BVW, TILE_M]: g^T
-        ht = tl.load(
-            h_ptr + ms[:, None] * h_stride + hcols[None, :],
-            mask=mmask[:, None] & hmask[None, :],
-            other=0.0,
-        )
-        acc = dot_acc(gt, ht, acc, INTERPRET)
-    tl.store(out, acc, mask=omask)
+        hp = h_ptr + ms[:, None] * h_stride
+        ht_a = tl.load(hp + ha[None, :], mask=mmask[:, None] & (ha < hidden)[None, :], other=0.0)
+        ht_b = tl.load(hp + hb[None, :], mask=mmask[:, None] & (hb < hidden)[None, :], other=0.0)
+        acc_a = dot_acc(gt, ht_a, acc_a, INTERPRET)
+        acc_b = dot_acc(gt, ht_b, acc_b, INTERPRET)
+    tl.store(out_a, rounded(acc_a, out_ptr, INTERPRET), mask=amask)
+    tl.store(out_b, rounded(acc_b, out_ptr, INTERPRET), mask=bmask)
 
 
-def block_dweight_(acc: torch.Tensor, g: torch.Tensor, h: torch.Tensor) -> None:
-    """``acc [R, H] += g[:, :R]^T @ h`` (fp32 ``acc``, contiguous; ``g [C, >= R]``,
-    ``h [C, H]``)."""
+def block_dweight_(
+    out: torch.Tensor, g: torch.Tensor, h: torch.Tensor, fresh: bool = False
+) -> None:
+    """``out [R, H] += g[:, :R]^T @ h`` (``g [C, >= R]``, ``h [C, H]``; ``out``: an fp32
+    ``accumulator``, unit column stride). ``fresh``: ``out = g[:, :R]^T @ h`` rounded to
+    ``out``'s dtype (any float dtype), the whole token range in this one call."""
     n, hd = h.shape
-    rows = acc.shape[0]
-    if n == 0 or rows == 0:
+    rows = out.shape[0]
+    if rows == 0:
         return
+    if n == 0:
+        if fresh:
+            out.zero_()
+        return
+    assert out.stride(1) == 1 and (fresh or out.dtype == torch.float32), (out.dtype, fresh)
     bvw, bh = out_tile(h.dtype)
     _block_dweight_kernel[(triton.cdiv(hd, bh), triton.cdiv(rows, bvw))](
         g,
         g.stride(0),
         h,
         h.stride(0),
-        acc,
+        out,
+        out.stride(0),
         n,
         hd,
         rows,
         TILE_M=TILE_K,
         BVW=bvw,
         BH=bh,
+        ADD=not fresh,
         INTERPRET=INTERPRET,
         num_warps=NUM_WARPS,
         num_stages=NUM_STAGES,

@@ -1,8 +1,9 @@
 """Invariant mode (``invariant=True``): fixed Triton tiles over 256-row vocab blocks and
 token tiles, folded in the canonical block tree; no cuBLAS GEMM feeds a bit.
 
-Tokens go in chunks of whole ``TILE_M`` tiles (``call.chunk_size`` rounded up; the chunk
-only bounds memory). Per chunk of ``C`` tokens, ``K`` real local blocks:
+Tokens go in chunks of whole ``TILE_M`` and ``block_dweight.TILE_K`` tiles
+(``call.chunk_size`` rounded up to a multiple of both; the chunk only bounds memory). Per
+chunk of ``C`` tokens, ``K`` real local blocks:
 
 - forward: ``block_stats`` (logits in registers) -> ``[S, K, C]``; ``fold_blocks`` folds
   this rank's subtrees and ``gather_fold`` (one all-gather) the ranks' in tree order,
@@ -11,7 +12,8 @@ only bounds memory). Per chunk of ``C`` tokens, ``K`` real local blocks:
   [C, K * 256]`` (input dtype); ``block_dhidden`` folds ``g @ W`` per block in the tree
   inside the kernel, ``gather_fold`` (one all-gather) finishes it; ``block_dweight_``
   adds ``g^T h`` tile by tile into an fp32 ``[R, H]`` accumulator (one ``d W`` rounding
-  to the weight's dtype at the end).
+  to the weight's dtype at the end; a single chunk writes ``d W`` in the weight's dtype
+  directly, the same bits).
 
 Why the bits depend on neither ``N`` nor TP: every kernel has fixed tile sizes (never
 autotuned), a fixed ``k`` order and no split-K or atomics, so each element is computed by
@@ -20,11 +22,13 @@ canonical tree whatever the shard (``tree``); ``d W`` sums token tiles in token 
 Shards must be whole blocks (``BlockLayout.of_shard``; at TP = 1 any width: rows past
 the weight load as zeros, no padded copy). 3 Triton GEMM-like passes per chunk (1 forward,
 2 + the ``d W`` pass backward: 4 in all). Memory beyond the outputs: ``[C, V_local]`` ``g``
-of the chunk, ``[D, C, H]`` fp32 stack (``D = log2 K + 2``) and the fp32 ``d W``.
+of the chunk, ``[D, C, H]`` fp32 stack (``D = log2 K + 2``) and the fp32 ``d W`` (none
+with a single chunk).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -32,7 +36,11 @@ import torch.distributed as dist
 
 from mp_bridge.layers.loss.blocks import VOCAB_BLOCK, BlockLayout, fold_blocks
 from mp_bridge.layers.loss.engines.triton_ops.block_dhidden import block_dhidden
-from mp_bridge.layers.loss.engines.triton_ops.block_dweight import block_dweight_
+from mp_bridge.layers.loss.engines.triton_ops.block_dweight import (
+    TILE_K,
+    accumulator,
+    block_dweight_,
+)
 from mp_bridge.layers.loss.engines.triton_ops.block_grad import block_grad
 from mp_bridge.layers.loss.engines.triton_ops.block_stats import TILE_M, block_stats
 from mp_bridge.layers.loss.engines.triton_ops.tiles import kernel_column_weights
@@ -59,13 +67,14 @@ class TritonInvariantRunner:
     tp_group: dist.ProcessGroup | None
     layout: BlockLayout
     spec: LossSpec
-    chunk: int  # tokens per chunk, a multiple of TILE_M
+    chunk: int  # tokens per chunk, a multiple of TILE_M and TILE_K
 
     @classmethod
     def build(cls, weight, tp_group, shard, spec, chunk_size: int | None) -> TritonInvariantRunner:
         layout = BlockLayout.of_shard(shard)  # raises before any collective
         chunk = chunk_size or DEFAULT_CHUNK_TOKENS
-        return cls(weight, tp_group, layout, spec, -(-chunk // TILE_M) * TILE_M)
+        tile = math.lcm(TILE_M, TILE_K)
+        return cls(weight, tp_group, layout, spec, -(-chunk // tile) * tile)
 
     @property
     def _num_valid(self) -> int:
@@ -117,7 +126,13 @@ class TritonInvariantRunner:
         k, hd = lay.num_local, h.shape[1]
         gh = torch.empty(h.shape, dtype=torch.float32, device=h.device)
         rows_w = min(k * VOCAB_BLOCK, wt.shape[0])
-        acc = torch.zeros((rows_w, hd), dtype=torch.float32, device=h.device) if want_gw else None
+        fresh = want_gw and 0 < h.shape[0] <= self.chunk  # one chunk: d W written directly
+        gw = acc = None
+        if fresh:
+            gw = torch.empty(wt.shape, dtype=wt.dtype, device=h.device)
+            gw[rows_w:].zero_()  # weight rows past the real blocks: padding
+        elif want_gw:
+            acc = accumulator(rows_w, hd, h.device)
         for rows in self._chunks(h.shape[0]):
             g = block_grad(
                 h[rows], wt, temp[rows], tcol[rows], lse[rows], w[rows],
@@ -129,12 +144,13 @@ class TritonInvariantRunner:
             pieces = list(zip(lay.pieces(lay.rank), scratch))
             shape = (rows.stop - rows.start, hd)
             gh[rows] = gather_fold(pieces, lay, self.tp_group, torch.Tensor.add_, shape, h.device)
-            if acc is not None:
+            if fresh:
+                block_dweight_(gw[:rows_w], g, h[rows], fresh=True)
+            elif acc is not None:
                 block_dweight_(acc, g, h[rows])
             del g, scratch
-        gw = None
-        if want_gw:
-            gw = acc.to(self.weight.dtype)  # one rounding of the fp32 sum
+        if acc is not None:
+            gw = acc.to(self.weight.dtype).contiguous()  # one rounding of the fp32 sum
             if rows_w < self.weight.shape[0]:  # weight rows past the real blocks: padding
                 gw = torch.cat([gw, gw.new_zeros((self.weight.shape[0] - rows_w, hd))])
         return gh, gw
