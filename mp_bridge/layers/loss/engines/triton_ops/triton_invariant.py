@@ -32,7 +32,6 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from mp_bridge.comm import all_gather_tensor
 from mp_bridge.layers.loss.blocks import VOCAB_BLOCK, BlockLayout
 from mp_bridge.layers.loss.engines.triton_ops.block_dhidden import block_dhidden
 from mp_bridge.layers.loss.engines.triton_ops.block_dweight import block_dweight_
@@ -41,7 +40,7 @@ from mp_bridge.layers.loss.engines.triton_ops.block_stats import TILE_M, block_s
 from mp_bridge.layers.loss.engines.triton_ops.fold_stats import fold_stats
 from mp_bridge.layers.loss.engines.triton_ops.tiles import kernel_column_weights
 from mp_bridge.layers.loss.formulas import LossSpec
-from mp_bridge.layers.loss.reduce import gather_fold
+from mp_bridge.layers.loss.reduce import gather_blocks, gather_fold
 
 __all__ = ["DEFAULT_CHUNK_TOKENS", "FOLD_TOKENS", "TritonInvariantRunner"]
 
@@ -118,7 +117,7 @@ class TritonInvariantRunner:
                     st = part.new_empty((spec.num_stats, slots, g1 - g0))
                 st[:, :k, rows] = part
             if lay.tp_size > 1:  # every rank's blocks, rank-major: [tp, S, slots, G]
-                st = all_gather_tensor(st.unsqueeze(0), self.tp_group, 0)
+                st = gather_blocks(st, self.tp_group)
             out[:, g0:g1] = fold_stats(st, spec, lay.num_real)  # TP = 1's expression
         return out
 
