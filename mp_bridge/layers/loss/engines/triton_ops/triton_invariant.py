@@ -21,8 +21,10 @@ one program from its own row / column data; statistics and ``d h`` are folded in
 canonical tree whatever the shard (``tree``); ``d W`` sums token tiles in token order.
 Shards must be whole blocks (``BlockLayout.of_shard``; at TP = 1 any width: rows past
 the weight load as zeros, no padded copy). 3 Triton GEMM-like passes per chunk (1 forward,
-2 + the ``d W`` pass backward: 4 in all). Memory beyond the outputs: ``[C, V_local]`` ``g``
-of the chunk, ``[D, C, H]`` fp32 stack (``D = log2 K + 2``) and the fp32 ``d W``.
+2 + the ``d W`` pass backward: 4 in all). Memory beyond the outputs: forward, the ``[S, K,
+G]`` fp32 block statistics of a fold group (every rank's blocks at TP > 1, ``K`` all real
+blocks) and ``1 / 16`` of it of fold scratch; backward, ``[C, V_local]`` ``g`` of the
+chunk, ``[D, C, H]`` fp32 stack (``D = log2 K + 2``) and the fp32 ``d W``.
 """
 
 from __future__ import annotations
