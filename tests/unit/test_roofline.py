@@ -73,8 +73,19 @@ def test_tp8_collectives_per_rank():
     got = rl.collective_bytes(rl.Shape(8192, 4096, 131072, tp=8))
     stats = 7 * 4 * 8192 * 4
     assert got["default"] == stats + 234_881_024  # ring all-reduce: 2 * 7 / 8 * 128 MiB
-    assert got["invariant"] == stats + 7 * 134_217_728  # all-gather of 7 ranks' d h
+    # invariant: 7 ranks' raw block statistics (64 blocks each, S = 4, fp32) + their d h
+    assert got["invariant"] == 7 * 4 * 64 * 8192 * 4 + 7 * 134_217_728
     assert rl.collective_bytes(rl.Shape(8192, 4096, 131072))["default"] == 0
+
+
+def test_the_statistics_fold_is_one_launch_plus_its_bytes_per_8192_tokens():
+    for tp in (1, 8):  # TP 8 folds every rank's blocks too: all K = 512
+        k = rl.fold_stats_pass(rl.Shape(8192, 4096, 131072, tp=tp))
+        # one group of 8192 tokens: S K N fp32 read (64 MiB), S N written (128 KiB)
+        assert k.launches == 1 and k.hbm == 67_108_864 + 131_072
+        assert k.seconds == pytest.approx(4e-6 + 67_239_936 / 4.08e12)  # 20.5 us, was 0.43 ms
+    two = rl.fold_stats_pass(rl.Shape(16384, 4096, 1024))  # 2 groups, K = 4
+    assert two.launches == 2 and two.hbm == 4 * 4 * 16384 * 4 + 4 * 16384 * 4
 
 
 def test_a_kernel_takes_the_longest_of_its_times():

@@ -14,6 +14,9 @@ invariant (both)          ``gather_fold``                 ``gather_fold``
                           ``[P, S, tiles, TOKEN_TILE]``   ``[P, tiles, TOKEN_TILE, H]``
                           per call (materialized) or      per chunk
                           per chunk (fused)
+triton invariant          ``gather_blocks``               ``gather_fold``
+                          ``[tp, S, K_max, G]`` per       ``[P, C, H]`` per chunk
+                          ``FOLD_TOKENS`` group
 ========================  ==============================  ==================================
 
 All fp32 (the materialized default path: fp64 for fp64 logits). ``S`` = 4 statistics per
@@ -22,7 +25,9 @@ row, one more for each per-token output beyond the value that has its own statis
 collective; z-loss, soft-cap and temperature (a float or per token) add nothing. No loss
 issues a collective in backward except the fused ``reduction="none"`` / log-prob paths,
 which recompute chunks and reduce ``d hidden`` there. ``P`` is the most canonical subtrees a
-rank holds (1 for power-of-two aligned shards). The invariant paths never all-reduce: an
+rank holds (1 for power-of-two aligned shards); ``K_max`` the most real blocks a rank holds
+(the triton engine gathers every block's raw statistics and folds all of them in one
+kernel, ``fold_stats``: TP = 1's expression). The invariant paths never all-reduce: an
 all-reduce's summation order depends on TP, so every rank folds the gathered subtree
 partials in the canonical tree order (``tree``).
 
@@ -45,7 +50,13 @@ from mp_bridge.layers.loss.blocks import BlockLayout
 from mp_bridge.layers.loss.formulas import merge_stats
 from mp_bridge.layers.loss.tree import Piece, fold_tree
 
-__all__ = ["all_reduce_max_", "all_reduce_sum_", "gather_fold", "gather_merge_stats"]
+__all__ = [
+    "all_reduce_max_",
+    "all_reduce_sum_",
+    "gather_blocks",
+    "gather_fold",
+    "gather_merge_stats",
+]
 
 
 def all_reduce_max_(x: torch.Tensor, tp_group: dist.ProcessGroup | None) -> torch.Tensor:
@@ -73,6 +84,13 @@ def gather_merge_stats(
         return stats
     gathered = all_gather_tensor(stats.unsqueeze(0), tp_group, 0)  # (tp, S, C)
     return merge(gathered.transpose(0, 1), 1)
+
+
+def gather_blocks(stats: torch.Tensor, tp_group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Every rank's raw per-block statistics ``[S, K_max, G]`` (each rank's real blocks
+    first, then padding), ``[tp, S, K_max, G]`` in rank order: one all-gather (``[1, S,
+    K_max, G]`` without a group)."""
+    return all_gather_tensor(stats.unsqueeze(0), tp_group, 0)
 
 
 def gather_fold(

@@ -9,11 +9,11 @@ Two modes over a vocab shard at any TP, every option of the torch engine in the 
   batch composition.
 
 One kernel per file with its launch wrapper and tile sizes at the top (``row_stats``,
-``row_grad``, ``block_stats``, ``block_grad``, ``block_dhidden``, ``block_dweight``), the
-shared math in ``tiles``; ``ENGINE`` (``triton_engine``) is the ``FusedLossEngine`` the
-registry loads. Importing this package imports ``triton``: the registry imports it only
-when ``engine="triton"`` is asked for (or picked by ``"auto"``). Under
-``TRITON_INTERPRET=1`` (set before this import) the kernels run on CPU tensors.
+``row_grad``, ``block_stats``, ``fold_stats``, ``block_grad``, ``block_dhidden``,
+``block_dweight``), the shared math in ``tiles``; ``ENGINE`` (``triton_engine``) is the
+``FusedLossEngine`` the registry loads. Importing this package imports ``triton``: the
+registry imports it only when ``engine="triton"`` is asked for (or picked by ``"auto"``).
+Under ``TRITON_INTERPRET=1`` (set before this import) the kernels run on CPU tensors.
 """
 
 from mp_bridge.layers.loss.engines.triton_ops.triton_engine import ENGINE, TritonEngine

@@ -5,9 +5,11 @@ Tokens go in chunks of whole ``TILE_M`` and ``block_dweight.TILE_K`` tiles
 (``call.chunk_size`` rounded up to a multiple of both; the chunk only bounds memory). Per
 chunk of ``C`` tokens, ``K`` real local blocks:
 
-- forward: ``block_stats`` (logits in registers) -> ``[S, K, C]``; ``fold_blocks`` folds
-  this rank's subtrees and ``gather_fold`` (one all-gather) the ranks' in tree order,
-  once per group of chunks (``FOLD_TOKENS``).
+- forward: ``block_stats`` (logits in registers) -> ``[S, K, C]``; once per group of
+  chunks (``FOLD_TOKENS``), TP > 1 all-gathers every rank's raw block statistics (one
+  all-gather, ``[tp, S, K_max, G]``: ranks padded to the most real blocks a rank holds)
+  and ``fold_stats`` (one launch) folds all ``K`` real blocks in the canonical tree:
+  the same kernel on the same leaves as TP = 1.
 - backward: ``block_grad`` recomputes the logits (same kernel code, same bits) into ``g
   [C, K * 256]`` (input dtype); ``block_dhidden`` folds ``g @ W`` per block in the tree
   inside the kernel, ``gather_fold`` (one all-gather) finishes it; ``block_dweight_``
@@ -21,9 +23,11 @@ one program from its own row / column data; statistics and ``d h`` are folded in
 canonical tree whatever the shard (``tree``); ``d W`` sums token tiles in token order.
 Shards must be whole blocks (``BlockLayout.of_shard``; at TP = 1 any width: rows past
 the weight load as zeros, no padded copy). 3 Triton GEMM-like passes per chunk (1 forward,
-2 + the ``d W`` pass backward: 4 in all). Memory beyond the outputs: ``[C, V_local]`` ``g``
-of the chunk, ``[D, C, H]`` fp32 stack (``D = log2 K + 2``) and the fp32 ``d W`` (none
-with a single chunk).
+2 + the ``d W`` pass backward: 4 in all). Memory beyond the outputs: forward, the ``[S, K,
+G]`` fp32 block statistics of a fold group (every rank's blocks at TP > 1, ``K`` all real
+blocks) and ``1 / 16`` of it of fold scratch; backward, ``[C, V_local]`` ``g`` of the
+chunk, ``[D, C, H]`` fp32 stack (``D = log2 K + 2``) and the fp32 ``d W`` (none with a
+single chunk).
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from mp_bridge.layers.loss.blocks import VOCAB_BLOCK, BlockLayout, fold_blocks
+from mp_bridge.layers.loss.blocks import VOCAB_BLOCK, BlockLayout
 from mp_bridge.layers.loss.engines.triton_ops.block_dhidden import block_dhidden
 from mp_bridge.layers.loss.engines.triton_ops.block_dweight import (
     TILE_K,
@@ -43,19 +47,20 @@ from mp_bridge.layers.loss.engines.triton_ops.block_dweight import (
 )
 from mp_bridge.layers.loss.engines.triton_ops.block_grad import block_grad
 from mp_bridge.layers.loss.engines.triton_ops.block_stats import TILE_M, block_stats
+from mp_bridge.layers.loss.engines.triton_ops.fold_stats import fold_stats
 from mp_bridge.layers.loss.engines.triton_ops.tiles import kernel_column_weights
 from mp_bridge.layers.loss.formulas import LossSpec
-from mp_bridge.layers.loss.reduce import gather_fold
+from mp_bridge.layers.loss.reduce import gather_blocks, gather_fold
 
 __all__ = ["DEFAULT_CHUNK_TOKENS", "FOLD_TOKENS", "TritonInvariantRunner"]
 
 #: Tokens per chunk without ``chunk_size``: ``g`` is ``[1024, V_local]`` in the input
 #: dtype (256 MiB at V_local = 131072 in bf16) plus the ``[D, 1024, H]`` fp32 stack.
 DEFAULT_CHUNK_TOKENS = 1024
-#: Tokens whose per-block statistics are folded at once (whole chunks): the fold's ~12
-#: torch launches per tree level run once per group, not per chunk; ``[S, K, 8192]`` fp32
-#: is 64 MiB at ``K = 512`` blocks, ``S = 4``. The fold is element-wise in the tokens: no
-#: bit depends on the grouping.
+#: Tokens whose per-block statistics are folded at once (whole chunks): one ``fold_stats``
+#: launch and (TP > 1) one all-gather per group, not per chunk; ``[S, K, 8192]`` fp32 is
+#: 64 MiB at ``K = 512`` blocks (all ranks' at TP > 1), ``S = 4``. The fold is element-wise
+#: in the tokens: no bit depends on the grouping.
 FOLD_TOKENS = 8192
 
 
@@ -95,29 +100,36 @@ class TritonInvariantRunner:
         for s in range(0, n, self.chunk):
             yield slice(s, min(s + self.chunk, n))
 
+    @property
+    def _slots(self) -> int:
+        """Blocks per rank in the raw statistics all-gather: the most real blocks a rank
+        holds (rank 0's; later ranks hold as many or, past the vocab, fewer)."""
+        return min(self.layout.v_local // VOCAB_BLOCK, self.layout.num_real)
+
     def stats(self, h: torch.Tensor, tcol: torch.Tensor, temp: torch.Tensor) -> torch.Tensor:
         lay, spec, w, n = self.layout, self.spec, self.weight.detach(), h.shape[0]
         out = torch.empty((spec.num_stats, n), dtype=torch.float32, device=h.device)
         colw = self._colw
+        k, slots = lay.num_local, (self._slots if lay.tp_size > 1 else lay.num_local)
         group = max(self.chunk, FOLD_TOKENS // self.chunk * self.chunk)
-        for g0 in range(0, n, group):  # fold whole groups of chunks: fewer torch launches
+        for g0 in range(0, n, group):  # fold whole groups of chunks: one launch, one gather
             g1 = min(g0 + group, n)
             st = None
             for rows in self._chunks(g1 - g0):
                 at = slice(g0 + rows.start, g0 + rows.stop)
                 part = block_stats(
-                    h[at], w, temp[at], tcol[at], n_blocks=lay.num_local,
-                    num_valid=self._num_valid, spec=spec, colw=colw,
+                    h[at], w, temp[at], tcol[at], n_blocks=k, num_valid=self._num_valid,
+                    spec=spec, colw=colw,
                 )  # fmt: skip
-                if rows.stop - rows.start == g1 - g0:  # the group is one chunk
+                if rows.stop - rows.start == g1 - g0 and k == slots:  # one chunk, no padding
                     st = part
                     break
-                if st is None:
-                    st = part.new_empty((spec.num_stats, lay.num_local, g1 - g0))
-                st[:, :, rows] = part
-            pieces = fold_blocks(st, 1, lay, spec.merge)  # element-wise in the tokens
-            shape = (spec.num_stats, g1 - g0)
-            out[:, g0:g1] = gather_fold(pieces, lay, self.tp_group, spec.combine, shape, h.device)
+                if st is None:  # slots past this rank's real blocks: never read
+                    st = part.new_empty((spec.num_stats, slots, g1 - g0))
+                st[:, :k, rows] = part
+            if lay.tp_size > 1:  # every rank's blocks, rank-major: [tp, S, slots, G]
+                st = gather_blocks(st, self.tp_group)
+            out[:, g0:g1] = fold_stats(st, spec, lay.num_real)  # TP = 1's expression
         return out
 
     def grads(self, h, tcol, temp, lse, w, w_ent, ent, want_gw: bool, wab=None):
