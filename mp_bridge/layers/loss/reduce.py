@@ -12,8 +12,14 @@ fused default             ``gather_merge_stats``          ``all_reduce_sum_`` ``
                           ``[tp, S, C]`` per chunk        per chunk
 invariant (both)          ``gather_fold``                 ``gather_fold``
                           ``[P, S, tiles, TOKEN_TILE]``   ``[P, tiles, TOKEN_TILE, H]``
-                          per call (materialized) or      per chunk
+                          per call (materialized) or      per chunk (torch engine)
                           per chunk (fused)
+invariant, triton engine  ``gather_fold`` ``[P, S, C]``   ``exchange_columns`` (all-to-all,
+                          per group of chunks             ``W[:, cols_r]``) once per call;
+                                                          per chunk ``gather_blocks``
+                                                          ``[TP, C, Kmax 256]`` (input
+                                                          dtype) and ``gather_columns``
+                                                          ``[TP, C, ceil(H / TP)]``
 ========================  ==============================  ==================================
 
 All fp32 (the materialized default path: fp64 for fp64 logits). ``S`` = 4 statistics per
@@ -24,7 +30,10 @@ issues a collective in backward except the fused ``reduction="none"`` / log-prob
 which recompute chunks and reduce ``d hidden`` there. ``P`` is the most canonical subtrees a
 rank holds (1 for power-of-two aligned shards). The invariant paths never all-reduce: an
 all-reduce's summation order depends on TP, so every rank folds the gathered subtree
-partials in the canonical tree order (``tree``).
+partials in the canonical tree order (``tree``). The triton engine's invariant ``d h`` sums
+no partials across ranks at all: each rank owns a slice of the hidden columns and computes
+it over the whole vocab (``column ownership``, ``triton_ops.dhidden``), so only gathers
+and one all-to-all move data.
 
 The two default statistics reductions stay distinct on purpose: the materialized path
 shifts by the global max first (MAX then SUM, Megatron's scheme, two small collectives);
@@ -40,12 +49,21 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from mp_bridge.comm import all_gather_tensor, group_size
+from mp_bridge.comm import all_gather_tensor, group_rank, group_size
 from mp_bridge.layers.loss.blocks import BlockLayout
 from mp_bridge.layers.loss.formulas import merge_stats
 from mp_bridge.layers.loss.tree import Piece, fold_tree
 
-__all__ = ["all_reduce_max_", "all_reduce_sum_", "gather_fold", "gather_merge_stats"]
+__all__ = [
+    "all_reduce_max_",
+    "all_reduce_sum_",
+    "column_slices",
+    "exchange_columns",
+    "gather_blocks",
+    "gather_columns",
+    "gather_fold",
+    "gather_merge_stats",
+]
 
 
 def all_reduce_max_(x: torch.Tensor, tp_group: dist.ProcessGroup | None) -> torch.Tensor:
@@ -97,3 +115,52 @@ def gather_fold(
     gathered = all_gather_tensor(packed, tp_group, 0).view(tp, p_max, *shape)
     owned = {piece: gathered[r, p] for r in range(tp) for p, piece in enumerate(layout.pieces(r))}
     return fold_tree(owned, layout.num_real, combine)
+
+
+# --- the triton engine's invariant d h by column ownership (``triton_ops.dhidden``) --------
+
+
+def column_slices(hidden: int, tp: int) -> list[slice]:
+    """Hidden columns each rank owns, ``torch.tensor_split`` of ``range(hidden)`` into
+    ``tp`` (the first ``hidden % tp`` one column wider; an empty slice when ``tp >
+    hidden``)."""
+    q, r = divmod(hidden, tp)
+    bounds = [i * q + min(i, r) for i in range(tp + 1)]
+    return [slice(a, b) for a, b in zip(bounds, bounds[1:])]
+
+
+def exchange_columns(
+    weight: torch.Tensor, piece: int, tp_group: dist.ProcessGroup | None
+) -> torch.Tensor:
+    """``[TP, piece, Hc]``: every rank's first ``piece`` shard rows (zeros past the rows
+    ``weight`` has), this rank's hidden columns (``column_slices``); one all-to-all."""
+    tp, rank = group_size(tp_group), group_rank(tp_group)
+    cols = column_slices(weight.shape[1], tp)
+    rows = min(weight.shape[0], piece)
+    sizes = [piece * (c.stop - c.start) for c in cols]
+    send = weight.new_zeros(sum(sizes))
+    for c, part in zip(cols, send.split(sizes)):
+        part.view(piece, c.stop - c.start)[:rows] = weight[:rows, c]
+    mine = cols[rank].stop - cols[rank].start
+    out = weight.new_empty((tp, piece, mine))
+    dist.all_to_all_single(out.view(-1), send, [piece * mine] * tp, sizes, group=tp_group)
+    return out
+
+
+def gather_blocks(g: torch.Tensor, piece: int, tp_group: dist.ProcessGroup | None) -> torch.Tensor:
+    """``[TP, C, piece]``: every rank's ``g [C, K * 256]`` (its real blocks), zero-padded
+    to ``piece`` columns, in rank order; one all-gather."""
+    if g.shape[1] < piece:
+        g = torch.nn.functional.pad(g, (0, piece - g.shape[1]))
+    return all_gather_tensor(g.unsqueeze(0), tp_group, 0)
+
+
+def gather_columns(part: torch.Tensor, out: torch.Tensor, tp_group: dist.ProcessGroup | None):
+    """``out [C, H]`` from every rank's ``part [C, >= Hc]`` (its ``column_slices`` first);
+    one all-gather of ``[C, ceil(H / TP)]``."""
+    tp = group_size(tp_group)
+    cols = column_slices(out.shape[1], tp)
+    width = cols[0].stop - cols[0].start
+    gathered = all_gather_tensor(part[:, :width].unsqueeze(0).contiguous(), tp_group, 0)
+    for r, c in enumerate(cols):
+        out[:, c] = gathered[r, :, : c.stop - c.start]
