@@ -85,12 +85,13 @@ def _dhidden_kernel(
     rmask = rows < n_rows
     cmask = cols < hidden
     acc = tl.zeros((TILE_M, BH), tl.float32)
-    gp = g_ptr + rows[:, None] * g_stride
+    # int64: the gathered g is C x V elements (2**31 at C = 8192, V = 262144)
+    gp = g_ptr + rows.to(tl.int64)[:, None] * g_stride
     wp = w_ptr + cols[None, :]
     for v0 in range(0, k_rows, BK):  # the whole vocab, in order: one pipelined loop
         p = v0 // piece  # the piece (rank) holding global rows [v0, v0 + BK)
         ks = (v0 - p * piece) + tl.arange(0, BK)
-        x = tl.load(gp + p * g_piece + ks[None, :], mask=rmask[:, None], other=0.0)
+        x = tl.load(gp + p.to(tl.int64) * g_piece + ks[None, :], mask=rmask[:, None], other=0.0)
         wmask = (ks < w_rows)[:, None] & cmask[None, :]
         y = tl.load(wp + p * w_piece + ks[:, None] * w_stride, mask=wmask, other=0.0)
         acc = dot_acc(x, y, acc, INTERPRET)
