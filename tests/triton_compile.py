@@ -1,6 +1,6 @@
 """Compile every kernel of the ``"triton"`` loss engine for an H100 / H200 (sm_90) on a
 machine without a GPU: the code path the interpreter does not run (``tl.dot`` on bf16 and
-on fp32 in ``"ieee"`` precision, the loop-carried counters of the ``d h`` tree fold).
+on fp32 in ``"ieee"`` precision).
 
 ``python -m tests.triton_compile`` prints one line per kernel: registers, stack and local
 bytes per thread (``cuobjdump -res-usage`` of the cubin). Run in a process without
@@ -21,10 +21,10 @@ from triton.compiler import ASTSource
 
 from mp_bridge.layers.loss.blocks import VOCAB_BLOCK
 from mp_bridge.layers.loss.engines.triton_ops import (
-    block_dhidden,
     block_dweight,
     block_grad,
     block_stats,
+    dhidden,
     row_grad,
     row_stats,
 )
@@ -53,11 +53,15 @@ def _kernels(dt: str):
     )
     yield block_stats._block_stats_kernel, {"stats_ptr": "fp32"}, BLOCK
     yield block_grad._block_grad_kernel, {}, BLOCK
-    fold = dict(TILE_M=block_stats.TILE_M, BLOCK=VOCAB_BLOCK, BH=block_dhidden.BH)
+    tm, bh, bk = (
+        (dhidden.TILE_M_FP32, dhidden.BH_FP32, dhidden.BK_FP32)
+        if dt == "fp32"
+        else (dhidden.TILE_M, dhidden.BH, dhidden.BK)
+    )
     yield (
-        block_dhidden._block_dhidden_kernel,
-        {"scratch_ptr": "fp32"},
-        dict(fold, BKV=block_dhidden.BKV, INTERPRET=False),
+        dhidden._dhidden_kernel,
+        {"out_ptr": "fp32"},
+        dict(TILE_M=tm, BH=bh, BK=bk, INTERPRET=False),
     )
     yield (
         block_dweight._block_dweight_kernel,

@@ -45,10 +45,10 @@ from triton.compiler import ASTSource
 from triton.runtime.jit import native_specialize_impl
 
 from mp_bridge.layers.loss.engines.triton_ops import (
-    block_dhidden,
     block_dweight,
     block_grad,
     block_stats,
+    dhidden,
 )
 from mp_bridge.layers.loss.formulas import LossSpec
 
@@ -85,8 +85,8 @@ def _calls(dt: torch.dtype, c: int, hd: int):
         ),
     )
     yield (
-        block_dhidden._block_dhidden_kernel,
-        lambda: block_dhidden.block_dhidden(g, w, n_blocks=k, first=0),
+        dhidden._dhidden_kernel,
+        lambda: dhidden.dhidden(g, w, m(c, hd, dtype=torch.float32), k_rows=k * 256),
     )
     yield (
         block_dweight._block_dweight_kernel,

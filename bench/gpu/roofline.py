@@ -20,7 +20,9 @@ For each kernel at ``N x H x V`` (TP 1, or one rank's share at TP 8: ``V_local =
 Fixed rates (so the model cannot be tuned to the target): cuBLAS ``RATE_CUBLAS_BF16`` /
 ``RATE_CUBLAS_F32OUT`` TFLOP/s, measured for this project on an H200 (torch 2.11); Triton
 wgmma kernels exactly 80 % of cuBLAS bf16, ``mma.sync`` kernels exactly 45 %; HBM 4.8 TB/s x
-85 %; L2 -> SM 7 TB/s. A kernel takes the longest of its compute, HBM and L2 times; the
+85 %; L2 -> SM 7 TB/s. A kernel takes the longest of its compute, HBM and L2 times; one
+whose launches hold fewer programs than there are SMs runs compute and L2 at that share of
+the rates (``Kernel.busy``: ``dhidden``, whose grid is ``C / 128 x H / (256 TP)``). The
 invariant mode's statistics fold (``fold_stats``, one small launch per ``FOLD_TOKENS``)
 takes ``LAUNCH_S`` per launch plus its HBM time; fp32 inputs: cuBLAS
 SGEMM at ``RATE_CUBLAS_FP32`` and Triton's FMA ``tl.dot`` at 45 % of it (both stated here,
@@ -111,13 +113,14 @@ class Kernel:
     l2: float = 0.0  # bytes, L2 -> SM (Triton kernels only)
     launches: int = 0  # host-bound torch launches ("launches" kind)
     facts: str = "element-wise"
+    busy: float = 1.0  # share of the SMs its launches keep busy (scales compute and L2)
 
     @property
     def times(self) -> dict[str, float]:
         return {
-            "compute": self.flops / RATE[self.kind] if self.kind in RATE else 0.0,
+            "compute": self.flops / (RATE[self.kind] * self.busy) if self.kind in RATE else 0.0,
             "hbm": self.hbm / HBM_BPS,
-            "l2": self.l2 / L2_BPS,
+            "l2": self.l2 / (L2_BPS * self.busy),
             "launch": self.launches * LAUNCH_S,
         }
 
@@ -223,36 +226,32 @@ def block_logits_pass(s: Shape, facts, name: str, label: str, out_bytes: float) 
                   facts=_facts_text(f))  # fmt: skip
 
 
-def stack_depth(k: int) -> int:
-    return max(1, k.bit_length()) + 1  # block_dhidden.stack_depth
+#: ``dhidden``'s tiles: ``(TILE_M, BH, BK)`` per dtype (dhidden.TILE_M / .BH / .BK, _FP32)
+DH_TILE = {"bf16": (128, 256, 64), "fp32": (32, 64, 32)}
 
 
-def block_dhidden_pass(s: Shape, facts) -> Kernel:
-    """Grid ``(C / TILE_DH, H / BH)``, token tiles fastest; each program walks all ``K``
-    blocks: ``g [TILE_DH, 256]`` and ``W [256, BH]`` per block, and its tree stack of fp32
-    ``[TILE_DH, BH]`` partial sums in global memory. The lowest level stays on chip (aligned
-    leaf pairs summed in registers): one store per pair, one load per merge above it
-    (``ceil(K / 2) - 1``); both counted at the L2 rate. One k-loop over all blocks' steps
-    (pipelined across leaves)."""
-    f = _fact(facts, "_block_dhidden_kernel", s.dtype)
-    tdh = TILE_M_FP32 if s.dtype == "fp32" else TILE_DH
-    c, k = min(CHUNK, s.n), s.v_local // VOCAB_BLOCK
+def dhidden_pass(s: Shape, facts) -> Kernel:
+    """``d h`` by column ownership: ``d h[:, cols_r] = g_full @ W_full[:, cols_r]``, one
+    plain GEMM over the whole vocab per chunk (TP 1: ``cols`` = all of ``H``; TP > 1: rank
+    0's ``ceil(H / TP)``, the widest). Grid ``(C / TILE_M, Hc / BH)``, token tiles fastest;
+    each program streams ``g [TILE_M, BK]`` and ``W [BK, BH]`` per ``k`` step over all
+    ``V`` rows. ``W[:, c-slice]``'s users are consecutive: once per chunk; the ``g`` chunk
+    is reused by the ``Hc / BH`` programs of a tile row, ``C / TILE_M`` apart: the ones in
+    flight together share a read. A launch of fewer programs than SMs leaves SMs idle:
+    ``busy`` scales the compute and L2 rates (``Kernel.busy``)."""
+    f = _fact(facts, "_dhidden_kernel", s.dtype)
+    tm, bh, bk = DH_TILE[s.dtype]
+    c, hc = min(CHUNK, s.n), math.ceil(s.h / s.tp)
     chunks = math.ceil(s.n / c)
-    tiles, cols = math.ceil(c / tdh), math.ceil(s.h / BH)
+    tiles, cols = math.ceil(c / tm), math.ceil(hc / bh)
     programs = chunks * tiles * cols
-    node = tdh * BH * F32
-    pushes = math.ceil(k / 2)  # leaf pairs
-    stack = programs * (pushes + (pushes - 1)) * node  # stores + loads of the stack
-    # g tile row i is reused by the H / BH programs of row i, C / TILE_DH apart: the ones in
-    # flight together share a read; W[block, slice] users are consecutive: once per chunk
-    g_chunk = c * s.v_local * s.elt
     g_reads = math.ceil(cols / max(1, _window(f) // tiles))
-    live_stack = _window(f) * stack_depth(k) * node
-    hbm = chunks * (g_reads * g_chunk + s.v_local * s.h * s.elt)
-    hbm += stack if not fits(live_stack) else chunks * stack_depth(k) * c * s.h * F32
-    l2 = programs * k * (tdh * VOCAB_BLOCK + VOCAB_BLOCK * BH) * s.elt + stack
-    return Kernel("invariant", "bwd: block_dhidden (g W, tree stack)", _triton_kind(f),
-                  2.0 * s.n * s.v_local * s.h, hbm, l2, facts=_facts_text(f))  # fmt: skip
+    hbm = chunks * (g_reads * c * s.v * s.elt + s.v * hc * s.elt + c * hc * F32)
+    l2 = programs * math.ceil(s.v / bk) * (tm * bk + bk * bh) * s.elt
+    busy = min(1.0, tiles * cols / SMS)  # programs of one launch (a chunk) over the SMs
+    return Kernel("invariant", "bwd: dhidden (g_full W[:, cols], column ownership)",
+                  _triton_kind(f), 2.0 * s.n * s.v * hc, hbm, l2, facts=_facts_text(f),
+                  busy=busy)  # fmt: skip
 
 
 def block_dweight_pass(s: Shape, facts) -> Kernel:
@@ -314,7 +313,7 @@ def invariant_mode(s: Shape, facts) -> list[Kernel]:
         ),
         fold_stats_pass(s),
         block_logits_pass(s, facts, "_block_grad_kernel", grad, s.n * s.v_local * s.elt),
-        block_dhidden_pass(s, facts),
+        dhidden_pass(s, facts),
         block_dweight_pass(s, facts),
     ]  # fp32: the fp32 accumulator is d W itself (``acc.to(fp32)`` copies nothing); bf16:
     copy = Kernel("invariant", "bwd: dW fp32 acc -> bf16", "memory", facts="torch copy",
@@ -337,9 +336,13 @@ def collective_bytes(s: Shape) -> dict[str, float]:
     stats = peers * STATS * s.n * F32  # the default mode's forward statistics all-gather
     raw = peers * STATS * (s.v_local // VOCAB_BLOCK) * s.n * F32  # invariant: every block's
     dh = s.n * s.h * F32
+    hc = math.ceil(s.h / s.tp)  # the widest column slice (the all-gather's piece)
+    # invariant d h by column ownership: W[:, cols_r] from every peer's shard (all-to-all,
+    # once per call), every peer's g (all-gather per chunk), every peer's d h columns
+    own = peers * (s.v_local * hc * s.elt + s.n * s.v_local * s.elt + s.n * hc * F32)
     return {
         "default": stats + 2 * peers / s.tp * dh,  # d h all-reduce (ring)
-        "invariant": raw + peers * dh,  # d h pieces all-gathered, folded in tree order
+        "invariant": raw + own,  # raw block statistics; d h by column ownership
     }
 
 

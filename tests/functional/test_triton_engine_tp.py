@@ -1,7 +1,7 @@
 """The ``"triton"`` loss engine over gloo ranks: TP 1 / 2 / 4 against the fp64 oracle on
-the full weight, and the invariant mode's bits across TP sizes (1 / 2 / 3 / 4) and batch
-composition; per-class weights (``ce_weight``) against torch's ``F.cross_entropy(weight=)``
-and in bits.
+the full weight, and the invariant mode's bits across TP sizes (1, 2, 3, 4, 8) and batch
+composition;
+per-class weights (``ce_weight``) against torch's ``F.cross_entropy(weight=)`` and in bits.
 
 Kernels run under ``TRITON_INTERPRET=1`` without CUDA (``tests.triton_engine``, imported
 before the world forks its ranks). Every rank builds the same full tensors from one seed;
@@ -43,8 +43,8 @@ def _data(n=N, seed=0):
 
 def _local(weight, tp, rank, invariant):
     start, stop = vocab_shard_ranges(VOCAB, tp, multiple=256 if invariant else 1)[rank]
-    w = weight[start:stop]  # TP 3 invariant: rows past the 1024 given are padding zeros
-    return torch.cat([w, w.new_zeros(stop - start - w.shape[0], w.shape[1])]), start
+    weight = torch.cat([weight, weight])  # TP 3, 8: shards past row 1024 (all padding)
+    return weight[start:stop], start
 
 
 def _ours(kind, kw, tp, invariant, hidden, target, temp=None, up=None):
@@ -80,6 +80,21 @@ def test_triton_engine_matches_fp64_at_tp_2_and_4():
 
 @world.case
 def test_invariant_bits_equal_across_tp_and_batches():
+    # TP 3 with tokens in front: ranks 0 and 1 hold real blocks, rank 2 none (the raw
+    # statistics all-gather pads it); rank 3 sits out
+    _bits_equal_tp_1(((2, None), (4, True), (3, True), (2, False)))
+
+
+@world.case(world_size=8)
+def test_invariant_bits_equal_at_tp_3_and_8():
+    """Uneven hidden-column owners (``H = 16``: 6 / 5 / 5 at TP 3) and ranks without a real
+    block (vocab 1000 in 256-row shards: TP 3's rank 2, TP 8's ranks 4-7)."""
+    _bits_equal_tp_1(((3, False), (8, True)))
+
+
+def _bits_equal_tp_1(cases):
+    """TP 1's bits at each ``(tp, front)`` of ``cases``: 29 unrelated tokens with zero
+    upstream prepended (``front``), appended (``not front``) or none (``None``)."""
     hidden, _, target = _data()
     extra_h, _, extra_t = _data(n=29, seed=4)
     temp = torch.rand(N, generator=torch.Generator().manual_seed(1)) + 0.5
@@ -87,9 +102,7 @@ def test_invariant_bits_equal_across_tp_and_batches():
     kind, kw = CASES[0]
     checks = Checks()
     (ref, ref_gh, ref_gw), _ = _ours(kind, kw, 1, True, hidden, target, temp, up)
-    # TP 3: 512-row shards, ranks 0 and 1 hold 2 real blocks each, rank 2 none (the raw
-    # statistics all-gather pads it); rank 3 sits out
-    for tp, front in ((2, None), (4, True), (3, True), (2, False)):
+    for tp, front in cases:
         h, t, tt, u, base = hidden, target, temp, up, slice(0, N)
         if front is not None:  # 29 unrelated tokens before or after, zero upstream
             parts = [(extra_h, extra_t, torch.ones(29), torch.zeros(29)), (h, t, tt, u)]
@@ -97,15 +110,16 @@ def test_invariant_bits_equal_across_tp_and_batches():
             h, t, tt, u = (torch.cat([p[i] for p in parts]) for i in range(4))
             base = slice(29, 29 + N) if front else base
         got = _ours(kind, kw, tp, True, h, t, tt, u)
-        if got is None:
+        if got is None:  # TP 3 on 8 ranks: ranks 6, 7 sit out
             continue
         (outs, gh, gw), start = got
         what = f"tp={tp} front={front}"
         checks.equal(outs[0][base], ref[0], f"{what} value")
         checks.equal(gh[base], ref_gh, f"{what} d hidden")
         if not front:
-            rows = gw.shape[0]
-            checks.equal(gw, ref_gw[start : start + rows], f"{what} d weight")
+            rows = max(0, min(gw.shape[0], ref_gw.shape[0] - start))  # past it: padding
+            checks.equal(gw[:rows], ref_gw[start : start + rows], f"{what} d weight")
+            checks.equal(gw[rows:], torch.zeros_like(gw[rows:]), f"{what} d weight padding")
     checks.done()
 
 

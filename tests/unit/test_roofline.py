@@ -26,7 +26,7 @@ FACT = {"kind": "mma.sync", "mma": ["m16n8k16.row.col.f32.bf16.bf16.f32"], "stag
 FACTS = {
     "_block_stats_kernel bf16 spec": dict(FACT, ctas_per_sm=2),
     "_block_grad_kernel bf16 spec": dict(FACT, ctas_per_sm=2),
-    "_block_dhidden_kernel bf16 spec": dict(FACT, ctas_per_sm=4),
+    "_dhidden_kernel bf16 spec": dict(FACT, kind="wgmma", mma=["m64n256k16"], ctas_per_sm=1),
     "_block_dweight_kernel bf16 spec": dict(FACT, kind="wgmma", mma=["m64n32k16"], ctas_per_sm=4),
 }
 
@@ -61,6 +61,27 @@ def test_block_dweight_at_a_small_shape_and_its_g_reads_at_the_production_one():
     assert big.hbm == 8 * 268_435_456 + 8 * 8_388_608 + 8 * 2 * 2_147_483_648
 
 
+def test_dhidden_by_column_ownership_at_a_small_shape_and_the_production_ones():
+    k = rl.dhidden_pass(rl.Shape(64, 64, 512), FACTS)
+    assert k.flops == 4_194_304  # 2 * 64 * 512 * 64
+    # g chunk 64 * 512 * 2 (once) + W 512 * 64 * 2 (once) + the fp32 d h 64 * 64 * 4
+    assert k.hbm == 65_536 + 65_536 + 16_384
+    # 1 program (one 128 x 256 tile) * 512 / 64 k steps * (128 * 64 + 64 * 256) * 2 B
+    assert k.l2 == 393_216
+    assert k.busy == pytest.approx(1 / 132)  # one program: one SM of 132
+    assert k.times["l2"] == pytest.approx(393_216 / (7e12 / 132))
+    tp1 = rl.dhidden_pass(rl.Shape(8192, 4096, 131072), FACTS)
+    # 8 chunks: g chunk 256 MiB once (its 16 column programs in flight with the row's 8
+    # tiles: 128 programs <= 132), W 1 GiB once, d h 16 MiB fp32 out
+    assert tp1.hbm == 8 * (268_435_456 + 1_073_741_824 + 16_777_216)
+    assert tp1.l2 == 8 * 128 * 2048 * 49_152 and tp1.busy == pytest.approx(128 / 132)
+    tp8 = rl.dhidden_pass(rl.Shape(8192, 4096, 131072, tp=8), FACTS)
+    # the whole vocab, 512 of the 4096 columns: 8 x 2 = 16 programs per chunk
+    assert tp8.flops == 2 * 8192 * 131072 * 512 and tp8.busy == pytest.approx(16 / 132)
+    assert tp8.hbm == 8 * (268_435_456 + 134_217_728 + 2_097_152)
+    assert tp8.l2 == 8 * 16 * 2048 * 49_152
+
+
 def test_the_default_modes_first_gemm():
     k = rl.default_mode(rl.Shape(8192, 4096, 131072), FACTS)[0]
     assert k.flops == 8_796_093_022_208  # 2 * 8192 * 4096 * 131072
@@ -73,8 +94,11 @@ def test_tp8_collectives_per_rank():
     got = rl.collective_bytes(rl.Shape(8192, 4096, 131072, tp=8))
     stats = 7 * 4 * 8192 * 4
     assert got["default"] == stats + 234_881_024  # ring all-reduce: 2 * 7 / 8 * 128 MiB
-    # invariant: 7 ranks' raw block statistics (64 blocks each, S = 4, fp32) + their d h
-    assert got["invariant"] == 7 * 4 * 64 * 8192 * 4 + 7 * 134_217_728
+    # invariant: 7 ranks' raw block statistics (64 blocks each, S = 4, fp32); d h by column
+    # ownership: W[:, 512 cols] of 7 shards (16384 x 512 bf16, once), 7 ranks' g (8192 x
+    # 16384 bf16), 7 ranks' d h columns (8192 x 512 fp32)
+    raw = 7 * 4 * 64 * 8192 * 4
+    assert got["invariant"] == raw + 7 * (16_777_216 + 268_435_456 + 16_777_216)
     assert rl.collective_bytes(rl.Shape(8192, 4096, 131072))["default"] == 0
 
 

@@ -1,8 +1,8 @@
 """The triton engine's kernels for sm_90 (H100 / H200), compiled here without a GPU.
 
 1. Every kernel compiles (``tests/triton_compile.py``: all six, every option flag on, bf16
-   and fp32): the GPU-only branch of ``tiles.dot_acc`` and the tree fold's ``while`` loop,
-   which the CPU interpreter never lowers, are valid Triton for the GPU the runbook uses.
+   and fp32): the GPU-only branch of ``tiles.dot_acc``, which the CPU interpreter never
+   lowers, is valid Triton for the GPU the runbook uses.
 2. The GEMM-like kernels *as launched* (``tests/triton_facts.py``: the wrappers' own
    arguments and options, specialized as the JIT specializes them, at the production shape
    and at an odd one) compile to what ``bench/gpu/compiled_facts.json`` records: the MMA
@@ -77,7 +77,7 @@ def _gemm_builds(facts, dtypes=("bf16", "fp16")):
 def test_the_record_covers_every_build(facts, recorded):
     assert sorted(facts) == sorted(recorded), RERECORD
     kernels = {k.split()[0] for k in facts}
-    assert kernels == {"_block_stats_kernel", "_block_grad_kernel", "_block_dhidden_kernel",
+    assert kernels == {"_block_stats_kernel", "_block_grad_kernel", "_dhidden_kernel",
                        "_block_dweight_kernel"}  # fmt: skip
 
 

@@ -215,3 +215,16 @@ def test_bf16_gradient_stores_round_to_nearest_even_like_torch():
     y = torch.empty(1000, dtype=torch.bfloat16, device=DEVICE)
     _store[(1,)](x, y, 1000, B=1024, INTERPRET=INTERPRET)
     assert torch.equal(y, x.to(torch.bfloat16))
+
+
+def test_hidden_column_owners_split_like_tensor_split():
+    # the invariant d h by column ownership (triton_ops.dhidden): rank r owns slice r,
+    # empty when TP > H
+    from mp_bridge.layers.loss.reduce import column_slices
+
+    for hidden, tp in ((16, 3), (4096, 8), (3, 4), (5, 4), (1, 1), (7, 7)):
+        want = [(int(c[0]), int(c[-1]) + 1) if len(c) else None
+                for c in torch.arange(hidden).tensor_split(tp)]  # fmt: skip
+        got = [(c.start, c.stop) if c.stop > c.start else None for c in column_slices(hidden, tp)]
+        assert got == want, (hidden, tp)
+        assert sum(c.stop - c.start for c in column_slices(hidden, tp)) == hidden

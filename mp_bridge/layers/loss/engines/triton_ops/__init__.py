@@ -5,11 +5,11 @@ Two modes over a vocab shard at any TP, every option of the torch engine in the 
 - default (``triton_default``): cuBLAS ``out_dtype=fp32`` GEMMs over vocab slabs, one Triton
   statistics pass and one gradient pass per slab; 4 GEMMs, no fp32 weight or ``d W``.
 - ``invariant=True`` (``triton_invariant``): fixed-tile Triton kernels over 256-row vocab blocks
-  folded in the canonical block tree; bitwise identical across TP sizes, chunkings and
-  batch composition.
+  (statistics folded in the canonical block tree, ``d h`` by hidden-column ownership over
+  the whole vocab); bitwise identical across TP sizes, chunkings and batch composition.
 
 One kernel per file with its launch wrapper and tile sizes at the top (``row_stats``,
-``row_grad``, ``block_stats``, ``fold_stats``, ``block_grad``, ``block_dhidden``,
+``row_grad``, ``block_stats``, ``fold_stats``, ``block_grad``, ``dhidden``,
 ``block_dweight``), the shared math in ``tiles``; ``ENGINE`` (``triton_engine``) is the
 ``FusedLossEngine`` the registry loads. Importing this package imports ``triton``: the
 registry imports it only when ``engine="triton"`` is asked for (or picked by ``"auto"``).

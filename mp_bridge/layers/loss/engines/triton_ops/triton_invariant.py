@@ -11,23 +11,32 @@ chunk of ``C`` tokens, ``K`` real local blocks:
   and ``fold_stats`` (one launch) folds all ``K`` real blocks in the canonical tree:
   the same kernel on the same leaves as TP = 1.
 - backward: ``block_grad`` recomputes the logits (same kernel code, same bits) into ``g
-  [C, K * 256]`` (input dtype); ``block_dhidden`` folds ``g @ W`` per block in the tree
-  inside the kernel, ``gather_fold`` (one all-gather) finishes it; ``block_dweight_``
-  adds ``g^T h`` tile by tile into an fp32 ``[R, H]`` accumulator (one ``d W`` rounding
-  to the weight's dtype at the end; a single chunk writes ``d W`` in the weight's dtype
-  directly, the same bits).
+  [C, K * 256]`` (input dtype); ``dhidden`` computes ``d h`` by hidden-column ownership:
+  ``d h[:, cols] = g_full @ W_full[:, cols]``, one plain GEMM whose ``k`` loop runs over
+  the whole real vocab in order (TP = 1: ``g`` times the shard; TP > 1: each rank owns a
+  ``tensor_split`` slice of ``H``, gets ``W_full[:, cols_r]`` by one all-to-all per call,
+  all-gathers ``g`` per chunk, and the ``[C, H / TP]`` column slices are all-gathered);
+  ``block_dweight_`` adds ``g^T h`` tile by tile into an fp32 ``[R, H]`` accumulator (one
+  ``d W`` rounding to the weight's dtype at the end; a single chunk writes ``d W`` in the
+  weight's dtype directly, the same bits).
 
 Why the bits depend on neither ``N`` nor TP: every kernel has fixed tile sizes (never
 autotuned), a fixed ``k`` order and no split-K or atomics, so each element is computed by
-one program from its own row / column data; statistics and ``d h`` are folded in the one
-canonical tree whatever the shard (``tree``); ``d W`` sums token tiles in token order.
-Shards must be whole blocks (``BlockLayout.of_shard``; at TP = 1 any width: rows past
-the weight load as zeros, no padded copy). 3 Triton GEMM-like passes per chunk (1 forward,
-2 + the ``d W`` pass backward: 4 in all). Memory beyond the outputs: forward, the ``[S, K,
-G]`` fp32 block statistics of a fold group (every rank's blocks at TP > 1, ``K`` all real
-blocks) and ``1 / 16`` of it of fold scratch; backward, ``[C, V_local]`` ``g`` of the
-chunk, ``[D, C, H]`` fp32 stack (``D = log2 K + 2``) and the fp32 ``d W`` (none with a
-single chunk).
+one program from its own row / column data; statistics are folded in the one canonical
+tree whatever the shard (``tree``: ``fold_stats``, on every rank's gathered raw block
+statistics at TP > 1); each ``d h`` element is one sequential dot over the
+global vocab rows, the same ``k`` steps at every TP size; ``d W`` sums token tiles in
+token order. Shards must be whole blocks (``BlockLayout.of_shard``; at TP = 1 any width:
+rows past the weight load as zeros, no padded copy). 3 Triton GEMM-like passes per chunk
+(1 forward, 2 + the ``d W`` pass backward: 4 in all); the ``d h`` pass does ``TP`` times
+this rank's share of the vocab (the whole vocab, ``1 / TP`` of the columns): the same
+FLOPs. Memory beyond the outputs: forward, the ``[S, K, G]`` fp32 block statistics of a
+fold group (every rank's blocks at TP > 1) and ``1 / 16`` of it of fold scratch; backward,
+``[C, V_local]`` ``g`` of the chunk and the fp32 ``d W`` (none with a single chunk); TP > 1
+adds the gathered ``g`` ``[TP, C, Kmax * 256]`` (``C x V`` in the input
+dtype: 256 MiB at ``C = 1024``, ``V = 131072`` in bf16), this rank's weight columns
+``[V, H / TP]`` for the whole call (plus a send buffer the size of the shard during the
+one all-to-all) and ``(TP + 1) x [C, H / TP]`` fp32 per chunk for the column gather.
 """
 
 from __future__ import annotations
@@ -39,7 +48,6 @@ import torch
 import torch.distributed as dist
 
 from mp_bridge.layers.loss.blocks import VOCAB_BLOCK, BlockLayout
-from mp_bridge.layers.loss.engines.triton_ops.block_dhidden import block_dhidden
 from mp_bridge.layers.loss.engines.triton_ops.block_dweight import (
     TILE_K,
     accumulator,
@@ -47,15 +55,22 @@ from mp_bridge.layers.loss.engines.triton_ops.block_dweight import (
 )
 from mp_bridge.layers.loss.engines.triton_ops.block_grad import block_grad
 from mp_bridge.layers.loss.engines.triton_ops.block_stats import TILE_M, block_stats
+from mp_bridge.layers.loss.engines.triton_ops.dhidden import dhidden
 from mp_bridge.layers.loss.engines.triton_ops.fold_stats import fold_stats
 from mp_bridge.layers.loss.engines.triton_ops.tiles import kernel_column_weights
 from mp_bridge.layers.loss.formulas import LossSpec
-from mp_bridge.layers.loss.reduce import gather_blocks, gather_fold
+from mp_bridge.layers.loss.reduce import (
+    column_slices,
+    exchange_columns,
+    gather_blocks,
+    gather_columns,
+)
 
 __all__ = ["DEFAULT_CHUNK_TOKENS", "FOLD_TOKENS", "TritonInvariantRunner"]
 
 #: Tokens per chunk without ``chunk_size``: ``g`` is ``[1024, V_local]`` in the input
-#: dtype (256 MiB at V_local = 131072 in bf16) plus the ``[D, 1024, H]`` fp32 stack.
+#: dtype (256 MiB at V_local = 131072 in bf16); at TP > 1 the gathered ``g`` is ``[1024,
+#: V]`` (``dhidden``).
 DEFAULT_CHUNK_TOKENS = 1024
 #: Tokens whose per-block statistics are folded at once (whole chunks): one ``fold_stats``
 #: launch and (TP > 1) one all-gather per group, not per chunk; ``[S, K, 8192]`` fp32 is
@@ -145,6 +160,7 @@ class TritonInvariantRunner:
             gw[rows_w:].zero_()  # weight rows past the real blocks: padding
         elif want_gw:
             acc = accumulator(rows_w, hd, h.device)
+        d_hidden = self._column_owner(wt, hd) if h.shape[0] else None  # W columns: once
         for rows in self._chunks(h.shape[0]):
             g = block_grad(
                 h[rows], wt, temp[rows], tcol[rows], lse[rows], w[rows],
@@ -152,17 +168,37 @@ class TritonInvariantRunner:
                 n_blocks=k, num_valid=self._num_valid, spec=self.spec, colw=colw,
                 wab=None if wab is None else (wab[0][rows], wab[1][rows]),
             )  # fmt: skip
-            scratch = block_dhidden(g, wt, n_blocks=k, first=lay.first)
-            pieces = list(zip(lay.pieces(lay.rank), scratch))
-            shape = (rows.stop - rows.start, hd)
-            gh[rows] = gather_fold(pieces, lay, self.tp_group, torch.Tensor.add_, shape, h.device)
+            d_hidden(g, gh[rows])
             if fresh:
                 block_dweight_(gw[:rows_w], g, h[rows], fresh=True)
             elif acc is not None:
                 block_dweight_(acc, g, h[rows])
-            del g, scratch
+            del g
         if acc is not None:
             gw = acc.to(self.weight.dtype).contiguous()  # one rounding of the fp32 sum
             if rows_w < self.weight.shape[0]:  # weight rows past the real blocks: padding
                 gw = torch.cat([gw, gw.new_zeros((self.weight.shape[0] - rows_w, hd))])
         return gh, gw
+
+    def _column_owner(self, wt: torch.Tensor, hd: int):
+        """``fn(g, out)``: ``out [C, H] = g_full @ W_full`` of one chunk by column ownership
+        (``dhidden``). TP = 1: the one plain GEMM over this shard. TP > 1: this rank's
+        columns of ``W_full`` now (one all-to-all); per chunk, ``g`` all-gathered, this
+        rank's columns computed, the column slices all-gathered into ``out``."""
+        lay, group = self.layout, self.tp_group
+        k_rows = lay.num_real * VOCAB_BLOCK  # the whole real vocab, every rank's blocks
+        if lay.tp_size == 1:
+            return lambda g, out: dhidden(g, wt, out, k_rows=k_rows, w_rows=wt.shape[0])
+        # piece: the most real blocks a rank holds (rank 0's); ranks in vocab order, so
+        # global row v sits in piece v // piece at v % piece (``dhidden``)
+        piece = min(lay.v_local // VOCAB_BLOCK, lay.num_real) * VOCAB_BLOCK
+        w_cols = exchange_columns(wt, piece, group)  # [TP, piece, Hc]
+        width = column_slices(hd, lay.tp_size)[0].stop  # the widest slice: rank 0's
+
+        def run(g, out):
+            g_full = gather_blocks(g, group, piece)  # [TP, C, piece], the input dtype
+            part = torch.empty((g.shape[0], width), dtype=torch.float32, device=g.device)
+            dhidden(g_full, w_cols, part, k_rows=k_rows, w_rows=piece)
+            gather_columns(part, out, group)
+
+        return run
