@@ -1,8 +1,9 @@
 """Invariant mode (``invariant=True``): fixed Triton tiles over 256-row vocab blocks and
 token tiles, folded in the canonical block tree; no cuBLAS GEMM feeds a bit.
 
-Tokens go in chunks of whole ``TILE_M`` tiles (``call.chunk_size`` rounded up; the chunk
-only bounds memory). Per chunk of ``C`` tokens, ``K`` real local blocks:
+Tokens go in chunks of whole row tiles (``call.chunk_size`` rounded up to a multiple of
+``block_stats.row_tile``: 128 tokens in bf16 / fp16, 32 in fp32; the chunk only bounds
+memory). Per chunk of ``C`` tokens, ``K`` real local blocks:
 
 - forward: ``block_stats`` (logits in registers) -> ``[S, K, C]``; ``fold_blocks`` folds
   this rank's subtrees and ``gather_fold`` (one all-gather) the ranks' in tree order,
@@ -34,7 +35,7 @@ from mp_bridge.layers.loss.blocks import VOCAB_BLOCK, BlockLayout, fold_blocks
 from mp_bridge.layers.loss.engines.triton_ops.block_dhidden import block_dhidden
 from mp_bridge.layers.loss.engines.triton_ops.block_dweight import block_dweight_
 from mp_bridge.layers.loss.engines.triton_ops.block_grad import block_grad
-from mp_bridge.layers.loss.engines.triton_ops.block_stats import TILE_M, block_stats
+from mp_bridge.layers.loss.engines.triton_ops.block_stats import block_stats, row_tile
 from mp_bridge.layers.loss.engines.triton_ops.tiles import kernel_column_weights
 from mp_bridge.layers.loss.formulas import LossSpec
 from mp_bridge.layers.loss.reduce import gather_fold
@@ -59,13 +60,13 @@ class TritonInvariantRunner:
     tp_group: dist.ProcessGroup | None
     layout: BlockLayout
     spec: LossSpec
-    chunk: int  # tokens per chunk, a multiple of TILE_M
+    chunk: int  # tokens per chunk, a multiple of row_tile(weight.dtype)
 
     @classmethod
     def build(cls, weight, tp_group, shard, spec, chunk_size: int | None) -> TritonInvariantRunner:
         layout = BlockLayout.of_shard(shard)  # raises before any collective
-        chunk = chunk_size or DEFAULT_CHUNK_TOKENS
-        return cls(weight, tp_group, layout, spec, -(-chunk // TILE_M) * TILE_M)
+        chunk, tile = chunk_size or DEFAULT_CHUNK_TOKENS, row_tile(weight.dtype)
+        return cls(weight, tp_group, layout, spec, -(-chunk // tile) * tile)
 
     @property
     def _num_valid(self) -> int:
