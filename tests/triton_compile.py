@@ -15,6 +15,7 @@ import subprocess
 import sys
 import tempfile
 
+import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -36,11 +37,16 @@ ROW = ("temp_ptr", "lse_ptr", "w_tok_ptr", "went_ptr", "ent_ptr")
 COLUMN = ("cw_ptr",)
 FLOATS = ("cap", "coef_a", "coef_b", "coef_c", "zw2")
 ALL_ON = dict(HAS_CAP=True, HAS_Z=True, HAS_ENT=True, WITH_ENT=True, WITH_SQ=True, HAS_CW=True)
-BLOCK = dict(TILE_M=block_stats.TILE_M, BLOCK=VOCAB_BLOCK, BK=block_stats.BK, INTERPRET=False)
+TORCH = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
 def _kernels(dt: str):
-    """``(kernel, pointer dtypes by name, constexprs)``; other pointers hold ``dt``."""
+    """``(kernel, pointer dtypes by name, constexprs)``; other pointers hold ``dt``. The
+    block kernels at the tiles they are launched with for ``dt`` where nothing is
+    16-divisible (as here: no divisibility attributes)."""
+    tm = block_stats.row_tile(TORCH[dt])
+    stats, _ = block_stats.stats_build(TORCH[dt])
+    grad = dict(TILE_M=tm if dt == "fp32" else block_grad.NARROW_M, BK=block_stats.BK)
     yield (
         row_stats._row_stats_kernel,
         {"z_ptr": "fp32", "stats_ptr": "fp32"},
@@ -51,9 +57,10 @@ def _kernels(dt: str):
         {"z_ptr": "fp32", "w_ptr": "fp32"},
         dict(ROWS=row_grad.ROWS, COLS=row_grad.COLS, INTERPRET=False),
     )
-    yield block_stats._block_stats_kernel, {"stats_ptr": "fp32"}, BLOCK
-    yield block_grad._block_grad_kernel, {}, BLOCK
-    tm, bh, bk = (
+    block = dict(BLOCK=VOCAB_BLOCK, INTERPRET=False)
+    yield block_stats._block_stats_kernel, {"stats_ptr": "fp32"}, dict(block, **stats)
+    yield block_grad._block_grad_kernel, {}, dict(block, **grad)
+    dh = (
         (dhidden.TILE_M_FP32, dhidden.BH_FP32, dhidden.BK_FP32)
         if dt == "fp32"
         else (dhidden.TILE_M, dhidden.BH, dhidden.BK)
@@ -61,7 +68,7 @@ def _kernels(dt: str):
     yield (
         dhidden._dhidden_kernel,
         {"out_ptr": "fp32"},
-        dict(TILE_M=tm, BH=bh, BK=bk, INTERPRET=False),
+        dict(TILE_M=dh[0], BH=dh[1], BK=dh[2], INTERPRET=False),
     )
     yield (
         block_dweight._block_dweight_kernel,

@@ -32,17 +32,18 @@ FACTS = {
 
 
 def test_block_stats_at_a_small_shape():
-    # N x H x V = 64 x 64 x 512: one chunk of 64 tokens, K = 2 blocks, 2 x 2 = 4 programs
+    # N x H x V = 64 x 64 x 512: one chunk of 64 tokens, K = 2 blocks, one 128-row tile
+    # (block_stats.TILE_M) x 2 blocks = 2 programs
     k = rl.block_logits_pass(rl.Shape(64, 64, 512), FACTS, "_block_stats_kernel", "s", 2048)
     assert k.flops == 4_194_304  # 2 * 64 * 512 * 64
     # W once (512 * 64 * 2) + h chunk once (64 * 64 * 2, fits in L2) + the 2048 B stats
     assert k.hbm == 65_536 + 8_192 + 2_048
-    assert k.l2 == 81_920  # 2 programs (one 64-row tile x 2 blocks) * (64 + 256) * 64 * 2 B
+    assert k.l2 == 98_304  # 2 programs (one 128-row tile x 2 blocks) * (128 + 256) * 64 * 2 B
     assert k.kind == "mma.sync"
     assert k.times["compute"] == pytest.approx(4_194_304 / 353.7e12)  # 45 % of 786
-    assert k.times["l2"] == pytest.approx(81_920 / 7e12)
+    assert k.times["l2"] == pytest.approx(98_304 / 7e12)
     assert k.times["hbm"] == pytest.approx(75_776 / 4.08e12)  # 4.8 TB/s * 85 %
-    # 75 776 B / 4.08 TB/s = 18.57 ns > compute 11.86 ns > L2 11.70 ns
+    # 75 776 B / 4.08 TB/s = 18.57 ns > L2 14.04 ns > compute 11.86 ns
     assert k.bound == "hbm" and k.seconds == pytest.approx(1.857255e-8, rel=1e-5)
 
 

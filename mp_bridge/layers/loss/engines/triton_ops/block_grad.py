@@ -3,8 +3,8 @@ block), recomputed in registers by the forward's own ``block_logits`` (the same 
 ``WIDE_M`` rows as two column halves: the same sums, the same MMA shape).
 
 Grid ``(ceil(C / T), K)`` over a chunk of ``C`` tokens (``T``: ``WIDE_M`` rows in a
-16-divisible build, else ``row_tile``): program ``(i, j)`` rebuilds the ``[T, BLOCK]``
-logits, applies ``transform`` and ``tile_grad`` from the rows'
+16-divisible build, else ``NARROW_M``; fp32: ``row_tile``): program ``(i, j)`` rebuilds
+the ``[T, BLOCK]`` logits, applies ``transform`` and ``tile_grad`` from the rows'
 global ``lse`` / entropy and factors ``w`` / ``w_ent``, and writes ``g`` to ``out [C,
 K * BLOCK]`` in the input dtype (the operand of the two gradient products). Element-wise
 per row: no bit depends on another token or on the TP size.
@@ -21,7 +21,6 @@ from mp_bridge.layers.loss.engines.triton_ops.block_stats import (
     BK,
     NUM_STAGES,
     NUM_WARPS,
-    TILE_M,
     row_tile,
 )
 from mp_bridge.layers.loss.engines.triton_ops.tiles import (
@@ -34,14 +33,15 @@ from mp_bridge.layers.loss.engines.triton_ops.tiles import (
 )
 from mp_bridge.layers.loss.formulas import LossSpec
 
-__all__ = ["WIDE_M", "block_grad"]
+__all__ = ["NARROW_M", "WIDE_M", "block_grad"]
 
-#: Token rows per program where the JIT's build has 16-divisible shapes and pointers
-#: (vectorized ``cp.async`` loads): two ``[128, 128]`` accumulators, ``wgmma m64n128k16``
-#: as at ``TILE_M = 64`` rows, epilogue one half at a time. Without that divisibility the
-#: unvectorized loads spill at 128 rows, so the tile stays ``TILE_M``; the row tile moves
-#: no bit (each row is its own dot, ``k`` in order).
+#: Token rows per program (bf16 / fp16) where the JIT's build has 16-divisible shapes and
+#: pointers (vectorized ``cp.async`` loads): two ``[128, 128]`` accumulators, ``wgmma
+#: m64n128k16`` as at ``NARROW_M = 64`` rows, epilogue one half at a time. Without that
+#: divisibility the unvectorized loads spill at 128 rows, so the tile is ``NARROW_M``; the
+#: row tile moves no bit (each row is its own dot, ``k`` in order).
 WIDE_M = 128
+NARROW_M = 64
 
 
 def _aligned(*args) -> bool:
@@ -131,10 +131,9 @@ def block_grad(
         return out
     args, flags = grad_params(spec, w, w_ent, ent, colw, wab)
     tm = row_tile(h.dtype)
-    if tm == TILE_M and _aligned(
-        h, weight, out, n, hd, weight.shape[0], h.stride(0), weight.stride(0)
-    ):
-        tm = WIDE_M
+    if h.dtype != torch.float32:
+        aligned = _aligned(h, weight, out, n, hd, weight.shape[0], h.stride(0), weight.stride(0))
+        tm = WIDE_M if aligned else NARROW_M
     _block_grad_kernel[(triton.cdiv(n, tm), n_blocks)](
         h, h.stride(0), weight, weight.stride(0), out, out.stride(0), n, hd, weight.shape[0],
         num_valid, temp, tcol, lse, *args, **flags, TILE_M=tm, BLOCK=VOCAB_BLOCK, BK=BK,

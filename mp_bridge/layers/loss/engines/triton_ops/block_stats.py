@@ -1,14 +1,17 @@
 """Invariant mode, forward: per-(token tile, vocab block) statistics with the logits in
 registers (the tile never reaches memory).
 
-Grid ``(ceil(N / TILE_M), K)``, ``K`` the shard's real 256-row blocks: program ``(i, j)``
-computes the ``[TILE_M, BLOCK]`` fp32 logits of tokens ``[i TILE_M, (i + 1) TILE_M)``
-against local block ``j`` (``block_logits``: ``k`` in ``BK`` steps, in order),
-``transform``, then ``tile_stats`` over the block's true columns, and writes the
-block's ``[S]`` statistics of each row to ``stats [S, K, N]``. A row's statistics depend
-on its own hidden row and the block's weight rows alone: not on ``N``, the tile it shares,
-the chunk or the TP size. The engine then folds the ``K`` blocks in the canonical tree
-(``blocks.fold_blocks``, ``reduce.gather_fold``).
+Grid ``(ceil(N / T), K)``, ``T = row_tile`` (bf16 / fp16: ``TILE_M = 128`` rows; fp32:
+``TILE_M_FP32 = 32``), ``K`` the shard's real 256-row blocks: program ``(i, j)`` computes
+the ``[T, BLOCK]`` fp32 logits of tokens ``[i T, (i + 1) T)`` against local block ``j``
+(``block_logits``: ``k`` in ``BK`` steps, in order), ``transform``, then ``tile_stats``
+over the block's true columns, and writes the block's ``[S]`` statistics of each row to
+``stats [S, K, N]``. bf16 / fp16 build the logits as two ``[128, 128]`` column halves and
+take the statistics of each (columns ``[0, 128)`` and ``[128, 256)`` of the block),
+merged left with right by ``merge_stats2``; fp32 takes them over the whole ``[32, 256]``
+tile. A row's statistics depend on its own hidden row and the block's weight rows alone:
+not on ``N``, the tile it shares, the chunk or the TP size. The engine then folds the
+``K`` blocks in the canonical tree (``blocks.fold_blocks``, ``reduce.gather_fold``).
 """
 
 from __future__ import annotations
@@ -22,31 +25,60 @@ from mp_bridge.layers.loss.engines.triton_ops.tiles import (
     FP_FUSION,
     INTERPRET,
     block_logits,
-    stats_of,
+    merge_stats2,
+    stats_at,
     stats_params,
 )
 from mp_bridge.layers.loss.formulas import LossSpec
 
-__all__ = ["BK", "NUM_STAGES", "NUM_WARPS", "TILE_M", "TILE_M_FP32", "block_stats", "row_tile"]
+__all__ = [
+    "BK",
+    "BK_SPLIT",
+    "NUM_STAGES",
+    "NUM_WARPS",
+    "STAGES_SPLIT",
+    "TILE_M",
+    "TILE_M_FP32",
+    "block_stats",
+    "row_tile",
+    "stats_build",
+]
 
 #: Fixed tiles, never autotuned: part of the invariant bits. ``row_tile(dtype)`` tokens x
 #: one ``VOCAB_BLOCK`` of 256 ids per program, the hidden dim in steps of ``BK``. bf16 /
-#: fp16: 64 rows, the smallest tile Triton lowers to ``wgmma`` (sm_90: ``m64n128k16``,
-#: one warpgroup per 128 columns; 32 rows lower to Ampere's ``mma.sync``); 128 rows spill
-#: the ``[128, 256]`` accumulator plus the statistics epilogue. fp32 (no tensor core, an
-#: FMA dot): 32 rows, since 64 spill. A row's bits do not depend on the row tile (every
-#: element is its own row's dot, ``k`` in order); chunks are whole ``TILE_M`` tiles.
-TILE_M = 64
+#: fp16: 128 rows as two ``[128, 128]`` column halves (``block_logits(..., SPLIT=True)``:
+#: two accumulators sharing each loaded hidden tile, ``wgmma m64n128k16``, one warpgroup
+#: per 64 rows), the statistics of each half (``stats_at``) merged left with right
+#: (``merge_stats2``): no ``[128, 256]`` epilogue. fp32 (no tensor core, an FMA dot): 32
+#: rows, one unsplit ``[32, 256]`` tile, since 64 spill. A row's bits do not depend on
+#: the row tile (every element is its own row's dot, ``k`` in order); chunks are whole
+#: ``row_tile`` tiles.
+TILE_M = 128
 TILE_M_FP32 = 32
+#: ``k`` step of the fp32 statistics and of ``block_grad`` (every dtype).
 BK = 32
+#: ``k`` step and pipelining depth of the bf16 / fp16 statistics: with ``BK = 32`` the
+#: odd (unvectorized) build spills at 128 rows; 16 (one ``k16`` MMA step per iteration:
+#: the same MMA sequence on a GPU) spills in neither build, and 5 stages keep the loads
+#: as far ahead (4 x 16 = 64 ``k``) as 3 stages of 32.
+BK_SPLIT = 16
+STAGES_SPLIT = 5
 NUM_WARPS = 8
-#: Software-pipelining depth of every block kernel's k-loop (pinned, never Triton's default).
+#: Software-pipelining depth of every block kernel's k-loop (pinned, never Triton's
+#: default; the bf16 / fp16 statistics: ``STAGES_SPLIT``).
 NUM_STAGES = 3
 
 
 def row_tile(dtype: torch.dtype) -> int:
     """Token rows per program of the block kernels for inputs of ``dtype`` (fixed)."""
     return TILE_M_FP32 if dtype == torch.float32 else TILE_M
+
+
+def stats_build(dtype: torch.dtype) -> tuple[dict, int]:
+    """The statistics kernel's fixed tile constexprs and pipelining depth for ``dtype``."""
+    if dtype == torch.float32:
+        return dict(TILE_M=TILE_M_FP32, BK=BK, SPLIT=False), NUM_STAGES
+    return dict(TILE_M=TILE_M, BK=BK_SPLIT, SPLIT=True), STAGES_SPLIT
 
 
 @triton.jit
@@ -72,20 +104,31 @@ def _block_stats_kernel(
     TILE_M: tl.constexpr,
     BLOCK: tl.constexpr,
     BK: tl.constexpr,
+    SPLIT: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
     j = tl.program_id(1)
     rows = tl.program_id(0) * TILE_M + tl.arange(0, TILE_M)
-    cols = j * BLOCK + tl.arange(0, BLOCK)
+    # SPLIT (bf16 / fp16): two [TILE_M, BLOCK / 2] accumulators, statistics per half
+    HALF: tl.constexpr = BLOCK // 2 if SPLIT else BLOCK
+    cols = j * BLOCK + tl.arange(0, HALF)
     rmask = rows < n_rows
-    x, _ = block_logits(
+    xa, xb = block_logits(
         h_ptr, h_stride, w_ptr, w_stride, rows, rmask, cols, w_rows, hidden,
-        TILE_M, BLOCK, BK, INTERPRET, False,
+        TILE_M, BLOCK, BK, INTERPRET, SPLIT,
     )  # fmt: skip
-    m, s, t, sz, u, q = stats_of(
-        x, cols, rmask[:, None], rows, rmask, temp_ptr, tcol_ptr, cw_ptr, num_valid, cap,
-        HAS_CAP, HAS_CW,
-    )  # fmt: skip
+    temp = tl.load(temp_ptr + rows, mask=rmask, other=1.0)
+    # int32 (a local id or -1): the per-element target compares in 32 bits, fewer registers
+    tcol = tl.load(tcol_ptr + rows, mask=rmask, other=-1).to(tl.int32)
+    m, s, t, sz, u, q = stats_at(
+        xa, cols, rmask[:, None], temp, tcol, cw_ptr, num_valid, cap, HAS_CAP, HAS_CW
+    )
+    if SPLIT:  # the right half's statistics, merged into the left's (left, right)
+        m2, s2, t2, sz2, u2, q2 = stats_at(
+            xb, cols + HALF, rmask[:, None], temp, tcol, cw_ptr, num_valid, cap, HAS_CAP,
+            HAS_CW,
+        )  # fmt: skip
+        m, s, t, sz, u, q = merge_stats2(m, s, t, sz, u, q, m2, s2, t2, sz2, u2, q2)
     out = stats_ptr + j * n_rows + rows
     plane = n_blocks * n_rows
     tl.store(out, m, mask=rmask)
@@ -117,11 +160,10 @@ def block_stats(
     if n == 0 or n_blocks == 0:
         return stats
     args, flags = stats_params(spec, colw, temp)
-    tm = row_tile(h.dtype)
-    _block_stats_kernel[(triton.cdiv(n, tm), n_blocks)](
+    tiles, stages = stats_build(h.dtype)
+    _block_stats_kernel[(triton.cdiv(n, tiles["TILE_M"]), n_blocks)](
         h, h.stride(0), weight, weight.stride(0), stats, temp, tcol, n, hd, weight.shape[0],
-        n_blocks, num_valid, *args, **flags, TILE_M=tm, BLOCK=VOCAB_BLOCK, BK=BK,
-        INTERPRET=INTERPRET, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
-        enable_fp_fusion=FP_FUSION,
+        n_blocks, num_valid, *args, **flags, **tiles, BLOCK=VOCAB_BLOCK, INTERPRET=INTERPRET,
+        num_warps=NUM_WARPS, num_stages=stages, enable_fp_fusion=FP_FUSION,
     )  # fmt: skip
     return stats

@@ -52,6 +52,7 @@ __all__ = [
     "grad_params",
     "kernel_column_weights",
     "rounded",
+    "stats_at",
     "stats_of",
     "stats_params",
     "merge_stats2",
@@ -114,14 +115,13 @@ def transform(x, temp, cap, HAS_CAP: tl.constexpr):
 def tile_stats(z, valid, is_target, zs):
     """Per-row ``(m, s, tl, sz, u, q)`` of the true columns ``valid`` of ``z [R, C]``;
     ``sz`` sums ``zs`` (``z``, or ``z`` times the column weights)."""
-    zm = tl.where(valid, z, float("-inf"))
-    m = tl.max(zm, 1)
-    shift = tl.where(m == float("-inf"), 0.0, m)
-    d = zm - shift[:, None]
-    e = tl.exp(d)  # 0 off the true columns
-    s = tl.sum(e, 1)
     tlg = tl.sum(tl.where(is_target, z, 0.0), 1)
     sz = tl.sum(tl.where(valid, zs, 0.0), 1)
+    m = tl.max(tl.where(valid, z, float("-inf")), 1)
+    shift = tl.where(m == float("-inf"), 0.0, m)
+    d = tl.where(valid, z - shift[:, None], float("-inf"))
+    e = tl.exp(d)  # 0 off the true columns
+    s = tl.sum(e, 1)
     u = tl.sum(e * tl.where(e > 0, d, 0.0), 1)  # 0 log 0 = 0, no nan
     q = tl.sum(e * e, 1)
     return m, s, tlg, sz, u, q
@@ -254,6 +254,16 @@ def stats_of(
     column weights ``cw_ptr [num_valid]`` (local ids)."""
     temp = tl.load(temp_ptr + rows, mask=rmask, other=1.0)
     tcol = tl.load(tcol_ptr + rows, mask=rmask, other=-1)
+    return stats_at(x, ids, inside, temp, tcol, cw_ptr, num_valid, cap, HAS_CAP, HAS_CW)
+
+
+@triton.jit
+def stats_at(
+    x, ids, inside, temp, tcol, cw_ptr, num_valid, cap, HAS_CAP: tl.constexpr,
+    HAS_CW: tl.constexpr,
+):  # fmt: skip
+    """``stats_of`` with the rows' temperatures ``temp`` and target columns ``tcol``
+    already loaded (a kernel with several tiles per row loads them once)."""
     z, _ = transform(x, temp, cap, HAS_CAP)
     valid = inside & (ids < num_valid)[None, :]
     zs = z

@@ -1,9 +1,10 @@
 """Invariant mode (``invariant=True``): fixed Triton tiles over 256-row vocab blocks and
 token tiles, folded in the canonical block tree; no cuBLAS GEMM feeds a bit.
 
-Tokens go in chunks of whole ``TILE_M`` and ``block_dweight.TILE_K`` tiles
-(``call.chunk_size`` rounded up to a multiple of both; the chunk only bounds memory). Per
-chunk of ``C`` tokens, ``K`` real local blocks:
+Tokens go in chunks of whole row tiles and ``block_dweight.TILE_K`` tiles
+(``call.chunk_size`` rounded up to a multiple of ``block_stats.row_tile``, 128 tokens in
+bf16 / fp16 and 32 in fp32, and of ``TILE_K``; the chunk only bounds memory). Per chunk of
+``C`` tokens, ``K`` real local blocks:
 
 - forward: ``block_stats`` (logits in registers) -> ``[S, K, C]``; once per group of
   chunks (``FOLD_TOKENS``), TP > 1 all-gathers every rank's raw block statistics (one
@@ -54,7 +55,7 @@ from mp_bridge.layers.loss.engines.triton_ops.block_dweight import (
     block_dweight_,
 )
 from mp_bridge.layers.loss.engines.triton_ops.block_grad import block_grad
-from mp_bridge.layers.loss.engines.triton_ops.block_stats import TILE_M, block_stats
+from mp_bridge.layers.loss.engines.triton_ops.block_stats import block_stats, row_tile
 from mp_bridge.layers.loss.engines.triton_ops.dhidden import dhidden
 from mp_bridge.layers.loss.engines.triton_ops.fold_stats import fold_stats
 from mp_bridge.layers.loss.engines.triton_ops.tiles import kernel_column_weights
@@ -87,13 +88,13 @@ class TritonInvariantRunner:
     tp_group: dist.ProcessGroup | None
     layout: BlockLayout
     spec: LossSpec
-    chunk: int  # tokens per chunk, a multiple of TILE_M and TILE_K
+    chunk: int  # tokens per chunk, a multiple of row_tile(weight.dtype) and TILE_K
 
     @classmethod
     def build(cls, weight, tp_group, shard, spec, chunk_size: int | None) -> TritonInvariantRunner:
         layout = BlockLayout.of_shard(shard)  # raises before any collective
         chunk = chunk_size or DEFAULT_CHUNK_TOKENS
-        tile = math.lcm(TILE_M, TILE_K)
+        tile = math.lcm(row_tile(weight.dtype), TILE_K)
         return cls(weight, tp_group, layout, spec, -(-chunk // tile) * tile)
 
     @property
