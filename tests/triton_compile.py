@@ -78,6 +78,7 @@ def _kernels(dt: str):
             BVW=block_dweight.BVW,
             BH=block_dweight.BH,
             ADD=True,
+            GROUP_V=block_dweight.GROUP_V,
             INTERPRET=False,
         ),
     )

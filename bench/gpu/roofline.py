@@ -76,9 +76,9 @@ TILE_M, TILE_DH, BH = 128, 128, 64  # block_stats.TILE_M, block_dhidden.TILE_M, 
 TILE_M_FP32 = 32  # block_stats.TILE_M_FP32: every fp32 row tile (row_tile)
 #: Token rows per program of each logits kernel in the running (16-divisible) build
 ROW_TILE = {"_block_stats_kernel": TILE_M, "_block_grad_kernel": 128}  # block_grad.WIDE_M
-BVW, BHW, TILE_K = 128, 256, 64  # block_dweight.BVW, .BH (bf16 / fp16), .TILE_K
+BVW, BHW, TILE_K, GROUP_V = 128, 256, 64, 8  # block_dweight.BVW, .BH (bf16 / fp16), .TILE_K
 BVW_FP32 = BHW_FP32 = 64  # block_dweight.BVW_FP32, .BH_FP32
-CHUNK = 1024  # triton_invariant.DEFAULT_CHUNK_TOKENS
+CHUNK = 1024  # triton_invariant.DEFAULT_CHUNK_TOKENS: times TP (``chunk``)
 FOLD_TOKENS = 8192  # triton_invariant.FOLD_TOKENS: tokens folded at once (whole chunks)
 STATS = 4  # S: (m, s, target, sum z) for plain cross-entropy
 
@@ -212,7 +212,7 @@ def block_logits_pass(s: Shape, facts, name: str, label: str, out_bytes: float) 
     each program streams its ``[TILE_M, H]`` hidden tile and ``[256, H]`` weight block."""
     f = _fact(facts, name, s.dtype)
     tm = TILE_M_FP32 if s.dtype == "fp32" else ROW_TILE[name]
-    c, k = min(CHUNK, s.n), s.v_local // VOCAB_BLOCK
+    c, k = chunk(s), s.v_local // VOCAB_BLOCK
     chunks = math.ceil(s.n / c)
     programs = chunks * math.ceil(c / tm) * k
     w_block = VOCAB_BLOCK * s.h * s.elt
@@ -241,7 +241,7 @@ def dhidden_pass(s: Shape, facts) -> Kernel:
     ``busy`` scales the compute and L2 rates (``Kernel.busy``)."""
     f = _fact(facts, "_dhidden_kernel", s.dtype)
     tm, bh, bk = DH_TILE[s.dtype]
-    c, hc = min(CHUNK, s.n), math.ceil(s.h / s.tp)
+    c, hc = chunk(s), math.ceil(s.h / s.tp)
     chunks = math.ceil(s.n / c)
     tiles, cols = math.ceil(c / tm), math.ceil(hc / bh)
     programs = chunks * tiles * cols
@@ -255,25 +255,30 @@ def dhidden_pass(s: Shape, facts) -> Kernel:
 
 
 def block_dweight_pass(s: Shape, facts) -> Kernel:
-    """Grid ``(H / BHW, R / BVW)``, hidden tiles fastest; each program loads its fp32
+    """``H / BHW x R / BVW`` programs in groups of ``GROUP_V`` vocab tiles (vocab tiles
+    fastest inside a group, then the hidden tiles); each program loads its fp32
     ``[BVW, BHW]`` accumulator, adds ``g^T h`` over the chunk's ``TILE_K``-token steps
     (one ``[BVW, TILE_K]`` ``g^T`` tile and ``[TILE_K, BHW]`` of ``h`` per step), stores
     it. A single chunk (``N <= CHUNK``) starts from zero and writes ``d W`` in the input
     dtype: no accumulator traffic."""
     f = _fact(facts, "_block_dweight_kernel", s.dtype)
     bvw, bhw = (BVW_FP32, BHW_FP32) if s.dtype == "fp32" else (BVW, BHW)
-    c = min(CHUNK, s.n)
+    c = chunk(s)
     chunks = math.ceil(s.n / c)
     rows, cols = math.ceil(s.v_local / bvw), math.ceil(s.h / bhw)
     programs = chunks * rows * cols
     g_chunk = c * s.v_local * s.elt
     h_chunk = c * s.h * s.elt
-    # g[:, v-tile]: its H / BHW users are consecutive -> once per chunk; h[:, c-tile] is
-    # reused one grid row (H / BHW programs) later, touching the h chunk + one g slice
-    h_reads = 1 if fits(h_chunk + c * bvw * s.elt) else rows
+    # g[:, v-tile]: its H / BHW users sit in one group, GROUP_V programs apart, touching
+    # GROUP_V g slices + one h slice -> once per chunk; h[:, c-tile]: its GROUP_V users in a
+    # group run back to back -> once per group (the next group is a whole h chunk later)
+    group = min(GROUP_V, rows)
+    between = group * c * bvw * s.elt + c * bhw * s.elt
+    g_reads = 1 if fits(between) else cols
+    h_reads = 1 if fits(h_chunk + group * c * bvw * s.elt) else math.ceil(rows / group)
     acc = s.v_local * s.h * F32
     out = s.v_local * s.h * s.elt if chunks == 1 else 2 * chunks * acc
-    hbm = chunks * (g_chunk + h_reads * h_chunk) + out
+    hbm = chunks * (g_reads * g_chunk + h_reads * h_chunk) + out
     l2 = programs * math.ceil(c / TILE_K) * (bvw + bhw) * TILE_K * s.elt
     return Kernel("invariant", "bwd: block_dweight (dW += g^T h, fp32 acc)", _triton_kind(f),
                   2.0 * s.n * s.v_local * s.h, hbm, l2, facts=_facts_text(f))  # fmt: skip
@@ -295,7 +300,7 @@ def fold_stats_pass(s: Shape) -> Kernel:
     statistics of all ``K = V / 256`` blocks (at TP 8 every rank's, all-gathered): reads
     ``S K N`` fp32, writes the ``S N`` root. Its scratch (``S ceil(K / 16)`` fp32 per
     token: 4 MiB per group at ``K = 512``) stays in L2, uncounted."""
-    c = min(CHUNK, s.n)
+    c = chunk(s)
     groups = math.ceil(s.n / max(c, FOLD_TOKENS // c * c))
     k = s.v // VOCAB_BLOCK
     hbm = STATS * k * s.n * F32 + STATS * s.n * F32
@@ -303,8 +308,13 @@ def fold_stats_pass(s: Shape) -> Kernel:
                     launches=groups, facts="Triton, 1 launch per 8192 tokens")  # fmt: skip
 
 
+def chunk(s: Shape) -> int:
+    """Tokens per chunk of the invariant mode (``triton_invariant.default_chunk``)."""
+    return min(CHUNK * s.tp, s.n)
+
+
 def invariant_mode(s: Shape, facts) -> list[Kernel]:
-    c, k = min(CHUNK, s.n), s.v_local // VOCAB_BLOCK
+    c, k = chunk(s), s.v_local // VOCAB_BLOCK
     chunks = math.ceil(s.n / c)
     grad = f"bwd: block_grad (g {s.dtype})"
     kernels = [
@@ -318,7 +328,8 @@ def invariant_mode(s: Shape, facts) -> list[Kernel]:
     ]  # fp32: the fp32 accumulator is d W itself (``acc.to(fp32)`` copies nothing); bf16:
     copy = Kernel("invariant", "bwd: dW fp32 acc -> bf16", "memory", facts="torch copy",
                   hbm=s.v_local * s.h * (F32 + BF16))  # fmt: skip
-    return kernels if s.dtype == "fp32" else [*kernels, copy]
+    # one chunk: block_dweight writes d W in the input dtype, no accumulator to copy
+    return kernels if s.dtype == "fp32" or chunks == 1 else [*kernels, copy]
 
 
 #: Each mode's kernels, in call order: a new kernel is a new entry.

@@ -57,9 +57,14 @@ def test_block_dweight_at_a_small_shape_and_its_g_reads_at_the_production_one():
     assert k.l2 == 196_608
     assert k.times["compute"] == pytest.approx(4_194_304 / (0.8 * 786e12))
     big = rl.block_dweight_pass(rl.Shape(8192, 4096, 131072), FACTS)
-    # hidden tiles fastest: each 256 MiB g chunk read once (its 32 hidden-tile users run
-    # together), 8 chunks; h chunk 8 MiB + one g slice fits: once per chunk; + acc in, out
+    # groups of 8 vocab tiles: each 256 MiB g chunk read once (8 g slices + one h slice
+    # between its users fit), 8 chunks; h chunk 8 MiB + 8 g slices fits: once per chunk;
+    # + acc in, out
     assert big.hbm == 8 * 268_435_456 + 8 * 8_388_608 + 8 * 2 * 2_147_483_648
+    tp8 = rl.block_dweight_pass(rl.Shape(8192, 4096, 131072, tp=8), FACTS)
+    # one chunk of 8192 tokens: g [8192, 16384] bf16 once; h [8192, 4096] bf16 (64 MiB > L2)
+    # once per group of 8 of the 128 vocab tiles: 16 times; d W bf16 [16384, 4096] written
+    assert tp8.hbm == 268_435_456 + 16 * 67_108_864 + 134_217_728
 
 
 def test_dhidden_by_column_ownership_at_a_small_shape_and_the_production_ones():
@@ -77,10 +82,12 @@ def test_dhidden_by_column_ownership_at_a_small_shape_and_the_production_ones():
     assert tp1.hbm == 8 * (268_435_456 + 1_073_741_824 + 16_777_216)
     assert tp1.l2 == 8 * 128 * 2048 * 49_152 and tp1.busy == pytest.approx(128 / 132)
     tp8 = rl.dhidden_pass(rl.Shape(8192, 4096, 131072, tp=8), FACTS)
-    # the whole vocab, 512 of the 4096 columns: 8 x 2 = 16 programs per chunk
-    assert tp8.flops == 2 * 8192 * 131072 * 512 and tp8.busy == pytest.approx(16 / 132)
-    assert tp8.hbm == 8 * (268_435_456 + 134_217_728 + 2_097_152)
-    assert tp8.l2 == 8 * 16 * 2048 * 49_152
+    # the whole vocab, 512 of the 4096 columns; one chunk of 1024 x 8 tokens: 64 x 2 = 128
+    # programs; g_full [8192, 131072] bf16 once, W columns [131072, 512] bf16 once, d h
+    # columns [8192, 512] fp32 out
+    assert tp8.flops == 2 * 8192 * 131072 * 512 and tp8.busy == pytest.approx(128 / 132)
+    assert tp8.hbm == 2_147_483_648 + 134_217_728 + 16_777_216
+    assert tp8.l2 == 128 * 2048 * 49_152
 
 
 def test_the_default_modes_first_gemm():
@@ -175,17 +182,18 @@ def test_the_default_modes_peak_memory_by_hand():
 
 def test_the_invariant_modes_peak_memory_by_hand():
     mm = rl_memory()
-    # 8192 x 4096 x 131072 bf16, TP 1: the end holds d h fp32 128 MiB, the fp32 d W
-    # accumulator 2048, d W bf16 1024 and d h bf16 64
+    # 8192 x 4096 x 131072 bf16, TP 1 (8 chunks of 1024): the end holds d h fp32 128 MiB,
+    # the fp32 d W accumulator 2048, d W bf16 1024 and d h bf16 64
     phases = mm.invariant_phases(8192, 4096, 131072, 1, 2)
-    assert max(phases.values()) == phases["end (d h, d W acc, d W, d h copy)"]
-    assert phases["end (d h, d W acc, d W, d h copy)"] == (128 + 2048 + 1024 + 64) * 2**20
+    assert max(phases.values()) == phases["end (d h, d W, d h copy)"]
+    assert phases["end (d h, d W, d h copy)"] == (128 + 2048 + 1024 + 64) * 2**20
     # a chunk: d h 128 + acc 2048 + g [1024, 131072] bf16 256
-    assert phases["backward chunk (d h, d W acc, g)"] == (128 + 2048 + 256) * 2**20
-    # TP 8 per rank: acc 256 MiB, local g 32, gathered g 256, W columns [131072, 512] 128,
-    # two [1024, 4096] fp32 column buffers 32
+    assert phases["backward chunk (d h, d W, g)"] == (128 + 2048 + 256) * 2**20
+    # TP 8 per rank, one chunk of 8192 tokens: d h 128 MiB, d W bf16 [16384, 4096] 128 (no
+    # accumulator), local g [8192, 16384] 256, gathered g [8192, 131072] 2048, W columns
+    # [131072, 512] 128, this rank's [8192, 512] fp32 columns 16 and the 8 gathered 128
     tp8 = mm.invariant_phases(8192, 4096, 131072, 8, 2)
-    assert tp8["backward chunk (d h, d W acc, g)"] == (128 + 256 + 32 + 256 + 128 + 32) * 2**20
+    assert tp8["backward chunk (d h, d W, g)"] == (128 + 128 + 256 + 2048 + 128 + 16 + 128) * 2**20
 
 
 def rl_memory():

@@ -67,17 +67,27 @@ from mp_bridge.layers.loss.reduce import (
     gather_columns,
 )
 
-__all__ = ["DEFAULT_CHUNK_TOKENS", "FOLD_TOKENS", "TritonInvariantRunner"]
+__all__ = ["DEFAULT_CHUNK_TOKENS", "FOLD_TOKENS", "TritonInvariantRunner", "default_chunk"]
 
-#: Tokens per chunk without ``chunk_size``: ``g`` is ``[1024, V_local]`` in the input
-#: dtype (256 MiB at V_local = 131072 in bf16); at TP > 1 the gathered ``g`` is ``[1024,
-#: V]`` (``dhidden``).
+#: Tokens per chunk without ``chunk_size``, times the TP size (``default_chunk``): ``g`` is
+#: ``[1024 TP, V / TP]`` in the input dtype (256 MiB at V = 131072 in bf16, at every TP).
+#: Why times TP: ``dhidden``'s grid is ``C / 128 x H / (256 TP)`` programs, 128 at ``C =
+#: 1024``, ``H = 4096``, TP 1, but 16 at TP 8 with ``C = 1024``: the whole-vocab ``k`` loop
+#: of each would leave 7 / 8 of an H200's 132 SMs idle. The price: the gathered ``g [C,
+#: V]`` (TP > 1) is ``TP x`` that of TP 1 (2 GiB at TP 8, V = 131072, bf16); pass
+#: ``chunk_size`` to bound it. No bit depends on the chunk.
 DEFAULT_CHUNK_TOKENS = 1024
 #: Tokens whose per-block statistics are folded at once (whole chunks): one ``fold_stats``
 #: launch and (TP > 1) one all-gather per group, not per chunk; ``[S, K, 8192]`` fp32 is
 #: 64 MiB at ``K = 512`` blocks (all ranks' at TP > 1), ``S = 4``. The fold is element-wise
 #: in the tokens: no bit depends on the grouping.
 FOLD_TOKENS = 8192
+
+
+def default_chunk(tp_size: int) -> int:
+    """Tokens per chunk without ``chunk_size`` at TP ``tp_size`` (see
+    ``DEFAULT_CHUNK_TOKENS``)."""
+    return DEFAULT_CHUNK_TOKENS * tp_size
 
 
 @dataclass(frozen=True, eq=False)
@@ -93,7 +103,7 @@ class TritonInvariantRunner:
     @classmethod
     def build(cls, weight, tp_group, shard, spec, chunk_size: int | None) -> TritonInvariantRunner:
         layout = BlockLayout.of_shard(shard)  # raises before any collective
-        chunk = chunk_size or DEFAULT_CHUNK_TOKENS
+        chunk = chunk_size or default_chunk(layout.tp_size)
         tile = math.lcm(row_tile(weight.dtype), TILE_K)
         return cls(weight, tp_group, layout, spec, -(-chunk // tile) * tile)
 
