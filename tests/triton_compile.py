@@ -46,7 +46,7 @@ def _kernels(dt: str):
     16-divisible (as here: no divisibility attributes)."""
     tm = block_stats.row_tile(TORCH[dt])
     stats, _ = block_stats.stats_build(TORCH[dt])
-    grad = dict(TILE_M=tm if dt == "fp32" else block_grad.NARROW_M, BK=block_stats.BK)
+    grad = dict(TILE_M=tm if dt == "fp32" else block_grad.NARROW_M, BK=stats["BK"])
     yield (
         row_stats._row_stats_kernel,
         {"z_ptr": "fp32", "stats_ptr": "fp32"},

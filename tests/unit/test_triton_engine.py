@@ -168,6 +168,24 @@ def test_invariant_bits_do_not_depend_on_chunks_or_other_tokens():
             assert torch.equal(got[2], ref[2]), (chunk, front)
 
 
+def test_bf16_invariant_bits_do_not_depend_on_chunks_or_other_tokens():
+    """bf16 runs 128-row tiles and chunks of whole 128 + 64 tokens: 300 tokens in one
+    chunk against chunks of 128 with 40 unrelated tokens (zero upstream) in front (values
+    and d h) or behind (d W too: ``d W`` sums tokens in 64-token steps from the first,
+    so tokens in front regroup them)."""
+    hidden, weight, target = _data(torch.bfloat16, n=300, seed=3)
+    extra_h, _, extra_t = _data(torch.bfloat16, n=40, seed=9)
+    up, zeros = torch.linspace(0.5, 1.5, 300), torch.zeros(40)
+    ref = _invariant(hidden, weight, target, None, up)
+    front = _invariant(torch.cat([extra_h, hidden]), weight, torch.cat([extra_t, target]),
+                       128, torch.cat([zeros, up]))  # fmt: skip
+    assert torch.equal(front[0][40:], ref[0]) and torch.equal(front[1][40:], ref[1])
+    back = _invariant(torch.cat([hidden, extra_h]), weight, torch.cat([target, extra_t]),
+                      128, torch.cat([up, zeros]))  # fmt: skip
+    assert torch.equal(back[0][:300], ref[0]) and torch.equal(back[1][:300], ref[1])
+    assert torch.equal(back[2], ref[2])  # one chunk written directly = three accumulated
+
+
 def test_fp64_under_an_explicit_triton_engine_is_a_value_error():
     # The kernels take fp32 / bf16 / fp16 (registry.ENGINE_CAPS): no silent torch fallback.
     hidden, weight, target = _data(torch.float64)

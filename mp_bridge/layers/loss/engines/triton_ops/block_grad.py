@@ -18,10 +18,9 @@ import triton.language as tl
 
 from mp_bridge.layers.loss.blocks import VOCAB_BLOCK
 from mp_bridge.layers.loss.engines.triton_ops.block_stats import (
-    BK,
-    NUM_STAGES,
     NUM_WARPS,
     row_tile,
+    stats_build,
 )
 from mp_bridge.layers.loss.engines.triton_ops.tiles import (
     FP_FUSION,
@@ -39,7 +38,9 @@ __all__ = ["NARROW_M", "WIDE_M", "block_grad"]
 #: pointers (vectorized ``cp.async`` loads): two ``[128, 128]`` accumulators, ``wgmma
 #: m64n128k16`` as at ``NARROW_M = 64`` rows, epilogue one half at a time. Without that
 #: divisibility the unvectorized loads spill at 128 rows, so the tile is ``NARROW_M``; the
-#: row tile moves no bit (each row is its own dot, ``k`` in order).
+#: row tile moves no bit (each row is its own dot, ``k`` in order). The ``k`` step and the
+#: pipelining depth are ``block_stats.stats_build``'s (bf16 / fp16: 16, 5 stages): the
+#: recomputed logits are the forward's, bit for bit, on a GPU and under the interpreter.
 WIDE_M = 128
 NARROW_M = 64
 
@@ -131,13 +132,14 @@ def block_grad(
         return out
     args, flags = grad_params(spec, w, w_ent, ent, colw, wab)
     tm = row_tile(h.dtype)
+    build, stages = stats_build(h.dtype)  # block_stats' k step: the same logits bits
     if h.dtype != torch.float32:
         aligned = _aligned(h, weight, out, n, hd, weight.shape[0], h.stride(0), weight.stride(0))
         tm = WIDE_M if aligned else NARROW_M
     _block_grad_kernel[(triton.cdiv(n, tm), n_blocks)](
         h, h.stride(0), weight, weight.stride(0), out, out.stride(0), n, hd, weight.shape[0],
-        num_valid, temp, tcol, lse, *args, **flags, TILE_M=tm, BLOCK=VOCAB_BLOCK, BK=BK,
-        INTERPRET=INTERPRET, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+        num_valid, temp, tcol, lse, *args, **flags, TILE_M=tm, BLOCK=VOCAB_BLOCK,
+        BK=build["BK"], INTERPRET=INTERPRET, num_warps=NUM_WARPS, num_stages=stages,
         enable_fp_fusion=FP_FUSION,
     )  # fmt: skip
     return out
