@@ -73,7 +73,7 @@ DEFAULT_MS = 52.0
 #: file is keyed by kernel name).
 SLAB_ELEMENTS = 1 << 24  # triton_default.SLAB_ELEMENTS
 VOCAB_BLOCK = 256  # blocks.VOCAB_BLOCK
-TILE_M, TILE_DH, BH = 128, 128, 64  # block_stats.TILE_M, block_dhidden.TILE_M, .BH
+TILE_M = 128  # block_stats.TILE_M
 TILE_M_FP32 = 32  # block_stats.TILE_M_FP32: every fp32 row tile (row_tile)
 #: Token rows per program of each logits kernel in the running (16-divisible) build
 ROW_TILE = {"_block_stats_kernel": TILE_M, "_block_grad_kernel": 128}  # block_grad.WIDE_M

@@ -11,7 +11,8 @@ take the statistics of each (columns ``[0, 128)`` and ``[128, 256)`` of the bloc
 merged left with right by ``merge_stats2``; fp32 takes them over the whole ``[32, 256]``
 tile. A row's statistics depend on its own hidden row and the block's weight rows alone:
 not on ``N``, the tile it shares, the chunk or the TP size. The engine then folds the
-``K`` blocks in the canonical tree (``blocks.fold_blocks``, ``reduce.gather_fold``).
+``K`` blocks in the canonical tree (``fold_stats``; at TP > 1 on every rank's gathered
+statistics: ``reduce.gather_blocks``).
 """
 
 from __future__ import annotations
