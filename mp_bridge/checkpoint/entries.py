@@ -30,7 +30,14 @@ from torch.distributed.tensor import DTensor
 from mp_bridge.checkpoint.dcp_adapter import PiecesTensor
 from mp_bridge.layers import ShardSpec, shard_spec
 
-__all__ = ["Entry", "model_entries", "optimizer_entries", "param_name", "param_names"]
+__all__ = [
+    "Entry",
+    "model_entries",
+    "optimizer_class",
+    "optimizer_entries",
+    "param_name",
+    "param_names",
+]
 
 MODEL, OPTIM, OPTIM_GROUP = "model.", "optim.", "optim_group."
 
@@ -112,6 +119,13 @@ def model_entries(model: nn.Module, prefix: str = "") -> dict[str, Entry]:
         if name in persistent:
             out[MODEL + prefix + name] = Entry(MODEL + prefix + name, buf.detach(), shard_spec(buf))
     return out
+
+
+def optimizer_class(optimizer: torch.optim.Optimizer) -> str:
+    """``module.QualName`` of ``optimizer``'s class, as a checkpoint records it (a load
+    into another class is refused: its state names would not match)."""
+    cls = type(optimizer)
+    return f"{cls.__module__}.{cls.__qualname__}"
 
 
 def optimizer_entries(

@@ -30,7 +30,9 @@ class CheckpointInfo:
     ``group_sizes``: each sharded parameter's group size at save (single-process names);
     ``grids``: for a colocated MIMO model, ``{"encoder": {...}, "llm": {...}}`` with each
     grid's ``shape``, ``axis_names`` and ``rank_offset`` (else ``{}``); ``has_optimizer``:
-    whether optimizer state was saved; ``path``: where it was read from.
+    whether optimizer state was saved; ``optimizer``: its class, ``module.QualName`` (``""``
+    without one, and in checkpoints saved before it was recorded); ``path``: where it was
+    read from.
     """
 
     step: int
@@ -40,6 +42,7 @@ class CheckpointInfo:
     group_sizes: dict[str, int] = field(default_factory=dict)
     grids: dict[str, dict] = field(default_factory=dict)
     has_optimizer: bool = False
+    optimizer: str = ""
     path: str = ""
 
     def to_json(self) -> dict:
@@ -51,6 +54,7 @@ class CheckpointInfo:
             "group_sizes": self.group_sizes,
             "grids": self.grids,
             "has_optimizer": self.has_optimizer,
+            "optimizer": self.optimizer,
         }
 
 
@@ -92,7 +96,7 @@ def read_info(directory: str) -> CheckpointInfo:
             step=int(raw["step"]), extra=raw["extra"], format_version=version,
             world_size=int(raw["world_size"]), group_sizes=dict(raw["group_sizes"]),
             grids=dict(raw["grids"]), has_optimizer=bool(raw["has_optimizer"]),
-            path=directory,
+            optimizer=str(raw.get("optimizer", "")), path=directory,
         )  # fmt: skip
         files = dict(raw["files"])
     except (ValueError, KeyError, TypeError) as exc:

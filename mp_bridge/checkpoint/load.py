@@ -37,6 +37,7 @@ from mp_bridge.checkpoint.entries import (
     OPTIM_GROUP,
     Entry,
     model_entries,
+    optimizer_class,
     param_name,
     param_names,
 )
@@ -195,6 +196,12 @@ def load(
             raise ValueError(
                 f"checkpoint at {path!r} holds no optimizer state; pass optimizer=None "
                 f"(a model-only load) or a checkpoint saved with its optimizer"
+            )
+        if optimizer is not None and info.optimizer not in ("", optimizer_class(optimizer)):
+            raise ValueError(
+                f"checkpoint at {path!r} holds the state of a {info.optimizer}, not of "
+                f"optimizer={optimizer_class(optimizer)}; pass a {info.optimizer}, or "
+                f"optimizer=None to load the model alone (the new optimizer starts fresh)"
             )
         entries = model_entries(model, prefix)
     except (ValueError, TypeError, OSError) as exc:

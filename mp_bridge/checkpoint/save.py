@@ -37,7 +37,13 @@ from torch import nn
 from mp_bridge.checkpoint import rng
 from mp_bridge.checkpoint.ckpt_arguments import check_common, check_extra
 from mp_bridge.checkpoint.dcp_adapter import PiecesSavePlanner
-from mp_bridge.checkpoint.entries import MODEL, Entry, model_entries, optimizer_entries
+from mp_bridge.checkpoint.entries import (
+    MODEL,
+    Entry,
+    model_entries,
+    optimizer_class,
+    optimizer_entries,
+)
 from mp_bridge.checkpoint.info import FORMAT_VERSION, CheckpointInfo, write_info
 from mp_bridge.checkpoint.publish import check_target, clean_leftovers, publish, staging_dir
 from mp_bridge.checkpoint.ranks import (
@@ -225,6 +231,7 @@ def save(
         step=step, extra=extra, format_version=FORMAT_VERSION,
         world_size=group_size(group), group_sizes=dict(sorted(sizes.items())),
         grids=_grids(model), has_optimizer=optimizer is not None,
+        optimizer="" if optimizer is None else optimizer_class(optimizer),
     )  # fmt: skip
     if not async_save:
         _write(path, _dcp_state(entries, objects, snapshot=False), info, group)

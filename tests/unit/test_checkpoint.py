@@ -117,7 +117,8 @@ def test_round_trip_restores_weights_adam_state_lr_rng_and_stateful(tmp_path):
     assert torch.equal(again[0], draws[0]) and again[1:] == draws[1:]  # RNG restored
     assert info == CheckpointInfo(
         step=5, extra={"run": "a"}, format_version=FORMAT_VERSION, world_size=1,
-        group_sizes={"embed.weight": 1, "gate_up": 1}, grids={}, has_optimizer=True, path=path,
+        group_sizes={"embed.weight": 1, "gate_up": 1}, grids={}, has_optimizer=True,
+        optimizer="torch.optim.adamw.AdamW", path=path,
     )  # fmt: skip
     for k, v in other.state_dict().items():
         assert torch.equal(v, weights[k]), k
@@ -329,6 +330,28 @@ def test_sgd_momentum_round_trip(tmp_path):
         assert torch.equal(opt.state[p]["momentum_buffer"], other_opt.state[q]["momentum_buffer"])
 
 
+def test_an_optimizer_of_another_class_is_refused_by_name_and_changes_nothing(tmp_path):
+    model = Toy()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    opt.step()
+    save(tmp_path / "ck", model, opt)
+    other = Toy()
+    before = [p.detach().clone() for p in other.parameters()]
+    adam = torch.optim.Adam(other.parameters())
+    with pytest.raises(
+        ValueError,
+        match=r"holds the state of a torch\.optim\.sgd\.SGD, not of optimizer="
+        r"torch\.optim\.adam\.Adam; pass a torch\.optim\.sgd\.SGD, or optimizer=None",
+    ):
+        load(tmp_path / "ck", other, adam)
+    assert all(torch.equal(a, b) for a, b in zip(before, other.parameters()))
+    assert not adam.state
+    info = load(tmp_path / "ck", other)  # the model alone loads
+    assert info.optimizer == "torch.optim.sgd.SGD"
+
+
 # ------------------------------------------------------------------ inspect
 def test_inspect_prints_version_step_layout_and_every_key(saved, capsys):
     from mp_bridge.cli import main
@@ -356,6 +379,6 @@ def test_inspect_of_a_missing_path_is_one_line_naming_it(tmp_path, capsys):
 
 def test_a_load_with_an_optimizer_over_other_parameters_is_refused(saved):
     model = Toy()
-    opt = torch.optim.Adam([*model.parameters(), nn.Parameter(torch.zeros(3))])
+    opt = torch.optim.AdamW([*model.parameters(), nn.Parameter(torch.zeros(3))])
     with pytest.raises(ValueError, match=r"param_groups\[0\] holds a parameter of shape \(3,\)"):
         load(saved, model, opt)
