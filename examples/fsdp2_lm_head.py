@@ -18,6 +18,7 @@ outside that ``forward``, the weight is FSDP2's ``DTensor`` shard: do not pass i
 from __future__ import annotations
 
 import gc
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
