@@ -244,6 +244,11 @@ def load(
         raise RuntimeError(
             f"damaged checkpoint at {path!r}: reading it failed ({dcp_errors(exc)})"
         ) from exc
+    # the user's objects first: one whose load_state_dict raises leaves the model, the
+    # optimizer and the RNGs as they were
+    for key, obj in (stateful or {}).items():
+        mine = f"stateful.{key}.{rank}"
+        obj.load_state_dict(state[mine if mine in state else f"stateful.{key}.0"])
     with torch.no_grad():
         for key, entry in entries.items():
             if key.startswith(MODEL):
@@ -253,7 +258,4 @@ def load(
         _apply_optimizer(optimizer, loaded, where, state, param_names(model, prefix))
     if state.get(f"rng.{rank}") is not None:
         rng.restore(state[f"rng.{rank}"])
-    for key, obj in (stateful or {}).items():
-        mine = f"stateful.{key}.{rank}"
-        obj.load_state_dict(state[mine if mine in state else f"stateful.{key}.0"])
     return info

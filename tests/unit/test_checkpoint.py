@@ -352,6 +352,31 @@ def test_an_optimizer_of_another_class_is_refused_by_name_and_changes_nothing(tm
     assert info.optimizer == "torch.optim.sgd.SGD"
 
 
+class _Refuses:
+    """A stateful object whose ``load_state_dict`` raises."""
+
+    def state_dict(self):
+        return {"x": 1}
+
+    def load_state_dict(self, state):
+        raise RuntimeError("refused")
+
+
+def test_a_stateful_that_fails_to_load_leaves_model_and_optimizer_unchanged(tmp_path):
+    model, opt = _trained()
+    save(tmp_path / "ck", model, opt, stateful={"s": _Refuses()})
+    other, other_opt = _trained(seed=1)
+    before = [p.detach().clone() for p in other.parameters()]
+    state_before = {
+        id(p): {k: v.clone() for k, v in st.items()} for p, st in other_opt.state.items()
+    }
+    with pytest.raises(RuntimeError, match="refused"):
+        load(tmp_path / "ck", other, other_opt, stateful={"s": _Refuses()})
+    assert all(torch.equal(a, b) for a, b in zip(before, other.parameters()))
+    for p, st in other_opt.state.items():
+        assert all(torch.equal(v, state_before[id(p)][k]) for k, v in st.items())
+
+
 # ------------------------------------------------------------------ inspect
 def test_inspect_prints_version_step_layout_and_every_key(saved, capsys):
     from mp_bridge.cli import main
