@@ -246,3 +246,19 @@ def test_hidden_column_owners_split_like_tensor_split():
         got = [(c.start, c.stop) if c.stop > c.start else None for c in column_slices(hidden, tp)]
         assert got == want, (hidden, tp)
         assert sum(c.stop - c.start for c in column_slices(hidden, tp)) == hidden
+
+
+def test_invariant_chunks_keep_g_under_int32_offsets_and_scale_with_tp():
+    from mp_bridge.layers.loss.engines.triton_ops.triton_invariant import TritonInvariantRunner
+    from mp_bridge.layers.vocab_shards import VocabShard
+
+    spec = None  # build only stores it
+    w = torch.empty((262144, 8), dtype=torch.bfloat16, device="meta")
+    one = VocabShard.of_rank(1, 262144, rank=0, vocab_size=262144)
+    # 16384 tokens x 262144 columns would be 2**32 elements: 2**31 // 262144 = 8192 rows
+    # is exactly 2**31, so the cap is the tile (128) below it
+    assert TritonInvariantRunner.build(w, None, one, spec, 16384).chunk == 8064
+    assert TritonInvariantRunner.build(w, None, one, spec, 1000).chunk == 1024  # rounded up
+    assert TritonInvariantRunner.build(w, None, one, spec, None).chunk == 1024
+    shard = VocabShard.of_rank(8, 32768, rank=3, vocab_size=262144)
+    assert TritonInvariantRunner.build(w[:32768], None, shard, spec, None).chunk == 8192
