@@ -262,3 +262,20 @@ def test_invariant_chunks_keep_g_under_int32_offsets_and_scale_with_tp():
     assert TritonInvariantRunner.build(w, None, one, spec, None).chunk == 1024
     shard = VocabShard.of_rank(8, 32768, rank=3, vocab_size=262144)
     assert TritonInvariantRunner.build(w[:32768], None, shard, spec, None).chunk == 8192
+
+
+def test_invariant_chunks_keep_hidden_rows_under_int32_offsets():
+    """The chunk's ``h`` and ``d h`` rows ``[C, H]`` are read and written with int32
+    offsets too (``rows * h_stride``): where ``H`` is wider than the chunk's ``g`` (few
+    local vocab blocks) it caps the chunk as well."""
+    from mp_bridge.layers.loss.engines.triton_ops.triton_invariant import TritonInvariantRunner
+    from mp_bridge.layers.vocab_shards import VocabShard
+
+    # V = 32768 at TP 8: K = 16 local blocks, g [C, 4096]; H = 8192
+    w = torch.empty((4096, 8192), dtype=torch.bfloat16, device="meta")
+    shard = VocabShard.of_rank(8, 4096, rank=1, vocab_size=32768)
+    # 262144 tokens x 8192 columns would be 2**31 elements (g: 2**30): 262143 rows fit,
+    # 262016 in whole 128-token tiles
+    assert TritonInvariantRunner.build(w, None, shard, None, 262144).chunk == 262016
+    assert TritonInvariantRunner.build(w, None, shard, None, 100000).chunk == 100096
+    assert TritonInvariantRunner.build(w, None, shard, None, None).chunk == 8192

@@ -105,9 +105,11 @@ class TritonInvariantRunner:
         layout = BlockLayout.of_shard(shard)  # raises before any collective
         chunk = chunk_size or default_chunk(layout.tp_size)
         tile = math.lcm(row_tile(weight.dtype), TILE_K)
-        # the chunk's g [C, K * 256] must stay under 2**31 elements (the kernels' int32
-        # offsets; dhidden's gathered g uses int64): a larger chunk only costs memory
-        cap = max(tile, (2**31 - 1) // max(1, layout.num_local * VOCAB_BLOCK) // tile * tile)
+        # the chunk's g [C, K * 256] and its h / d h rows [C, H] must stay under 2**31
+        # elements (the kernels' int32 offsets, rows * stride; dhidden's gathered g uses
+        # int64): a larger chunk only costs memory
+        widest = max(1, layout.num_local * VOCAB_BLOCK, weight.shape[1])
+        cap = max(tile, (2**31 - 1) // widest // tile * tile)
         return cls(weight, tp_group, layout, spec, min(-(-chunk // tile) * tile, cap))
 
     @property
