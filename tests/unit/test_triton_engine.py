@@ -279,3 +279,27 @@ def test_invariant_chunks_keep_hidden_rows_under_int32_offsets():
     assert TritonInvariantRunner.build(w, None, shard, None, 262144).chunk == 262016
     assert TritonInvariantRunner.build(w, None, shard, None, 100000).chunk == 100096
     assert TritonInvariantRunner.build(w, None, shard, None, None).chunk == 8192
+
+
+def test_invariant_chunk_cap_is_the_same_on_every_rank():
+    """Every rank of a TP group must cut the same chunks (``grads`` gathers ``g`` and the
+    ``d h`` columns per chunk, ``stats`` the block statistics per group of chunks): the
+    cap is set by the most real blocks a rank holds, not this rank's. Llama 3's vocab
+    (128256) at TP 8: ranks 0-6 hold 63 real blocks, rank 7 holds 60 (was: 133120 tokens
+    per chunk on ranks 0-6, 139008 on rank 7, so mismatched collectives past 133120)."""
+    from mp_bridge.layers.loss.engines.triton_ops.triton_invariant import TritonInvariantRunner
+    from mp_bridge.layers.vocab_shards import VocabShard
+
+    w = torch.empty((16128, 8), dtype=torch.bfloat16, device="meta")
+    chunks = []
+    for rank in range(8):
+        shard = VocabShard.of_rank(8, 16128, rank=rank, vocab_size=128256)
+        chunks.append(TritonInvariantRunner.build(w, None, shard, None, 139000).chunk)
+    assert chunks == [133120] * 8, chunks
+    # ranks past the vocab (no real block) too: vocab 1000 in 256-row shards at TP 8
+    w = torch.empty((256, 8), dtype=torch.bfloat16, device="meta")
+    chunks = []
+    for rank in range(8):
+        shard = VocabShard.of_rank(8, 256, rank=rank, vocab_size=1000)
+        chunks.append(TritonInvariantRunner.build(w, None, shard, None, 2**24).chunk)
+    assert chunks == [(2**31 - 1) // 256 // 128 * 128] * 8, chunks

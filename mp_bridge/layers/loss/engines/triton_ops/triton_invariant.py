@@ -107,8 +107,11 @@ class TritonInvariantRunner:
         tile = math.lcm(row_tile(weight.dtype), TILE_K)
         # the chunk's g [C, K * 256] and its h / d h rows [C, H] must stay under 2**31
         # elements (the kernels' int32 offsets, rows * stride; dhidden's gathered g uses
-        # int64): a larger chunk only costs memory
-        widest = max(1, layout.num_local * VOCAB_BLOCK, weight.shape[1])
+        # int64): a larger chunk only costs memory. K: the most real blocks a rank holds
+        # (rank 0's), not this rank's: every rank must cut the same chunks (the per-chunk
+        # and per-group collectives)
+        most = min(layout.v_local // VOCAB_BLOCK, layout.num_real)
+        widest = max(1, most * VOCAB_BLOCK, weight.shape[1])
         cap = max(tile, (2**31 - 1) // widest // tile * tile)
         return cls(weight, tp_group, layout, spec, min(-(-chunk // tile) * tile, cap))
 
