@@ -3,8 +3,10 @@ token tiles, folded in the canonical block tree; no cuBLAS GEMM feeds a bit.
 
 Tokens go in chunks of whole row tiles and ``block_dweight.TILE_K`` tiles
 (``call.chunk_size`` rounded up to a multiple of ``block_stats.row_tile``, 128 tokens in
-bf16 / fp16 and 32 in fp32, and of ``TILE_K``; the chunk only bounds memory). Per chunk of
-``C`` tokens, ``K`` real local blocks:
+bf16 / fp16 and 32 in fp32, and of ``TILE_K``, and capped so that ``C x max(K_max 256,
+H)`` stays under 2**31 elements, the kernels' int32 offsets, with ``K_max`` the most real
+blocks a rank holds: the same chunks on every rank; the chunk only bounds memory). Per
+chunk of ``C`` tokens, ``K`` real local blocks:
 
 - forward: ``block_stats`` (logits in registers) -> ``[S, K, C]``; once per group of
   chunks (``FOLD_TOKENS``), TP > 1 all-gathers every rank's raw block statistics (one
