@@ -43,7 +43,7 @@ __all__ = ["BH", "BH_FP32", "BK", "BK_FP32", "TILE_M", "TILE_M_FP32", "dhidden",
 #: Output tile per program and vocab rows per ``k`` step, fixed per dtype (never tuned; a
 #: row's bits do not depend on the tile, only on the ``k`` step and the MMA shape). bf16 /
 #: fp16: 128 tokens x 256 hidden columns, one accumulator (``wgmma m64n256k16`` in both
-#: builds; 166 / 240 registers, no spill; two ``[128, 128]`` halves spill in the odd
+#: builds; 167 / 240 registers, no spill; two ``[128, 128]`` halves spill in the odd
 #: build), 64 rows per step; fp32 (FMA dot): 32 x 64, 32 rows per step.
 TILE_M, BH, BK = 128, 256, 64
 TILE_M_FP32, BH_FP32, BK_FP32 = 32, 64, 32
