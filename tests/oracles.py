@@ -241,3 +241,30 @@ def gather_rows(x: torch.Tensor, group, tp: int) -> torch.Tensor:
     parts = [torch.empty_like(x) for _ in range(tp)]
     dist.all_gather(parts, x.contiguous(), group=group)
     return torch.cat(parts)
+
+
+def dense_attention_fp64(q, k, v, visible, scale=None):
+    """The float64 dense oracle of attention: ``q [b, s_q, hq, d]``, ``k, v [b, s_k, hk, d]``
+    (GQA heads repeated), ``visible [pb, s_q, s_k]`` bool; rows that see nothing are 0.
+
+    The whole ``[b, h, s_q, s_k]`` score matrix, in float64: the test-only reference that
+    ``context_parallel_attention`` must match (it never builds this matrix itself).
+    """
+    q, k, v = (t.double() for t in (q, k, v))
+    if k.shape[2] != q.shape[2]:
+        k = k.repeat_interleave(q.shape[2] // k.shape[2], dim=2)
+        v = v.repeat_interleave(q.shape[2] // v.shape[2], dim=2)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale
+    scores = scores.masked_fill(~visible.unsqueeze(1), float("-inf"))
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
+    return torch.einsum("bhqk,bkhd->bqhd", probs, v)
+
+
+def packed_visibility(lengths, causal=True, device=None):
+    """``[1, S, S]`` bool: same document and (causal) key position <= query position."""
+    doc = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(list(lengths)))
+    vis = doc[:, None] == doc[None, :]
+    if causal:
+        vis &= torch.ones(len(doc), len(doc), dtype=torch.bool).tril()
+    return vis.unsqueeze(0).to(device)

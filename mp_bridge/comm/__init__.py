@@ -38,6 +38,7 @@ from mp_bridge.comm.bridge.plans.route_plan import (
 )
 from mp_bridge.comm.bridge.plans.row_move import MoveLeg, RowMove
 from mp_bridge.comm.collectives.deterministic import deterministic_all_reduce
+from mp_bridge.comm.collectives.heads_all_to_all import heads_to_seq, seq_to_heads
 from mp_bridge.comm.collectives.kv_gather import GatherKV, ReduceScatterKV, gather_kv
 from mp_bridge.comm.collectives.primitives import (
     all_gather_tensor,
@@ -53,6 +54,7 @@ from mp_bridge.comm.collectives.primitives import (
     reduce_scatter_tensor,
     scatter_along,
 )
+from mp_bridge.comm.collectives.ring_exchange import RingStep, ring_neighbours
 from mp_bridge.comm.sequence.cut import (
     cp_factor,
     cp_gather_order,
@@ -75,6 +77,10 @@ __all__ = [
     "reduce_scatter_along",
     "scatter_along",
     "forbid_double_backward",
+    "seq_to_heads",
+    "heads_to_seq",
+    "RingStep",
+    "ring_neighbours",
     # plain (non-autograd) helpers (primitives.py)
     "all_gather_tensor",
     "all_reduce_sum",

@@ -1,6 +1,6 @@
 """Vocab-parallel embedding / LM head / losses, token reductions, CP attention."""
 
-from mp_bridge.layers.cp_attention import context_parallel_attention
+from mp_bridge.layers.attention.cp_attention import context_parallel_attention
 from mp_bridge.layers.embedding import VocabParallelEmbedding
 from mp_bridge.layers.lm_head import VocabParallelLMHead
 from mp_bridge.layers.loss.fused import fused_linear_cross_entropy, fused_linear_logprobs

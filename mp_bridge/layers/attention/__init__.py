@@ -1,0 +1,1 @@
+"""Attention over CP shards and ragged images: fused kernels per block pair, merged by LSE."""

@@ -1,0 +1,66 @@
+"""Attention of the queries in hand over the keys in hand, piece by piece (autograd).
+
+``q [b, s_q, hq, d]``, ``k, v [b, s_k, hk, d]`` (``hq % hk == 0``; grouped heads go to the
+kernel as they are) and the host-side list of pieces (:mod:`.pieces`). Forward: one fused
+kernel call per piece, merged by LSE in fp32 (:mod:`.merge`); output ``[b, s_q, hq, d]``
+in ``q.dtype``. Backward: each piece's kernel backward with the merged output and LSE,
+``dq, dk, dv`` summed in fp32 and returned in the inputs' dtypes. No collective; nothing
+of ``s_q × s_k`` elements is built (a ``MASKED`` piece's mask is one block pair).
+``create_graph=True`` through it raises (the kernels' backward has no derivative).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mp_bridge.checks import forbid_double_backward
+from mp_bridge.layers.attention.merge import LseMerge, PositionMask, pieces_backward, pieces_forward
+from mp_bridge.layers.attention.pieces import Piece
+
+__all__ = ["heads_first", "local_attention"]
+
+
+def heads_first(t: torch.Tensor) -> torch.Tensor:
+    """``[b, s, h, d]`` as the kernels' ``[b, h, s, d]`` (a view)."""
+    return t.transpose(1, 2)
+
+
+class _LocalAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, pieces, scale, masks):
+        qh, kh, vh = heads_first(q), heads_first(k), heads_first(v)
+        b, hq, s, d = qh.shape
+        merge = LseMerge(b, hq, s, d, q.device)
+        pieces_forward(merge, qh, kh, vh, pieces, scale=scale, masks=masks)
+        out = merge.output().to(q.dtype)  # [b, hq, s, d]
+        ctx.save_for_backward(q, k, v, out, merge.lse)
+        ctx.pieces, ctx.scale, ctx.masks = pieces, scale, masks
+        return out.transpose(1, 2)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        forbid_double_backward("context_parallel_attention", "its fused kernels' backward")
+        q, k, v, out, lse = ctx.saved_tensors
+        qh, kh, vh = heads_first(q), heads_first(k), heads_first(v)
+        grads = tuple(
+            torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in (qh, kh, vh)
+        )
+        pieces_backward(
+            heads_first(grad_out), qh, kh, vh, out, lse, ctx.pieces, grads,
+            scale=ctx.scale, masks=ctx.masks,
+        )  # fmt: skip
+        dq, dk, dv = (heads_first(g).to(t.dtype) for g, t in zip(grads, (q, k, v)))
+        return dq, dk, dv, None, None, None
+
+
+def local_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    pieces: list[Piece],
+    *,
+    scale: float,
+    masks: PositionMask | None = None,
+) -> torch.Tensor:
+    """``[b, s_q, hq, d]``: the queries over the keys in hand, as ``pieces`` say."""
+    return _LocalAttention.apply(q, k, v, pieces, scale, masks)

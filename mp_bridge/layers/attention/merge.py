@@ -1,0 +1,168 @@
+"""Attention over a list of pieces: partial outputs merged by LSE in fp32, and the adjoint.
+
+:func:`pieces_forward` runs every :class:`~mp_bridge.layers.attention.pieces.Piece` with
+:func:`block_forward` and folds it into an :class:`LseMerge` (``out = Σ_i w_i · out_i``,
+``w_i = exp(lse_i − lse)``, ``lse = log Σ_i exp(lse_i)``; a piece whose rows see nothing
+has ``lse_i = −inf`` and weight 0). :func:`pieces_backward` gives each piece the merged
+output and LSE (its probabilities are then the global ones) and sums the ``dq, dk, dv``
+contributions in fp32. Tensors are ``[b, heads, s, d]`` views.
+
+``MASKED`` pieces build their float mask ``[pb, 1, rows, keys]`` from the positions
+(:class:`PositionMask`), never larger than one query block x one key block.
+
+Non-finite values: a query that *sees* a non-finite key or value gets a NaN output; an
+invisible one never reaches it. Keys of other documents, padding and skipped blocks
+never enter a kernel; when the K/V in hand hold a non-finite value (one scalar read per
+block in hand), ``CAUSAL`` and ``MASKED`` pieces run on cleaned K/V and the rows that see
+a bad key are set to NaN afterwards (a kernel would spread a masked NaN by ``0 · NaN``,
+as SDPA itself does).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from mp_bridge.layers.attention.block_kernels import block_backward, block_forward
+from mp_bridge.layers.attention.pieces import CAUSAL, FULL, MASKED, Piece
+
+__all__ = ["LseMerge", "PositionMask", "pieces_backward", "pieces_forward"]
+
+
+@dataclass(frozen=True)
+class PositionMask:
+    """Causal visibility from positions: query ``[pb, s_q]``, key ``[pb, s_k]`` (int64)."""
+
+    q_pos: torch.Tensor
+    k_pos: torch.Tensor
+
+    def visible(self, p: Piece) -> torch.Tensor:
+        """``[pb, rows, keys]`` bool: key ``j`` visible to query ``i`` iff ``pos_j <= pos_i``
+        (``k_pos`` in the pieces' key numbering: every rank's keys, rank-major)."""
+        k = self.k_pos[:, p.k0 : p.k1]
+        return k[:, None, :] <= self.q_pos[:, p.q0 : p.q1, None]
+
+    def mask(self, vis: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Float ``[pb, 1, rows, keys]``: 0 where visible, ``-inf`` elsewhere."""
+        m = torch.zeros(vis.shape, dtype=dtype, device=vis.device)
+        return m.masked_fill_(~vis, float("-inf")).unsqueeze(1)
+
+
+def _finite_rows(t: torch.Tensor) -> torch.Tensor:
+    """``[b, h, s]`` bool: the token's vector is finite."""
+    return torch.isfinite(t).all(-1)
+
+
+class LseMerge:
+    """The running fp32 output ``[b, h, s, d]`` and LSE ``[b, h, s]`` of one query set."""
+
+    def __init__(self, b: int, h: int, s: int, d: int, device: torch.device):
+        self.acc = torch.zeros(b, h, s, d, dtype=torch.float32, device=device)
+        self.lse = torch.full((b, h, s), float("-inf"), dtype=torch.float32, device=device)
+        self.fresh = np.ones(s, dtype=bool)  # host: rows no piece has written yet
+        self.poison: torch.Tensor | None = None  # [b, h, s] bool, MASKED pieces only
+
+    def add(self, q0: int, q1: int, out: torch.Tensor, lse: torch.Tensor) -> None:
+        if self.fresh[q0:q1].all():  # first piece of these rows: a copy, no merge
+            self.acc[:, :, q0:q1] = out
+            self.lse[:, :, q0:q1] = lse
+            self.fresh[q0:q1] = False
+            return
+        self.fresh[q0:q1] = False
+        old = self.lse[:, :, q0:q1]
+        new = torch.logaddexp(old, lse)
+        w_old = torch.exp(old - new).nan_to_num_(0.0).unsqueeze(-1)  # nan: both -inf
+        w_new = torch.exp(lse - new).nan_to_num_(0.0).unsqueeze(-1)
+        acc = self.acc[:, :, q0:q1]
+        acc.mul_(w_old).add_(out.float() * w_new)
+        old.copy_(new)
+
+    def mark(self, q0: int, q1: int, rows: torch.Tensor) -> None:
+        if self.poison is None:
+            self.poison = torch.zeros_like(self.lse, dtype=torch.bool)
+        self.poison[:, :, q0:q1] |= rows
+
+    def output(self) -> torch.Tensor:
+        if self.poison is not None:
+            self.acc.masked_fill_(self.poison.unsqueeze(-1), float("nan"))
+        return self.acc
+
+
+def _dirty(kh: torch.Tensor, vh: torch.Tensor) -> bool:
+    """Whether the K/V in hand hold a non-finite value (one scalar read per block in hand)."""
+    return not bool(torch.isfinite(kh).all() & torch.isfinite(vh).all())
+
+
+def _inputs(qh, kh, vh, p: Piece, masks, k_shift: int, dirty: bool):
+    """``(k, v, mask, seen_bad)`` of one piece. A ``MASKED`` piece gets its float mask.
+    When the K/V in hand are ``dirty``, a ``CAUSAL`` / ``MASKED`` piece gets K/V cleaned of
+    non-finite values and ``seen_bad [b, hq, rows]``: the rows that *see* one (a kernel
+    would otherwise spread an invisible NaN through ``0 · NaN``); else ``seen_bad=None``."""
+    keys = slice(p.k0 - k_shift, p.k1 - k_shift)
+    k, v = kh[:, :, keys], vh[:, :, keys]
+    vis = masks.visible(p) if p.kind == MASKED else None
+    mask = None if vis is None else masks.mask(vis, qh.dtype)
+    if not dirty or p.kind == FULL:  # FULL: every key is visible to every row
+        return k, v, mask, None
+    bad = ~(_finite_rows(k) & _finite_rows(v))  # [b, hk, keys]
+    if vis is None:  # CAUSAL, square: row i sees keys 0..i
+        seen_bad = bad.int().cummax(-1).values.bool()
+    else:
+        seen_bad = (vis.unsqueeze(1) & bad.unsqueeze(2)).any(-1)
+    group = qh.shape[1] // kh.shape[1]
+    k, v = (torch.nan_to_num(t, nan=0.0, posinf=0.0, neginf=0.0) for t in (k, v))
+    return k, v, mask, seen_bad.repeat_interleave(group, dim=1)
+
+
+def pieces_forward(
+    merge: LseMerge,
+    qh: torch.Tensor,
+    kh: torch.Tensor,
+    vh: torch.Tensor,
+    pieces: list[Piece],
+    *,
+    scale: float,
+    masks: PositionMask | None = None,
+    k_shift: int = 0,
+) -> None:
+    """Fold every piece of ``qh`` over ``kh, vh`` (key rows ``k0 - k_shift``) into ``merge``."""
+    dirty = _dirty(kh, vh)
+    for p in pieces:
+        k, v, mask, seen_bad = _inputs(qh, kh, vh, p, masks, k_shift, dirty)
+        if seen_bad is not None:
+            merge.mark(p.q0, p.q1, seen_bad)
+        q = qh[:, :, p.q0 : p.q1]
+        out, lse = block_forward(q, k, v, causal=p.kind == CAUSAL, scale=scale, mask=mask)
+        merge.add(p.q0, p.q1, out, lse)
+
+
+def pieces_backward(
+    gh: torch.Tensor,
+    qh: torch.Tensor,
+    kh: torch.Tensor,
+    vh: torch.Tensor,
+    oh: torch.Tensor,
+    lse: torch.Tensor,
+    pieces: list[Piece],
+    grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    *,
+    scale: float,
+    masks: PositionMask | None = None,
+    k_shift: int = 0,
+) -> None:
+    """Add every piece's ``(dq, dk, dv)`` into the fp32 ``grads`` (``[b, h, s, d]`` each)."""
+    dq, dk, dv = grads
+    dirty = _dirty(kh, vh)
+    for p in pieces:
+        rows = slice(p.q0, p.q1)
+        keys = slice(p.k0 - k_shift, p.k1 - k_shift)
+        k, v, mask, _ = _inputs(qh, kh, vh, p, masks, k_shift, dirty)
+        pq, pk, pv = block_backward(
+            gh[:, :, rows], qh[:, :, rows], k, v, oh[:, :, rows], lse[:, :, rows],
+            causal=p.kind == CAUSAL, scale=scale, mask=mask,
+        )  # fmt: skip
+        dq[:, :, rows] += pq
+        dk[:, :, keys] += pk
+        dv[:, :, keys] += pv
