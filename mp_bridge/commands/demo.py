@@ -87,13 +87,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="one image of num_patches tokens per sample (default: ragged, 0..3 images of "
         "1..num_patches tokens per sample)",
     )
-    parser.add_argument(
-        "--flow",
-        choices=("routed", "gather"),
-        default="routed",
-        help="colocated step: 'routed' (default; partition first, route image tokens to "
-        "their shards) or 'gather' (full-sequence embeddings, then partition)",
-    )
+    flow_help = "'routed': partition first, route image tokens to their shards; 'gather': "
+    flow_help += "full-sequence embeddings, then partition"
+    parser.add_argument("--flow", choices=("routed", "gather"), default="routed", help=flow_help)
+    modes, cp_help = ("all_gather", "ring", "a2a"), "LLM attention's K/V over CP (a2a: heads)"
+    parser.add_argument("--cp-comm", choices=modes, default=modes[0], help=cp_help)
     parser.add_argument(
         "--images",
         choices=("ragged", "long-tail"),
@@ -259,7 +257,7 @@ def _worker(enc: GridLayout, llm: GridLayout, opts: dict):
         llm_axis_names=llm.axis_names, sequence_parallel=opts["sequence_parallel"],
         fused_loss=opts["fused_loss"], batch=batches, steps=opts["steps"], lr=opts["lr"],
         device=current_device(), on_step=progress, flow=opts["flow"], balance=opts["balance"],
-        seed=opts["seed"], hooks=opts["hooks"],
+        seed=opts["seed"], hooks=opts["hooks"], cp_comm=opts["cp_comm"],
     )  # fmt: skip
     if not opts["balance"] or opts["uniform"]:
         return report, None
@@ -351,6 +349,7 @@ def run(args: argparse.Namespace) -> int:
         "long_tail": args.images == "long-tail",
         "balance": args.balance,
         "flow": parse_flow(args.flow),  # parsed once here; the workers get the object
+        "cp_comm": getattr(args, "cp_comm", "all_gather"),
     }
     start = time.perf_counter()
     if under_torchrun():

@@ -1,6 +1,7 @@
 """Vocab-parallel embedding / LM head / losses, token reductions, CP attention."""
 
-from mp_bridge.layers.attention.cp_attention import context_parallel_attention
+from mp_bridge.layers.attention.cp_attention import COMM_MODES, context_parallel_attention
+from mp_bridge.layers.attention.image_attention import image_attention
 from mp_bridge.layers.embedding import VocabParallelEmbedding
 from mp_bridge.layers.lm_head import VocabParallelLMHead
 from mp_bridge.layers.loss.fused import fused_linear_cross_entropy, fused_linear_logprobs
@@ -51,4 +52,6 @@ __all__ = [
     "masked_count",
     "masked_mean",
     "context_parallel_attention",
+    "COMM_MODES",
+    "image_attention",
 ]

@@ -191,6 +191,7 @@ def run_parity(
     on_step: StepHook | None = None,
     flow: str | MimoFlow = "gather",
     balance: bool = False,
+    cp_comm: str = "all_gather",
     encoder_dim_names: Sequence[str] | None = None,
     llm_dim_names: Sequence[str] | None = None,
     hooks: TrainHooks | None = None,
@@ -207,7 +208,8 @@ def run_parity(
     each must cover the whole world, so many layouts can run one after another in one
     world. ``on_step(step, loss, seconds)`` is called after every distributed step (e.g.
     for progress lines). ``flow``: the colocated model's step, ``"gather"`` or
-    ``"routed"``; ``balance``: balanced encoders (see :class:`ColocatedMimoModel`).
+    ``"routed"``; ``balance``: balanced encoders (see :class:`ColocatedMimoModel`);
+    ``cp_comm``: the LLM attention's K/V movement over CP (``context_parallel_attention``).
     ``llm_pp > 1``: the LLM runs in pipeline stages over ``microbatches`` (``train_step``);
     each rank compares its own stage's LLM weights and gradients, the worst over the world
     is reported. ``hooks``: a :class:`TrainHooks` (a run resumed at step ``k`` compares the
@@ -247,7 +249,7 @@ def run_parity(
     model = build_colocated_mimo(
         reference, enc_grid, llm_grid, sequence_parallel=sequence_parallel,
         fused_loss=fused_loss, device=device, flow=flow, microbatches=microbatches,
-        balance=balance,
+        balance=balance, cp_comm=cp_comm,
     )  # fmt: skip
     try:
         rank = dist.get_rank()

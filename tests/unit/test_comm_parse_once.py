@@ -77,9 +77,10 @@ def test_attention_takes_the_layout_and_matches_raw_cu_seqlens():
     parsed = context_parallel_attention(q, k, v, position_ids=pos, cu_seqlens=layout)
     # Same inputs, same ops: bitwise equal.
     assert torch.equal(raw, parsed)
-    # A plain layout means no packing: equal to cu_seqlens=None.
+    # A plain layout means no packing: visibility from the layout's own positions 0..7
+    # (the user's positions are for RoPE), equal to passing those positions.
     plain = context_parallel_attention(q, k, v, position_ids=pos, cu_seqlens=pad_layout(8, 1))
-    assert torch.equal(plain, context_parallel_attention(q, k, v, position_ids=pos))
+    assert torch.equal(plain, context_parallel_attention(q, k, v, position_ids=torch.arange(8)))
 
 
 def test_route_takes_the_layout_and_checks_it():

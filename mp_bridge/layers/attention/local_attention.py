@@ -15,7 +15,7 @@ import torch
 
 from mp_bridge.checks import forbid_double_backward
 from mp_bridge.layers.attention.merge import LseMerge, PositionMask, pieces_backward, pieces_forward
-from mp_bridge.layers.attention.pieces import Piece
+from mp_bridge.layers.attention.pieces import BlockPair
 
 __all__ = ["heads_first", "local_attention"]
 
@@ -57,7 +57,7 @@ def local_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    pieces: list[Piece],
+    pieces: list[BlockPair],
     *,
     scale: float,
     masks: PositionMask | None = None,

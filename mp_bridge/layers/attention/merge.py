@@ -1,6 +1,6 @@
 """Attention over a list of pieces: partial outputs merged by LSE in fp32, and the adjoint.
 
-:func:`pieces_forward` runs every :class:`~mp_bridge.layers.attention.pieces.Piece` with
+:func:`pieces_forward` runs every :class:`~mp_bridge.layers.attention.pieces.BlockPair` with
 :func:`block_forward` and folds it into an :class:`LseMerge` (``out = Σ_i w_i · out_i``,
 ``w_i = exp(lse_i − lse)``, ``lse = log Σ_i exp(lse_i)``; a piece whose rows see nothing
 has ``lse_i = −inf`` and weight 0). :func:`pieces_backward` gives each piece the merged
@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from mp_bridge.layers.attention.block_kernels import block_backward, block_forward
-from mp_bridge.layers.attention.pieces import CAUSAL, FULL, MASKED, Piece
+from mp_bridge.layers.attention.pieces import CAUSAL, FULL, MASKED, BlockPair
 
 __all__ = ["LseMerge", "PositionMask", "pieces_backward", "pieces_forward"]
 
@@ -38,7 +38,7 @@ class PositionMask:
     q_pos: torch.Tensor
     k_pos: torch.Tensor
 
-    def visible(self, p: Piece) -> torch.Tensor:
+    def visible(self, p: BlockPair) -> torch.Tensor:
         """``[pb, rows, keys]`` bool: key ``j`` visible to query ``i`` iff ``pos_j <= pos_i``
         (``k_pos`` in the pieces' key numbering: every rank's keys, rank-major)."""
         k = self.k_pos[:, p.k0 : p.k1]
@@ -95,7 +95,7 @@ def _dirty(kh: torch.Tensor, vh: torch.Tensor) -> bool:
     return not bool(torch.isfinite(kh).all() & torch.isfinite(vh).all())
 
 
-def _inputs(qh, kh, vh, p: Piece, masks, k_shift: int, dirty: bool):
+def _inputs(qh, kh, vh, p: BlockPair, masks, k_shift: int, dirty: bool):
     """``(k, v, mask, seen_bad)`` of one piece. A ``MASKED`` piece gets its float mask.
     When the K/V in hand are ``dirty``, a ``CAUSAL`` / ``MASKED`` piece gets K/V cleaned of
     non-finite values and ``seen_bad [b, hq, rows]``: the rows that *see* one (a kernel
@@ -121,7 +121,7 @@ def pieces_forward(
     qh: torch.Tensor,
     kh: torch.Tensor,
     vh: torch.Tensor,
-    pieces: list[Piece],
+    pieces: list[BlockPair],
     *,
     scale: float,
     masks: PositionMask | None = None,
@@ -145,7 +145,7 @@ def pieces_backward(
     vh: torch.Tensor,
     oh: torch.Tensor,
     lse: torch.Tensor,
-    pieces: list[Piece],
+    pieces: list[BlockPair],
     grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     *,
     scale: float,

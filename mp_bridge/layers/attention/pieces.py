@@ -1,6 +1,6 @@
 """Which (query rows, key rows) pairs a set of runs needs, and how (pure host code).
 
-A :class:`Piece` is one kernel call: query rows ``q0:q1`` against key rows ``k0:k1`` of
+A :class:`BlockPair` is one kernel call: query rows ``q0:q1`` against key rows ``k0:k1`` of
 the tokens in hand, ``FULL`` (every key visible to every query), ``CAUSAL`` (a square
 pair starting at the same position: key ``j`` visible to query ``i`` iff ``j <= i``) or
 ``MASKED`` (a float mask from the positions, for user positions that form no runs).
@@ -21,13 +21,13 @@ from dataclasses import dataclass
 
 from mp_bridge.layers.attention.runs import Run
 
-__all__ = ["CAUSAL", "FULL", "MASKED", "Piece", "masked_pieces", "run_pieces"]
+__all__ = ["CAUSAL", "FULL", "MASKED", "BlockPair", "masked_pieces", "run_pieces"]
 
 FULL, CAUSAL, MASKED = "full", "causal", "masked"
 
 
 @dataclass(frozen=True)
-class Piece:
+class BlockPair:
     """One kernel call: query rows ``q0:q1`` x key rows ``k0:k1``, of ``kind``."""
 
     q0: int
@@ -37,24 +37,24 @@ class Piece:
     kind: str
 
 
-def _causal_pieces(q: Run, k: Run) -> list[Piece]:
+def _causal_pieces(q: Run, k: Run) -> list[BlockPair]:
     a, lq, c, lk = q.start, q.length, k.start, k.length
     out = []
     before = min(c + lk, a) - c
     if before > 0:
-        out.append(Piece(q.offset, q.offset + lq, k.offset, k.offset + before, FULL))
+        out.append(BlockPair(q.offset, q.offset + lq, k.offset, k.offset + before, FULL))
     c0, e = max(a, c), min(c + lk, a + lq)
     if c0 < e:
         kq, kk = q.offset + (c0 - a), k.offset + (c0 - c)
-        out.append(Piece(kq, kq + (e - c0), kk, kk + (e - c0), CAUSAL))
+        out.append(BlockPair(kq, kq + (e - c0), kk, kk + (e - c0), CAUSAL))
         if e < a + lq:
-            out.append(Piece(q.offset + (e - a), q.offset + lq, kk, kk + (e - c0), FULL))
+            out.append(BlockPair(q.offset + (e - a), q.offset + lq, kk, kk + (e - c0), FULL))
     return out
 
 
-def run_pieces(q_runs: tuple[Run, ...], k_runs: tuple[Run, ...], causal: bool) -> list[Piece]:
+def run_pieces(q_runs: tuple[Run, ...], k_runs: tuple[Run, ...], causal: bool) -> list[BlockPair]:
     """The pieces of every same-segment (query run, key run) pair."""
-    pieces: list[Piece] = []
+    pieces: list[BlockPair] = []
     for q in q_runs:
         for k in k_runs:
             if q.segment != k.segment:
@@ -63,15 +63,15 @@ def run_pieces(q_runs: tuple[Run, ...], k_runs: tuple[Run, ...], causal: bool) -
                 pieces.extend(_causal_pieces(q, k))
             else:
                 pieces.append(
-                    Piece(q.offset, q.offset + q.length, k.offset, k.offset + k.length, FULL)
+                    BlockPair(q.offset, q.offset + q.length, k.offset, k.offset + k.length, FULL)
                 )
     return pieces
 
 
-def masked_pieces(s_q: int, s_k: int, block: int, k_base: int = 0) -> list[Piece]:
+def masked_pieces(s_q: int, s_k: int, block: int, k_base: int = 0) -> list[BlockPair]:
     """Every (query block, key block) pair of ``block`` tokens, masked from positions."""
     return [
-        Piece(i, min(i + block, s_q), k_base + j, k_base + min(j + block, s_k), MASKED)
+        BlockPair(i, min(i + block, s_q), k_base + j, k_base + min(j + block, s_k), MASKED)
         for i in range(0, s_q, block)
         for j in range(0, s_k, block)
     ]

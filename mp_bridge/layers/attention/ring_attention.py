@@ -24,7 +24,7 @@ from mp_bridge.checks import forbid_double_backward
 from mp_bridge.comm import RingStep, group_rank, group_size
 from mp_bridge.layers.attention.local_attention import heads_first
 from mp_bridge.layers.attention.merge import LseMerge, PositionMask, pieces_backward, pieces_forward
-from mp_bridge.layers.attention.pieces import Piece
+from mp_bridge.layers.attention.pieces import BlockPair
 
 __all__ = ["ring_attention"]
 
@@ -91,7 +91,7 @@ def ring_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    plans: list[list[Piece]],
+    plans: list[list[BlockPair]],
     *,
     scale: float,
     group: dist.ProcessGroup | None,

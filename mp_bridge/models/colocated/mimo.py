@@ -267,12 +267,13 @@ class ColocatedMimoModel(nn.Module):
             llm = TPLLMStage.from_full(
                 reference.llm, cfg, stage=dist.get_rank(groups.llm_pp),
                 n_stages=group_size(groups.llm_pp), tp_group=llm_tp, cp_group=llm_cp,
-                sequence_parallel=sp, device=device,
+                sequence_parallel=sp, cp_comm=opts.cp_comm, device=device,
             )  # fmt: skip
         else:
             llm = TPLLM.from_full(
                 reference.llm, cfg, tp_group=llm_tp, cp_group=llm_cp,
-                sequence_parallel=sp, fused_loss=opts.fused_loss, device=device,
+                sequence_parallel=sp, fused_loss=opts.fused_loss, cp_comm=opts.cp_comm,
+                device=device,
             )  # fmt: skip
         return cls(
             TPEncoder.from_full(reference.encoder, cfg, tp_group=enc_tp, device=device),

@@ -12,6 +12,8 @@ flow                 "gather"  ``"gather"`` or ``"routed"`` (or a :class:`~.part
 microbatches         1         microbatches per ``train_step`` with a pipelined LLM
 schedule             "auto"    the pipeline schedule with a pipelined LLM
 balance              False     balance images over the encoder DP replicas before encoding
+cp_comm              "all_g…"  how the LLM's attention moves K/V over CP: ``"all_gather"``,
+                               ``"ring"`` or ``"a2a"`` (``context_parallel_attention``)
 ===================  ========  ===============================================================
 """
 
@@ -22,6 +24,7 @@ from dataclasses import dataclass, field, fields
 import torch
 
 from mp_bridge.checks import check_bool, check_choice, check_int
+from mp_bridge.layers import COMM_MODES
 from mp_bridge.models.colocated.gather import GatherFlow
 from mp_bridge.models.colocated.parts import MimoFlow
 from mp_bridge.models.colocated.routed import RoutedFlow
@@ -52,7 +55,7 @@ def parse_flow(flow: str | MimoFlow) -> MimoFlow:
 
 @dataclass(frozen=True)
 class MimoOptions:
-    """The seven build options (module table); ``MimoOptions(**options)`` raises a
+    """The eight build options (module table); ``MimoOptions(**options)`` raises a
     ``TypeError`` naming an unknown keyword."""
 
     sequence_parallel: bool = False
@@ -62,6 +65,7 @@ class MimoOptions:
     microbatches: int = 1
     schedule: str = "auto"
     balance: bool = False
+    cp_comm: str = "all_gather"
 
     def agreed(self) -> tuple[tuple[str, object], ...]:
         """The options every rank of the grids must hold equal, validated (``TypeError`` /
@@ -73,9 +77,10 @@ class MimoOptions:
             ("microbatches", check_int("microbatches", self.microbatches, low=1)),
             ("schedule", self.schedule),
             ("balance", check_bool("balance", self.balance)),
+            ("cp_comm", check_choice("cp_comm", self.cp_comm, list(COMM_MODES))),
         )
 
     def model_keywords(self) -> dict[str, object]:
         """The options the model's constructor takes (``flow`` to ``balance``)."""
-        skip = ("sequence_parallel", "fused_loss", "device")
+        skip = ("sequence_parallel", "fused_loss", "device", "cp_comm")
         return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in skip}

@@ -146,9 +146,12 @@ def shard_loss(parts: StepParts, embeddings: torch.Tensor, shard: ShardedBatch) 
     Collectives: the LLM's, then one all-reduce of the token count and sum
     (``masked_mean``).
     """
-    labels, loss_mask, cu = shard.labels, shard.loss_mask, None
+    labels, loss_mask = shard.labels, shard.loss_mask
     if shard.cu_seqlens is not None:
         labels, loss_mask = labels.reshape(1, -1), loss_mask.reshape(1, -1)
-        cu = shard.layout
-    per_token = parts.llm.token_loss(embeddings, shard.position_ids, labels, cu_seqlens=cu)
+    # The layout (plain or packed) goes down to attention: its runs are parsed once per
+    # step on the host, never read back from the position tensor.
+    per_token = parts.llm.token_loss(
+        embeddings, shard.position_ids, labels, cu_seqlens=shard.layout
+    )
     return masked_mean(per_token, loss_mask, group=parts.groups.llm_dp_cp)

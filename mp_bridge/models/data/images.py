@@ -79,12 +79,10 @@ class RaggedImages:
         ids = torch.arange(len(self.tokens_per_image))
         return ids.repeat_interleave(self.tokens_per_image).to(self.tokens.device)
 
-    def attention_mask(self) -> torch.Tensor:
-        """``[T, T]`` bool, True where two tokens share an image: attention stays inside
-        an image, so one pass over the flat tokens equals one pass per image. Dense
-        (``T^2``), which suits this small reference; a varlen kernel would replace it."""
-        index = self.image_index()
-        return index[:, None] == index[None, :]
+    def lengths(self) -> tuple[int, ...]:
+        """Host ints: the token count of each image, in order (what attention keeps each
+        image's tokens inside; ``image_attention`` takes it, no ``[T, T]`` mask)."""
+        return tuple(int(n) for n in self.tokens_per_image.tolist())
 
     def token_slice(self, dp_rank: int, dp_size: int) -> slice:
         """Rows of ``tokens`` held by DP block ``dp_rank`` of ``dp_size`` (contiguous samples)."""

@@ -2,7 +2,7 @@
 
 Both run on the encoder's DP shard with batch-first ``[b, p, h]`` tensors at the module
 boundary, or on ragged images (:class:`RaggedImages`: flat ``[T, h]`` tokens, attention
-inside each image through a block-diagonal mask, so the math is the reference's);
+inside each image by ``image_attention``, so the math is the reference's);
 outputs are TP-replicated (each MLP/attention ends in a row-parallel linear, whose
 forward all-reduces over TP). Collectives per forward: 2 TP all-reduces per block plus 1
 for the projection; the same count in backward (megatron's *f* before each column
@@ -20,6 +20,7 @@ from torch import nn
 
 from mp_bridge.checks import check_group
 from mp_bridge.comm import group_size
+from mp_bridge.layers import image_attention
 from mp_bridge.models.data.config import MimoConfig
 from mp_bridge.models.data.images import RaggedImages
 from mp_bridge.models.parallel.sharding import FullStateMixin
@@ -29,12 +30,15 @@ __all__ = ["TPEncoder", "TPProjection", "bidirectional_attention"]
 
 
 def bidirectional_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: torch.Tensor | None = None
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, images: tuple[int, ...] | None = None
 ) -> torch.Tensor:
-    """Non-causal attention on local heads, ``[b, s, heads, d]``; ``mask`` ``[s, s]`` bool
-    (True: may attend) or None for full attention. No collectives."""
+    """Non-causal attention on local heads, ``[b, s, heads, d]``: over the whole sequence,
+    or (``images``: token counts, ``b = 1``) inside each image (``image_attention``, no
+    ``[s, s]`` mask). No collectives."""
+    if images is not None:
+        return image_attention(q, k, v, images)
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2)
+    return F.scaled_dot_product_attention(q, k, v).transpose(1, 2)
 
 
 class TPEncoder(FullStateMixin, nn.Module):
@@ -67,9 +71,9 @@ class TPEncoder(FullStateMixin, nn.Module):
     def forward(self, images: torch.Tensor | RaggedImages) -> torch.Tensor:
         if isinstance(images, RaggedImages):
             # One sequence of T tokens (batch 1), attention kept inside each image.
-            x, mask = images.tokens.unsqueeze(1), images.attention_mask()
+            x, lengths = images.tokens.unsqueeze(1), images.lengths()
         else:
-            x, mask = images.transpose(0, 1), None  # blocks are sequence-first
+            x, lengths = images.transpose(0, 1), None  # blocks are sequence-first
         if x.dim() != 3 or x.shape[-1] != self.cfg.patch_dim:
             raise ValueError(
                 f"images must be [batch, patches, patch_dim={self.cfg.patch_dim}] or "
@@ -77,9 +81,9 @@ class TPEncoder(FullStateMixin, nn.Module):
             )
         x = self.patch_embed(x)
         for block in self.blocks:
-            x = block(x, mask=mask)
+            x = block(x, images=lengths)
         x = self.norm(x)
-        return x.squeeze(1) if mask is not None else x.transpose(0, 1)
+        return x.squeeze(1) if lengths is not None else x.transpose(0, 1)
 
 
 class TPProjection(FullStateMixin, TPMLP):

@@ -54,13 +54,13 @@ class _CausalCPAttention:
     """``(q, k, v, position_ids[, cu_seqlens])`` -> causal attention over the whole CP
     group's keys (packed: only keys of the query's own document)."""
 
-    def __init__(self, cp_group: dist.ProcessGroup | None):
-        self.cp_group = cp_group
+    def __init__(self, cp_group: dist.ProcessGroup | None, comm: str = "all_gather"):
+        self.cp_group, self.comm = cp_group, comm
 
     def __call__(self, q, k, v, *, position_ids: torch.Tensor, cu_seqlens=None) -> torch.Tensor:
         return context_parallel_attention(
             q, k, v, cp_group=self.cp_group, position_ids=position_ids, causal=True,
-            cu_seqlens=cu_seqlens,
+            cu_seqlens=cu_seqlens, comm=self.comm,
         )  # fmt: skip
 
 
@@ -80,6 +80,7 @@ class TPLLM(FullStateMixin, nn.Module):
         cp_group: dist.ProcessGroup | None = None,
         sequence_parallel: bool = False,
         fused_loss: bool = False,
+        cp_comm: str = "all_gather",
         device: torch.device | None = None,
     ):
         super().__init__()
@@ -94,7 +95,8 @@ class TPLLM(FullStateMixin, nn.Module):
         self.embed = VocabParallelEmbedding(cfg.vocab_size, cfg.llm_hidden, tp_group=tp_group)
         self.blocks = make_blocks(
             cfg.llm_layers, cfg.llm_hidden, cfg.llm_heads, cfg.llm_ffn, eps=cfg.norm_eps,
-            tp_group=tp_group, config=config, core=_CausalCPAttention(cp_group), device=device,
+            tp_group=tp_group, config=config, core=_CausalCPAttention(cp_group, cp_comm),
+            device=device,
         )  # fmt: skip
         self.norm = make_norm(
             cfg.llm_hidden, cfg.norm_eps, device=device, sequence_parallel=self.sequence_parallel

@@ -75,6 +75,7 @@ class TPLLMStage(FullStateMixin, nn.Module):
         tp_group: dist.ProcessGroup | None = None,
         cp_group: dist.ProcessGroup | None = None,
         sequence_parallel: bool = False,
+        cp_comm: str = "all_gather",
         device: torch.device | None = None,
     ):
         super().__init__()
@@ -87,7 +88,9 @@ class TPLLMStage(FullStateMixin, nn.Module):
         self.cfg, self.tp_group, self.cp_group = cfg, tp_group, cp_group
         config = parallel_config(tp_group, sequence_parallel=sequence_parallel)
         self.sequence_parallel = config.sequence_parallel  # False when TP = 1
-        core = functools.partial(context_parallel_attention, cp_group=cp_group, causal=True)
+        core = functools.partial(
+            context_parallel_attention, cp_group=cp_group, causal=True, comm=cp_comm
+        )
         if self.is_first:
             self.embed = VocabParallelEmbedding(cfg.vocab_size, cfg.llm_hidden, tp_group=tp_group)
         self.blocks = nn.ModuleDict(

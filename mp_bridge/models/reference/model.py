@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mp_bridge.layers import image_attention
 from mp_bridge.models.data.config import MimoConfig
 from mp_bridge.models.data.images import RaggedImages
 from mp_bridge.models.data.inputs import BatchSpec, StepInputs, parse_step_inputs
@@ -39,11 +40,16 @@ class _Attention(nn.Module):
         self.qkv = nn.Linear(hidden, 3 * hidden, bias=False)
         self.proj = nn.Linear(hidden, hidden, bias=False)
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
-        """``mask`` (bool ``[s, s]``, True = attend) replaces the causal mask when given,
-        so a causal stack's mask must hold the causality itself (:func:`packed_causal_mask`)."""
+    def forward(self, x: torch.Tensor, mask=None) -> torch.Tensor:
+        """``mask``: a bool ``[s, s]`` (True = attend) that replaces the causal mask, so a
+        causal stack's mask holds the causality itself (:func:`packed_causal_mask`); or a
+        tuple of image token counts (``b = 1``): attention inside each image
+        (``image_attention``, no ``[s, s]`` mask)."""
         b, s, h = x.shape
         qkv = self.qkv(x).view(b, s, self.heads, 3, h // self.heads)
+        if isinstance(mask, tuple):
+            q, k, v = (qkv[:, :, :, i] for i in range(3))  # [b, s, heads, d]
+            return self.proj(image_attention(q, k, v, mask).reshape(b, s, h))
         q, k, v = (qkv[:, :, :, i].transpose(1, 2) for i in range(3))  # [b, heads, s, d]
         causal = self.causal and mask is None
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
@@ -98,7 +104,7 @@ class ReferenceEncoder(nn.Module):
     def forward(self, images: torch.Tensor | RaggedImages) -> torch.Tensor:
         if isinstance(images, RaggedImages):
             x = self.patch_embed(images.tokens).unsqueeze(0)
-            return self.norm(_run_blocks(self.blocks, x, images.attention_mask())).squeeze(0)
+            return self.norm(_run_blocks(self.blocks, x, images.lengths())).squeeze(0)
         return self.norm(_run_blocks(self.blocks, self.patch_embed(images)))
 
 
