@@ -69,8 +69,13 @@ EXEMPT: dict[str, str] = {
             "all_reduce_sum",
             "reduce_scatter_tensor",
             "gather_kv",
+            "seq_to_heads",
+            "heads_to_seq",
         )
     },
+    "mp_bridge.comm.RingStep.__init__": _PRIMITIVE + " (ring attention's send/recv step)",
+    "mp_bridge.comm.RingStep.wait": _PRIMITIVE + " (waits on the step's send/recv)",
+    "mp_bridge.comm.ring_neighbours": "maps group ranks to global ranks; no collective",
     "mp_bridge.comm.GatherKV.forward": _PRIMITIVE + " (gather_kv's Function)",
     "mp_bridge.comm.ReduceScatterKV.forward": _PRIMITIVE + " (gather_kv's adjoint)",
     "mp_bridge.comm.group_rank": _NO_COLLECTIVE,

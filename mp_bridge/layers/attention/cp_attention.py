@@ -226,19 +226,23 @@ def _plan_of_positions(all_pos: torch.Tensor, n: int, s: int, kv_block: int) -> 
 
 
 def _gathered_attention(q, k, v, plan, *, r, n, s, causal, scale, group, pos, kv_block):
-    kv, k_pos = gather_kv(torch.stack([k, v]), pos, group)  # [2, b, n·s, hk, d]
+    if n == 1:  # nothing to gather: no stacked copy of K/V
+        k_all, v_all, k_pos = k, v, pos
+    else:
+        kv, k_pos = gather_kv(torch.stack([k, v]), pos, group)  # [2, b, n·s, hk, d]
+        k_all, v_all = kv[0], kv[1]
     if plan is None:  # positions without a layout: parsed from the gathered ones
         plan = _plan_of_positions(k_pos, n, s, kv_block)
     if plan.runs is None:
         masks = PositionMask(pos, plan.all_pos)
-        return local_attention(
-            q, kv[0], kv[1], masked_pieces(s, n * s, kv_block), scale=scale, masks=masks
-        )
+        pieces = masked_pieces(s, n * s, kv_block)
+        return local_attention(q, k_all, v_all, pieces, scale=scale, masks=masks)
     index, key_runs = natural_order(_all_runs(plan.runs, s))
-    if index is not None:
-        kv = kv.index_select(2, torch.as_tensor(index, device=kv.device))
+    if index is not None:  # keys in position order: fewer, longer block pairs
+        idx = torch.as_tensor(index, device=q.device)
+        k_all, v_all = k_all.index_select(1, idx), v_all.index_select(1, idx)
     pieces = run_pieces(plan.runs[r], key_runs, causal)
-    return local_attention(q, kv[0], kv[1], pieces, scale=scale)
+    return local_attention(q, k_all, v_all, pieces, scale=scale)
 
 
 def _ring(q, k, v, plan, *, r, n, s, causal, scale, group, kv_block):

@@ -14,8 +14,9 @@ from __future__ import annotations
 import torch
 
 from mp_bridge.checks import forbid_double_backward
+from mp_bridge.layers.attention.block_kernels import block_backward
 from mp_bridge.layers.attention.merge import LseMerge, PositionMask, pieces_backward, pieces_forward
-from mp_bridge.layers.attention.pieces import BlockPair
+from mp_bridge.layers.attention.pieces import CAUSAL, MASKED, BlockPair
 
 __all__ = ["heads_first", "local_attention"]
 
@@ -42,6 +43,19 @@ class _LocalAttention(torch.autograd.Function):
         forbid_double_backward("context_parallel_attention", "its fused kernels' backward")
         q, k, v, out, lse = ctx.saved_tensors
         qh, kh, vh = heads_first(q), heads_first(k), heads_first(v)
+        only = ctx.pieces[0] if len(ctx.pieces) == 1 else None
+        if only is not None and (only.q0, only.q1, only.k0, only.k1) == (
+            0,
+            q.shape[1],
+            0,
+            k.shape[1],
+        ):
+            if only.kind != MASKED:  # one kernel covers everything: its gradients as they are
+                dq, dk, dv = block_backward(
+                    heads_first(grad_out), qh, kh, vh, out, lse, causal=only.kind == CAUSAL,
+                    scale=ctx.scale,
+                )  # fmt: skip
+                return heads_first(dq), heads_first(dk), heads_first(dv), None, None, None
         grads = tuple(
             torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in (qh, kh, vh)
         )

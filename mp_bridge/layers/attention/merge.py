@@ -59,12 +59,23 @@ class LseMerge:
     """The running fp32 output ``[b, h, s, d]`` and LSE ``[b, h, s]`` of one query set."""
 
     def __init__(self, b: int, h: int, s: int, d: int, device: torch.device):
-        self.acc = torch.zeros(b, h, s, d, dtype=torch.float32, device=device)
-        self.lse = torch.full((b, h, s), float("-inf"), dtype=torch.float32, device=device)
+        self.shape, self.device = (b, h, s, d), device
+        self.acc: torch.Tensor | None = None  # allocated by the first piece
+        self.lse: torch.Tensor | None = None
         self.fresh = np.ones(s, dtype=bool)  # host: rows no piece has written yet
-        self.poison: torch.Tensor | None = None  # [b, h, s] bool, MASKED pieces only
+        self.poison: torch.Tensor | None = None  # [b, h, s] bool, dirty K/V only
 
     def add(self, q0: int, q1: int, out: torch.Tensor, lse: torch.Tensor) -> None:
+        b, h, s, d = self.shape
+        if self.acc is None and (q0, q1) == (0, s):  # the first piece covers every row:
+            self.acc, self.lse = out, lse  # kept as the kernel gave it (no copy)
+            self.fresh[:] = False
+            return
+        if self.acc is None:
+            self.acc = torch.zeros(b, h, s, d, dtype=torch.float32, device=self.device)
+            self.lse = torch.full((b, h, s), float("-inf"), dtype=torch.float32, device=self.device)
+        elif self.acc.dtype != torch.float32:  # a second piece: merge in fp32 from here
+            self.acc = self.acc.float()
         if self.fresh[q0:q1].all():  # first piece of these rows: a copy, no merge
             self.acc[:, :, q0:q1] = out
             self.lse[:, :, q0:q1] = lse
