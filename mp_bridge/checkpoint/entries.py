@@ -1,6 +1,7 @@
 """What a model and its optimizer put in a checkpoint: one :class:`Entry` per global tensor.
 
-Keys (the checkpoint's namespace, under the single-process parameter names):
+Keys (the checkpoint's namespace, under the single-process parameter names; made by
+:mod:`.keys`):
 
 - ``model.<name>``: every parameter (``named_parameters``: a tied weight once, under its
   first name) and persistent buffer; its global tensor is the *unpadded* full tensor its
@@ -28,6 +29,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from mp_bridge.checkpoint.dcp_adapter import PiecesTensor
+from mp_bridge.checkpoint.keys import model_key, optim_group_key, optim_key
 from mp_bridge.layers import ShardSpec, shard_spec
 
 __all__ = [
@@ -38,8 +40,6 @@ __all__ = [
     "param_name",
     "param_names",
 ]
-
-MODEL, OPTIM, OPTIM_GROUP = "model.", "optim.", "optim_group."
 
 
 @dataclass(frozen=True)
@@ -114,10 +114,12 @@ def model_entries(model: nn.Module, prefix: str = "") -> dict[str, Entry]:
     for name, param in model.named_parameters():
         spec = shard_spec(param)
         _check_declared(name, param, spec)
-        out[MODEL + prefix + name] = Entry(MODEL + prefix + name, param.detach(), spec)
+        key = model_key(prefix + name)
+        out[key] = Entry(key, param.detach(), spec)
     for name, buf in model.named_buffers():
         if name in persistent:
-            out[MODEL + prefix + name] = Entry(MODEL + prefix + name, buf.detach(), shard_spec(buf))
+            key = model_key(prefix + name)
+            out[key] = Entry(key, buf.detach(), shard_spec(buf))
     return out
 
 
@@ -145,9 +147,9 @@ def optimizer_entries(
         hyper = {k: v for k, v in group.items() if k != "params"}
         for param in group["params"]:
             name = param_name(names, param, g)
-            objects[OPTIM_GROUP + name] = hyper
+            objects[optim_group_key(name)] = hyper
             for state_key, value in optimizer.state.get(param, {}).items():
-                key = f"{OPTIM}{name}.{state_key}"
+                key = optim_key(name, state_key)
                 if not isinstance(value, torch.Tensor):
                     objects[key] = value  # e.g. SGD's momentum_buffer None without momentum
                 elif value.dim() == 0:
