@@ -39,6 +39,7 @@ from mp_bridge.checkpoint.ckpt_arguments import check_common, check_prefix
 from mp_bridge.checkpoint.dcp_adapter import PiecesLoadPlanner
 from mp_bridge.checkpoint.entries import (
     Entry,
+    entry_of,
     model_entries,
     optimizer_class,
     param_name,
@@ -158,9 +159,10 @@ def _optimizer_targets(job: _Load, optimizer: torch.optim.Optimizer, model: nn.M
                     job.objects[key] = None
                 elif len(md.size) == 0:
                     job.entries[key] = Entry(key, torch.zeros((), dtype=md.properties.dtype), None)
-                else:
-                    like = torch.zeros_like(param, dtype=md.properties.dtype)
-                    job.entries[key] = entry = Entry(key, like, shard_spec(param))
+                else:  # sharded like its parameter (a DTensor's: at its place)
+                    held = entry_of(key, name, param, shard_spec(param))
+                    like = torch.zeros_like(held.local, dtype=md.properties.dtype)
+                    job.entries[key] = entry = Entry(key, like, held.spec, held.place)
                     if tuple(md.size) != entry.global_shape:
                         raise ValueError(
                             f"checkpoint key {key}: saved global shape {tuple(md.size)}, "
@@ -207,7 +209,10 @@ def _optimizer_state_dict(job: _Load, optimizer, model, read: dict) -> dict:
     names = param_names(model, job.prefix)
     by_param: dict[int, dict] = {}
     for key, (param, state_name) in job.where.items():
-        by_param.setdefault(id(param), {})[state_name] = read[key]
+        value = read[key]
+        if key in job.entries:  # a DTensor parameter's state is a DTensor again
+            value = job.entries[key].as_held(value)
+        by_param.setdefault(id(param), {})[state_name] = value
     state: dict[int, dict] = {}
     groups = []
     index = 0  # state_dict()'s parameter numbering: across the groups, in order
