@@ -16,7 +16,8 @@ Methods, alternated run by run in one process (``--repeat`` rounds, the order ro
   load: ``torch.load`` on rank 0 then ``dist.scatter`` of each rank's shard. Gather and
   scatter are inside the timed region;
 - ``async``: ``save(..., async_save=True)``: the time until it returns (the training
-  loop is blocked that long), then ``wait()`` outside the timing.
+  loop is blocked that long), then ``wait()`` outside the timing; after one warm-up
+  asynchronous save, which allocates the model's staging buffers (once per model).
 
 Payload: the sum of the chunk sizes in DCP's metadata (what was written, duplicates
 included) against the unpadded parameters plus Adam state of the single-process model
@@ -24,7 +25,8 @@ included) against the unpadded parameters plus Adam state of the single-process 
 overhead (all files on disk minus the payload) is reported apart. Times: median over the
 rounds, spread = (max - min) / median; ratio = ours / rank0; MB/s per rank = payload /
 8 ranks / seconds (10**6 bytes). Never asserted. ``--profile``: one more ``ours`` save
-and load of the last workload under ``cProfile`` on rank 0, its top functions by own
+and load (and the blocked part of an async save) of the last workload under
+``cProfile`` on rank 0, its top functions by own
 time (which part costs what: serialization, file writes, collectives).
 
     python bench/checkpoint.py [--full] [--repeat 3] [--vocab V --hidden H] [--tp 2,4,8]
@@ -194,6 +196,7 @@ def measure(name: str, model, optim, full, repeat: int, root: str) -> dict:
         lambda: runs["rank0 load"].append(timed(lambda: rank0_load(base, model, optim))),
     ]
     save(ours, model, optim)  # warm-up, and the files the loads read
+    save(ours, model, optim, async_save=True).wait()  # the staging buffers (once per model)
     rank0_save(base, model, optim)
     for rnd in range(repeat):
         for k in range(len(methods)):
@@ -215,7 +218,8 @@ def measure(name: str, model, optim, full, repeat: int, root: str) -> dict:
 
 
 def profiled(model, optim, root: str) -> str:
-    """rank 0's cProfile of one ``ours`` save and one load (top 14 by own time)."""
+    """rank 0's cProfile of one ``ours`` save, one load and the blocked part of one
+    asynchronous save (top 14 by own time each)."""
     import cProfile
     import io
     import pstats
@@ -223,7 +227,9 @@ def profiled(model, optim, root: str) -> str:
     path = os.path.join(root, "profiled.ckpt")
     out = ""
     for what, fn in (("save", lambda: save(path, model, optim)),
-                     ("load", lambda: load(path, model, optim))):  # fmt: skip
+                     ("load", lambda: load(path, model, optim)),
+                     ("async save (the blocked part)",
+                      lambda: save(path, model, optim, async_save=True))):  # fmt: skip
         prof = cProfile.Profile()
         dist.barrier()
         if dist.get_rank() == 0:
@@ -234,6 +240,7 @@ def profiled(model, optim, root: str) -> str:
             text = io.StringIO()
             pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(14)
             out += f"--- rank 0, one {what}, top 14 by own time\n" + text.getvalue()
+    close()  # waits for the async save
     return out
 
 

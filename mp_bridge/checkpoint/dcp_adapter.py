@@ -61,12 +61,24 @@ class PiecesTensor:
         self.global_shape = torch.Size(global_shape)
         self._views: dict[torch.Size, torch.Tensor] = {}
         self._chunks: list[ChunkStorageMetadata] = []
+        self._rows = [(piece.local_start, piece.length) for piece in pieces]
         for piece in pieces:
             start = list(offsets) if offsets is not None else [0] * local.dim()
             start[dim] = piece.full_start
             view = local.narrow(dim, piece.local_start, piece.length)
             self._views[torch.Size(start)] = view
             self._chunks.append(ChunkStorageMetadata(torch.Size(start), view.shape))
+
+    def zero_rest(self) -> None:
+        """Zero the rows of ``local`` along ``dim`` that no piece covers (padding): a load
+        reads into uninitialized buffers, and only the pieces are read."""
+        start = 0
+        for begin, length in sorted(self._rows):
+            if begin > start:
+                self.local.narrow(self.dim, start, begin - start).zero_()
+            start = max(start, begin + length)
+        if start < self.local.shape[self.dim]:
+            self.local.narrow(self.dim, start, self.local.shape[self.dim] - start).zero_()
 
     def size(self) -> torch.Size:
         """The global shape (what DCP checks against the saved metadata)."""

@@ -13,8 +13,8 @@ Collective over every rank of the world. Steps, each a function:
    parameter changes (so are ranks whose models disagree on a key's global shape); then
    the optimizer's, RNG's and stateful objects' targets;
 3. read (:func:`_read`): DCP reads each rank's pieces of every global tensor into fresh
-   buffers (padding rows stay zero); a read error is the same error on every rank, with
-   nothing changed yet;
+   uninitialized buffers, whose rows no piece covers (padding) are then zeroed; a read
+   error is the same error on every rank, with nothing changed yet;
 4. apply (:func:`_apply`): the stateful objects first (one that raises leaves the rest
    as it was), then the parameters, the optimizer through its own
    ``Optimizer.load_state_dict`` (state and each group's saved hyper-parameters), then
@@ -36,7 +36,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 from mp_bridge.checkpoint import rng
 from mp_bridge.checkpoint.background import finish_pending
 from mp_bridge.checkpoint.ckpt_arguments import check_common, check_prefix
-from mp_bridge.checkpoint.dcp_adapter import PiecesLoadPlanner
+from mp_bridge.checkpoint.dcp_adapter import PiecesLoadPlanner, PiecesTensor
 from mp_bridge.checkpoint.entries import (
     Entry,
     entry_of,
@@ -186,7 +186,7 @@ def _targets(job: _Load, model, optimizer, stateful) -> None:
 
 def _read(job: _Load, group) -> dict[str, Any]:
     """Step 3: every target read (tensors into fresh buffers; objects by value)."""
-    buffers = {k: torch.zeros_like(e.local) for k, e in job.entries.items()}
+    buffers = {k: torch.empty_like(e.local) for k, e in job.entries.items()}
     state: dict[str, Any] = {k: job.entries[k].dcp_value(buffers[k]) for k in job.entries}
     state.update(job.objects)
     try:
@@ -199,6 +199,9 @@ def _read(job: _Load, group) -> dict[str, Any]:
         raise RuntimeError(
             f"damaged checkpoint at {job.path!r}: reading it failed ({dcp_errors(exc)})"
         ) from exc
+    for value in state.values():
+        if isinstance(value, PiecesTensor):
+            value.zero_rest()
     return {**state, **buffers}
 
 
