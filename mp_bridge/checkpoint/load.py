@@ -141,8 +141,9 @@ def _agree_on_model(job: _Load, group) -> None:
 
 
 def _optimizer_targets(job: _Load, optimizer: torch.optim.Optimizer, model: nn.Module) -> None:
-    """Fresh buffers for the saved optimizer state of this rank's parameters (a scalar on
-    the CPU: ``load_state_dict`` moves it where the group wants it)."""
+    """Templates (uninitialized: :func:`_read` makes the buffers) for the saved optimizer
+    state of this rank's parameters (a scalar on the CPU: ``load_state_dict`` moves it
+    where the group wants it)."""
     names = param_names(model, job.prefix)
     saved = job.metadata.state_dict_metadata
     for g, group in enumerate(optimizer.param_groups):
@@ -161,7 +162,7 @@ def _optimizer_targets(job: _Load, optimizer: torch.optim.Optimizer, model: nn.M
                     job.entries[key] = Entry(key, torch.zeros((), dtype=md.properties.dtype), None)
                 else:  # sharded like its parameter (a DTensor's: at its place)
                     held = entry_of(key, name, param, shard_spec(param))
-                    like = torch.zeros_like(held.local, dtype=md.properties.dtype)
+                    like = torch.empty_like(held.local, dtype=md.properties.dtype)
                     job.entries[key] = entry = Entry(key, like, held.spec, held.place)
                     if tuple(md.size) != entry.global_shape:
                         raise ValueError(
