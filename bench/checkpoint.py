@@ -16,15 +16,21 @@ Methods, alternated run by run in one process (``--repeat`` rounds, the order ro
   load: ``torch.load`` on rank 0 then ``dist.scatter`` of each rank's shard. Gather and
   scatter are inside the timed region;
 - ``async``: ``save(..., async_save=True)``: the time until it returns (the training
-  loop is blocked that long), then ``wait()`` outside the timing.
+  loop is blocked that long), then ``wait()`` outside the timing; after one warm-up
+  asynchronous save, which allocates the model's staging buffers (once per model).
 
 Payload: the sum of the chunk sizes in DCP's metadata (what was written, duplicates
 included) against the unpadded parameters plus Adam state of the single-process model
 (``expected``): the ratio is 1.000 when every DP replica is written once. The file
 overhead (all files on disk minus the payload) is reported apart. Times: median over the
-rounds, spread = (max - min) / median; ratio = ours / rank0. Never asserted.
+rounds, spread = (max - min) / median; ratio = ours / rank0; MB/s per rank = payload /
+8 ranks / seconds (10**6 bytes). Never asserted. ``--profile``: one more ``ours`` save
+and load (and the blocked part of an async save) of the last workload under
+``cProfile`` on rank 0, its top functions by own
+time (which part costs what: serialization, file writes, collectives).
 
-    python bench/checkpoint.py [--full] [--repeat 3] [--vocab V --hidden H]
+    python bench/checkpoint.py [--full] [--repeat 3] [--vocab V --hidden H] [--tp 2,4,8]
+        [--no-demo] [--profile]
 """
 
 from __future__ import annotations
@@ -40,9 +46,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from mp_bridge.checkpoint import load, save
+from mp_bridge.checkpoint import close, load, read_checkpoint, save
 from mp_bridge.checkpoint.entries import model_entries, optimizer_entries
-from mp_bridge.checkpoint.load import read_checkpoint
 from mp_bridge.grid import make_grid
 from mp_bridge.layers import VocabParallelEmbedding
 from mp_bridge.table import format_table
@@ -191,6 +196,7 @@ def measure(name: str, model, optim, full, repeat: int, root: str) -> dict:
         lambda: runs["rank0 load"].append(timed(lambda: rank0_load(base, model, optim))),
     ]
     save(ours, model, optim)  # warm-up, and the files the loads read
+    save(ours, model, optim, async_save=True).wait()  # the staging buffers (once per model)
     rank0_save(base, model, optim)
     for rnd in range(repeat):
         for k in range(len(methods)):
@@ -211,17 +217,48 @@ def measure(name: str, model, optim, full, repeat: int, root: str) -> dict:
     return row
 
 
+def profiled(model, optim, root: str) -> str:
+    """rank 0's cProfile of one ``ours`` save, one load and the blocked part of one
+    asynchronous save (top 14 by own time each)."""
+    import cProfile
+    import io
+    import pstats
+
+    path = os.path.join(root, "profiled.ckpt")
+    out = ""
+    for what, fn in (("save", lambda: save(path, model, optim)),
+                     ("load", lambda: load(path, model, optim)),
+                     ("async save (the blocked part)",
+                      lambda: save(path, model, optim, async_save=True))):  # fmt: skip
+        prof = cProfile.Profile()
+        dist.barrier()
+        if dist.get_rank() == 0:
+            prof.enable()
+        fn()
+        if dist.get_rank() == 0:
+            prof.disable()
+            text = io.StringIO()
+            pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(14)
+            out += f"--- rank 0, one {what}, top 14 by own time\n" + text.getvalue()
+    close()  # waits for the async save
+    return out
+
+
 def worker(args) -> list[dict]:
     out = []
-    model, optim, full = demo_workload()
-    out.append(measure("demo", model, optim, full, args.repeat, args.dir))
-    del model, optim
-    for tp in (2, 4, 8):
+    if args.demo:
+        model, optim, full = demo_workload()
+        out.append(measure("demo", model, optim, full, args.repeat, args.dir))
+        del model, optim
+    for tp in args.tp:
         model, optim, full = vocab_workload(tp, args.vocab, args.hidden)
         out.append(
             measure(f"vocab TP {tp} / DP {WORLD // tp}", model, optim, full, args.repeat, args.dir)
         )
+        if args.profile and tp == args.tp[-1]:
+            out.append({"profile": profiled(model, optim, args.dir)})
         del model, optim
+        close()  # the staging buffers of this workload
     return out
 
 
@@ -231,7 +268,11 @@ def main() -> int:
     parser.add_argument("--vocab", type=int, default=16381)
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--repeat", type=int, default=3, help="rounds (methods alternate)")
+    parser.add_argument("--tp", default="2,4,8", help="vocab workloads' TP sizes")
+    parser.add_argument("--no-demo", dest="demo", action="store_false")
+    parser.add_argument("--profile", action="store_true", help="cProfile one save and load")
     args = parser.parse_args()
+    args.tp = [int(t) for t in args.tp.split(",")]
     if args.full:
         args.vocab, args.hidden = 65536, 4096
     args.dir = tempfile.mkdtemp(prefix="mp_bridge_ckpt_bench_")
@@ -244,8 +285,9 @@ def main() -> int:
     mib = 2.0**20
     cells = [("workload", "expected MiB", "payload / exp", "file overhead MiB", "rank0 file MiB",
               "save s", "rank0 save s", "x", "load s", "rank0 load s", "x", "async blocked",
-              "spread")]  # fmt: skip
-    for r in rows:
+              "save MB/s/rank", "load MB/s/rank", "spread")]  # fmt: skip
+    profile = "".join(r.get("profile", "") for r in rows)
+    for r in (r for r in rows if "profile" not in r):
         cells.append((
             r["workload"], f"{r['expected'] / mib:.1f}", f"{r['payload'] / r['expected']:.3f}",
             f"{(r['disk'] - r['payload']) / mib:.2f}", f"{r['rank0_file'] / mib:.1f}",
@@ -253,6 +295,8 @@ def main() -> int:
             f"{r['ours save'] / r['rank0 save']:.2f}", f"{r['ours load']:.3f}",
             f"{r['rank0 load']:.3f}", f"{r['ours load'] / r['rank0 load']:.2f}",
             f"{r['async blocked']:.3f} s = {r['async blocked'] / r['ours save']:.0%}",
+            f"{r['payload'] / WORLD / r['ours save'] / 1e6:.1f}",
+            f"{r['payload'] / WORLD / r['ours load'] / 1e6:.1f}",
             f"{r['spread']:.0%}",
         ))  # fmt: skip
     print("command: python bench/checkpoint.py " + " ".join(sys.argv[1:]))
@@ -260,6 +304,8 @@ def main() -> int:
           f"medians; load average before {load_before[0]:.2f}, after {load_after[0]:.2f}; "
           f"{time.perf_counter() - start:.0f} s\n")  # fmt: skip
     print(format_table(cells))
+    if profile:
+        print("\n" + profile)
     return 0
 
 

@@ -43,8 +43,10 @@ class PiecesTensor:
     """The real rows of ``local`` (split along ``dim``) as chunks of a ``global_shape`` tensor.
 
     ``local``: the rank's tensor (padding included); ``pieces``: which local rows are which
-    global rows. Writing reads the pieces out of ``local``; loading writes into them (the
-    rest of ``local`` is left as it is).
+    global rows; ``offsets``: where ``local`` starts in the global tensor along the other
+    dims (default zeros; an FSDP2 ``DTensor`` shard's offsets, from DCP's own chunk of it).
+    Writing reads the pieces out of ``local``; loading writes into them (the rest of
+    ``local`` is left as it is).
     """
 
     def __init__(
@@ -53,17 +55,30 @@ class PiecesTensor:
         global_shape: Sequence[int],
         dim: int,
         pieces: Sequence[ShardPiece],
+        offsets: Sequence[int] | None = None,
     ):
         self.local, self.dim = local, dim
         self.global_shape = torch.Size(global_shape)
         self._views: dict[torch.Size, torch.Tensor] = {}
         self._chunks: list[ChunkStorageMetadata] = []
+        self._rows = [(piece.local_start, piece.length) for piece in pieces]
         for piece in pieces:
-            offsets = [0] * local.dim()
-            offsets[dim] = piece.full_start
+            start = list(offsets) if offsets is not None else [0] * local.dim()
+            start[dim] = piece.full_start
             view = local.narrow(dim, piece.local_start, piece.length)
-            self._views[torch.Size(offsets)] = view
-            self._chunks.append(ChunkStorageMetadata(torch.Size(offsets), view.shape))
+            self._views[torch.Size(start)] = view
+            self._chunks.append(ChunkStorageMetadata(torch.Size(start), view.shape))
+
+    def zero_rest(self) -> None:
+        """Zero the rows of ``local`` along ``dim`` that no piece covers (padding): a load
+        reads into uninitialized buffers, and only the pieces are read."""
+        start = 0
+        for begin, length in sorted(self._rows):
+            if begin > start:
+                self.local.narrow(self.dim, start, begin - start).zero_()
+            start = max(start, begin + length)
+        if start < self.local.shape[self.dim]:
+            self.local.narrow(self.dim, start, self.local.shape[self.dim] - start).zero_()
 
     def size(self) -> torch.Size:
         """The global shape (what DCP checks against the saved metadata)."""

@@ -17,8 +17,8 @@ import json
 
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
-from mp_bridge.checkpoint.entries import MODEL, OPTIM
-from mp_bridge.checkpoint.load import read_checkpoint
+from mp_bridge.checkpoint.info import read_checkpoint
+from mp_bridge.checkpoint.keys import MODEL, OPTIM, model_key, optim_param
 from mp_bridge.table import format_table
 
 __all__ = ["describe"]
@@ -33,8 +33,8 @@ def _group(key: str, sizes: dict[str, int], shapes: dict) -> str:
     if key.startswith(MODEL):
         return str(sizes.get(key[len(MODEL) :], "-"))
     if key.startswith(OPTIM):  # sharded like its parameter when it has its shape
-        name = key[len(OPTIM) :].rsplit(".", 1)[0]
-        if shapes.get(MODEL + name) == shapes[key]:
+        name = optim_param(key)
+        if shapes.get(model_key(name)) == shapes[key]:
             return str(sizes.get(name, "-"))
     return "-"
 

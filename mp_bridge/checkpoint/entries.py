@@ -1,6 +1,7 @@
 """What a model and its optimizer put in a checkpoint: one :class:`Entry` per global tensor.
 
-Keys (the checkpoint's namespace, under the single-process parameter names):
+Keys (the checkpoint's namespace, under the single-process parameter names; made by
+:mod:`.keys`):
 
 - ``model.<name>``: every parameter (``named_parameters``: a tied weight once, under its
   first name) and persistent buffer; its global tensor is the *unpadded* full tensor its
@@ -14,9 +15,13 @@ Keys (the checkpoint's namespace, under the single-process parameter names):
 A parameter that is tensor-parallel in megatron's own marking (``tensor_model_parallel``)
 but declares no ``ShardSpec``, or whose megatron ``partition_stride`` is not 1 while it
 declares plain contiguous rows, is refused by name: saving it as replicated or as
-contiguous rows would write a wrong global tensor. So is a ``DTensor`` parameter (FSDP2's
-``fully_shard``): its global shape is one TP shard's, and the TP ranks' rows would be
-written under one key. No collective here.
+contiguous rows would write a wrong global tensor.
+
+A ``DTensor`` parameter (FSDP2's ``fully_shard``, DTensor TP) is entered by its local
+shard and its :class:`~.dtensor_place.TensorPlace`: its global tensor is the DTensor's
+(DCP's own chunk of it), or, when it also declares a ``ShardSpec`` (our TP inside FSDP's
+``"dp"`` DTensor), the unpadded full tensor of the spec, through the pieces its chunk
+holds. Its optimizer state is entered the same way. No collective here.
 """
 
 from __future__ import annotations
@@ -25,13 +30,15 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from mp_bridge.checkpoint.dcp_adapter import PiecesTensor
-from mp_bridge.layers import ShardSpec, shard_spec
+from mp_bridge.checkpoint.dtensor_place import TensorPlace, pieces_within, place_of
+from mp_bridge.checkpoint.keys import model_key, optim_group_key, optim_key
+from mp_bridge.layers import ShardPiece, ShardSpec, shard_spec
 
 __all__ = [
     "Entry",
+    "entry_of",
     "model_entries",
     "optimizer_class",
     "optimizer_entries",
@@ -39,40 +46,49 @@ __all__ = [
     "param_names",
 ]
 
-MODEL, OPTIM, OPTIM_GROUP = "model.", "optim.", "optim_group."
-
 
 @dataclass(frozen=True)
 class Entry:
-    """One global tensor of the checkpoint as this rank holds it (``spec`` None: whole)."""
+    """One global tensor of the checkpoint as this rank holds it: ``local`` (a plain
+    tensor: a DTensor's local shard), its ``spec`` (``None``: not ours to split) and its
+    ``place`` (``None``: not a DTensor)."""
 
     key: str
     local: torch.Tensor
     spec: ShardSpec | None
+    place: TensorPlace | None = None
 
     @property
     def global_shape(self) -> tuple[int, ...]:
-        shape = tuple(self.local.shape)
-        return shape if self.spec is None else self.spec.full_shape(self.local.shape)
+        shape = tuple(self.local.shape) if self.place is None else self.place.shape
+        return shape if self.spec is None else self.spec.full_shape(shape)
 
     def dcp_value(self, local: torch.Tensor | None = None):
         """What DCP reads (save) or fills (load): ``local`` (default: this entry's) as a
         :class:`PiecesTensor` of the global tensor, or the plain tensor when replicated."""
         local = self.local if local is None else local
-        if self.spec is None:
+        if (self.spec is None and self.place is None) or local.dim() == 0:
             return local
-        pieces = self.spec.local_pieces(local.shape[self.spec.dim])
-        return PiecesTensor(local, self.global_shape, self.spec.dim, pieces)
+        dim = 0 if self.spec is None else self.spec.dim
+        offsets = (0,) * local.dim() if self.place is None else self.place.offsets
+        rows = local.shape[dim] if self.place is None else self.place.shape[dim]
+        pieces = (ShardPiece(0, 0, rows),) if self.spec is None else self.spec.local_pieces(rows)
+        pieces = pieces_within(pieces, offsets[dim], local.shape[dim])
+        return PiecesTensor(local, self.global_shape, dim, pieces, offsets)
+
+    def as_held(self, local: torch.Tensor) -> torch.Tensor:
+        """``local`` as the model holds such a tensor (a DTensor at this entry's place)."""
+        return local if self.place is None else self.place.rebuild(local)
+
+
+def entry_of(key: str, name: str, tensor: torch.Tensor, spec: ShardSpec | None) -> Entry:
+    """The entry of ``tensor`` (a plain tensor or a DTensor) under ``key``."""
+    place = place_of(name, tensor)
+    local = tensor.detach() if place is None else tensor.detach().to_local()
+    return Entry(key, local, spec, place)
 
 
 def _check_declared(name: str, param: torch.Tensor, spec: ShardSpec | None) -> None:
-    if isinstance(param, DTensor):  # FSDP2's shard of a TP shard: DCP would dedup TP rows
-        raise ValueError(
-            f"parameter {name!r} is a DTensor ({param.placements} over {param.device_mesh}), "
-            f"as fully_shard (FSDP2) makes it; mp_bridge.checkpoint saves and loads plain TP "
-            f"shards only: save the full tensors of gather_full_state(model) (every TP "
-            f"rank's rows), or the model before fully_shard"
-        )
     if getattr(param, "tensor_model_parallel", False) and spec is None:
         raise ValueError(
             f"parameter {name!r} is tensor-parallel (megatron's tensor_model_parallel) but "
@@ -114,10 +130,12 @@ def model_entries(model: nn.Module, prefix: str = "") -> dict[str, Entry]:
     for name, param in model.named_parameters():
         spec = shard_spec(param)
         _check_declared(name, param, spec)
-        out[MODEL + prefix + name] = Entry(MODEL + prefix + name, param.detach(), spec)
+        key = model_key(prefix + name)
+        out[key] = entry_of(key, name, param, spec)
     for name, buf in model.named_buffers():
         if name in persistent:
-            out[MODEL + prefix + name] = Entry(MODEL + prefix + name, buf.detach(), shard_spec(buf))
+            key = model_key(prefix + name)
+            out[key] = entry_of(key, name, buf, shard_spec(buf))
     return out
 
 
@@ -145,15 +163,15 @@ def optimizer_entries(
         hyper = {k: v for k, v in group.items() if k != "params"}
         for param in group["params"]:
             name = param_name(names, param, g)
-            objects[OPTIM_GROUP + name] = hyper
+            objects[optim_group_key(name)] = hyper
             for state_key, value in optimizer.state.get(param, {}).items():
-                key = f"{OPTIM}{name}.{state_key}"
+                key = optim_key(name, state_key)
                 if not isinstance(value, torch.Tensor):
                     objects[key] = value  # e.g. SGD's momentum_buffer None without momentum
                 elif value.dim() == 0:
-                    entries[key] = Entry(key, value.detach(), None)  # replicated (step)
+                    entries[key] = entry_of(key, name, value, None)  # replicated (step)
                 elif value.shape == param.shape:
-                    entries[key] = Entry(key, value.detach(), shard_spec(param))
+                    entries[key] = entry_of(key, name, value, shard_spec(param))
                 else:
                     raise ValueError(
                         f"optimizer state {state_key!r} of parameter {name!r} has shape "

@@ -4,7 +4,8 @@ The file is written last, by the coordinator, once every rank's data and DCP's
 ``.metadata`` are on disk: a directory without it is not a checkpoint. It holds the
 format version, the step, the user's ``extra`` (JSON), the layout the checkpoint was
 saved from, and the size of every file (a load refuses a file of another size: a
-truncated or replaced file). No collective.
+truncated or replaced file). :func:`read_checkpoint` also reads DCP's metadata (what
+``load`` and ``inspect`` start from). No collective.
 """
 
 from __future__ import annotations
@@ -14,11 +15,22 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["FORMAT_VERSION", "INFO_FILE", "CheckpointInfo", "read_info", "write_info"]
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import Metadata
+
+from mp_bridge.checkpoint.locate import INFO_FILE, resolve
+
+__all__ = [
+    "FORMAT_VERSION",
+    "INFO_FILE",  # .locate's, named here too
+    "CheckpointInfo",
+    "read_checkpoint",
+    "read_info",
+    "write_info",
+]
 
 #: Bumped when the on-disk layout changes in a way an older reader would misread.
 FORMAT_VERSION = 1
-INFO_FILE = "mp_bridge.json"
 
 
 @dataclass(frozen=True)
@@ -117,3 +129,17 @@ def read_info(directory: str) -> CheckpointInfo:
                 f"{'missing' if actual is None else f'{actual} bytes'}, saved as {size} bytes"
             )
     return info
+
+
+def read_checkpoint(path: str) -> tuple[CheckpointInfo, Metadata]:
+    """The info and DCP metadata of the checkpoint published at ``path`` (no collective);
+    errors name the path (missing, not a checkpoint, damaged)."""
+    directory = resolve(path)
+    info = read_info(directory)
+    try:
+        metadata = dcp.FileSystemReader(directory).read_metadata()
+    except Exception as exc:  # a truncated or corrupt .metadata: unpickling errors of any kind
+        raise ValueError(
+            f"damaged checkpoint at {path!r}: its DCP metadata is unreadable ({exc})"
+        ) from exc
+    return info, metadata

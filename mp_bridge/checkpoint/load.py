@@ -1,25 +1,30 @@
 """``load``: fill a model (and optimizer, RNG, stateful objects) from a checkpoint, at
 whatever layout the model was built with.
 
-Collective over every rank of the world. Steps:
+Collective over every rank of the world. Steps, each a function:
 
-1. local: check the arguments, find the checkpoint (``mp_bridge.json``, file sizes,
-   DCP's metadata) and this rank's entries; the ranks exchange errors (one gather);
-2. the whole-model check: the union of every rank's keys and global shapes (one gather:
-   a pipeline stage holds only its own layers) against the saved ones. A missing or
-   unexpected key or another global shape is a ``ValueError`` naming the key with the
-   saved and expected shapes, raised on every rank before any parameter changes (so
-   are ranks whose models disagree on a key's global shape);
-3. DCP reads each rank's pieces of every global tensor into fresh buffers (padding rows
-   stay zero); a read error is the same error on every rank, with nothing changed yet;
-4. the buffers are copied into the parameters, the optimizer state and hyper-parameters
-   are set, then the RNG states (same rank in the saved world; whole-model loads only)
-   and the ``stateful`` objects (this rank's saved state, else rank 0's).
+1. check (:func:`_check`, local): the arguments, the checkpoint (``mp_bridge.json``,
+   file sizes, DCP's metadata) and this rank's model entries;
+2. agree (:func:`_agree_on_model`, :func:`_targets`): errors are exchanged (every rank
+   raises the same one); then the union of every rank's keys and global shapes (one
+   gather: a pipeline stage holds only its own layers) is checked against the saved
+   ones, on every rank alike: a missing or unexpected key or another global shape is a
+   ``ValueError`` naming the key with the saved and expected shapes, raised before any
+   parameter changes (so are ranks whose models disagree on a key's global shape); then
+   the optimizer's, RNG's and stateful objects' targets;
+3. read (:func:`_read`): DCP reads each rank's pieces of every global tensor into fresh
+   uninitialized buffers, whose rows no piece covers (padding) are then zeroed; a read
+   error is the same error on every rank, with nothing changed yet;
+4. apply (:func:`_apply`): the stateful objects first (one that raises leaves the rest
+   as it was), then the parameters, the optimizer through its own
+   ``Optimizer.load_state_dict`` (state and each group's saved hyper-parameters), then
+   the RNG states (same rank in the saved world; whole-model loads only).
 """
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -29,48 +34,73 @@ from torch import nn
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
 from mp_bridge.checkpoint import rng
+from mp_bridge.checkpoint.background import finish_pending
 from mp_bridge.checkpoint.ckpt_arguments import check_common, check_prefix
-from mp_bridge.checkpoint.dcp_adapter import PiecesLoadPlanner
+from mp_bridge.checkpoint.dcp_adapter import PiecesLoadPlanner, PiecesTensor
 from mp_bridge.checkpoint.entries import (
-    MODEL,
-    OPTIM,
-    OPTIM_GROUP,
     Entry,
+    entry_of,
     model_entries,
     optimizer_class,
     param_name,
     param_names,
 )
-from mp_bridge.checkpoint.info import CheckpointInfo, read_info
-from mp_bridge.checkpoint.publish import resolve
+from mp_bridge.checkpoint.info import CheckpointInfo, read_checkpoint
+from mp_bridge.checkpoint.keys import (
+    MODEL,
+    optim_group_key,
+    optim_state_name,
+    rng_key,
+    stateful_key,
+)
 from mp_bridge.checkpoint.ranks import (
     DCP_ERRORS,
-    agree_errors,
+    agree_on_errors,
     checkpoint_group,
     dcp_errors,
     dcp_quietly,
     gather,
 )
-from mp_bridge.checkpoint.save import finish_pending
 from mp_bridge.layers import shard_spec
 
-__all__ = ["load", "read_checkpoint"]
+__all__ = ["load", "read_checkpoint"]  # read_checkpoint: .info's, named here too
 
 _SHOWN = 8  # keys listed in a mismatch error
 
 
-def read_checkpoint(path: str) -> tuple[CheckpointInfo, Metadata]:
-    """The info and DCP metadata of the checkpoint at ``path`` (no collective); errors
-    name the path (missing, not a checkpoint, damaged)."""
-    directory = resolve(path)
-    info = read_info(directory)
-    try:
-        metadata = dcp.FileSystemReader(directory).read_metadata()
-    except Exception as exc:  # a truncated or corrupt .metadata: unpickling errors of any kind
+@dataclass
+class _Load:
+    """One load's checked inputs and what it reads: ``entries`` (tensors: the model's,
+    then the optimizer's), ``objects`` (keys of saved objects to read), ``where`` (an
+    optimizer key -> its parameter and state name)."""
+
+    path: str
+    prefix: str
+    info: CheckpointInfo
+    metadata: Metadata
+    rank: int
+    entries: dict[str, Entry]
+    objects: dict[str, Any] = field(default_factory=dict)
+    where: dict[str, tuple[torch.Tensor, str]] = field(default_factory=dict)
+
+
+def _check(path, model, optimizer, stateful, prefix, rank: int) -> _Load:
+    """Step 1 (local): the arguments, the checkpoint and this rank's model entries."""
+    path = check_common(path, model, optimizer, stateful)
+    prefix = check_prefix(prefix)
+    info, metadata = read_checkpoint(path)
+    if optimizer is not None and not info.has_optimizer:
         raise ValueError(
-            f"damaged checkpoint at {path!r}: its DCP metadata is unreadable ({exc})"
-        ) from exc
-    return info, metadata
+            f"checkpoint at {path!r} holds no optimizer state; pass optimizer=None "
+            f"(a model-only load) or a checkpoint saved with its optimizer"
+        )
+    if optimizer is not None and info.optimizer not in ("", optimizer_class(optimizer)):
+        raise ValueError(
+            f"checkpoint at {path!r} holds the state of a {info.optimizer}, not of "
+            f"optimizer={optimizer_class(optimizer)}; pass a {info.optimizer}, or "
+            f"optimizer=None to load the model alone (the new optimizer starts fresh)"
+        )
+    return _Load(path, prefix, info, metadata, rank, model_entries(model, prefix))
 
 
 def _shape(metadata: Metadata, key: str) -> tuple[int, ...] | None:
@@ -78,8 +108,10 @@ def _shape(metadata: Metadata, key: str) -> tuple[int, ...] | None:
     return None if md is None or isinstance(md, BytesStorageMetadata) else tuple(md.size)
 
 
-def _check_model(path: str, metadata: Metadata, ours: list[dict], prefix: str) -> None:
-    """Step 2 on the gathered ``{key: global shape}`` of every rank (same on every rank)."""
+def _agree_on_model(job: _Load, group) -> None:
+    """Step 2's whole-model check on every rank's ``{key: global shape}`` (one gather;
+    every rank checks the same gathered keys, so raises the same error)."""
+    ours = gather({k: e.global_shape for k, e in job.entries.items()}, group)
     expected: dict[str, tuple[int, ...]] = {}
     for rank, part in enumerate(ours):
         for key, shape in part.items():
@@ -89,9 +121,9 @@ def _check_model(path: str, metadata: Metadata, ours: list[dict], prefix: str) -
                     f"the ranks' models disagree on {key}: global shape {expected[key]} on "
                     f"rank {first}, {shape} on rank {rank}; build the same model on every rank"
                 )
-    saved = {
-        k: _shape(metadata, k) for k in metadata.state_dict_metadata if k.startswith(MODEL + prefix)
-    }
+    head = MODEL + job.prefix
+    saved = {k: _shape(job.metadata, k) for k in job.metadata.state_dict_metadata}
+    saved = {k: v for k, v in saved.items() if k.startswith(head)}
     problems = [
         f"{k}: saved {saved.get(k) or 'nothing'}, expected {expected.get(k) or 'nothing'}"
         for k in sorted(set(saved) | set(expected))
@@ -100,7 +132,7 @@ def _check_model(path: str, metadata: Metadata, ours: list[dict], prefix: str) -
     if problems:
         more = f" (and {len(problems) - _SHOWN} more)" if len(problems) > _SHOWN else ""
         raise ValueError(
-            f"checkpoint at {path!r} does not fit the model (global shapes): "
+            f"checkpoint at {job.path!r} does not fit the model (global shapes): "
             + "; ".join(problems[:_SHOWN])
             + more
             + "; build the model with the saved sizes (vocab, hidden, layers), or pass "
@@ -108,63 +140,112 @@ def _check_model(path: str, metadata: Metadata, ours: list[dict], prefix: str) -
         )
 
 
-def _optimizer_targets(
-    optimizer: torch.optim.Optimizer, model: nn.Module, prefix: str, metadata: Metadata
-) -> tuple[dict[str, Entry], dict[str, Any], dict[str, tuple]]:
-    """Fresh buffers for the saved optimizer state of this rank's parameters:
-    ``(tensor entries, object placeholders, {key: (param, state name)})``."""
-    names = param_names(model, prefix)
-    saved = metadata.state_dict_metadata
-    entries: dict[str, Entry] = {}
-    objects: dict[str, Any] = {}
-    where: dict[str, tuple] = {}
+def _optimizer_targets(job: _Load, optimizer: torch.optim.Optimizer, model: nn.Module) -> None:
+    """Templates (uninitialized: :func:`_read` makes the buffers) for the saved optimizer
+    state of this rank's parameters (a scalar on the CPU: ``load_state_dict`` moves it
+    where the group wants it)."""
+    names = param_names(model, job.prefix)
+    saved = job.metadata.state_dict_metadata
     for g, group in enumerate(optimizer.param_groups):
-        on_device = group.get("capturable") or group.get("fused")
         for param in group["params"]:
             name = param_name(names, param, g)
-            if OPTIM_GROUP + name in saved:
-                objects[OPTIM_GROUP + name] = None
-            head = f"{OPTIM}{name}."
+            if optim_group_key(name) in saved:
+                job.objects[optim_group_key(name)] = None
             for key, md in saved.items():
-                if not key.startswith(head) or "." in key[len(head) :]:
+                state_name = optim_state_name(key, name)
+                if state_name is None:
                     continue
-                where[key] = (param, key[len(head) :])
+                job.where[key] = (param, state_name)
                 if isinstance(md, BytesStorageMetadata):
-                    objects[key] = None
-                    continue
-                dtype = md.properties.dtype
-                if len(md.size) == 0:
-                    device = param.device if on_device else torch.device("cpu")
-                    entries[key] = Entry(key, torch.zeros((), dtype=dtype, device=device), None)
-                else:
-                    spec = shard_spec(param)
-                    entries[key] = Entry(key, torch.zeros_like(param, dtype=dtype), spec)
-                    if tuple(md.size) != entries[key].global_shape:
+                    job.objects[key] = None
+                elif len(md.size) == 0:
+                    job.entries[key] = Entry(key, torch.zeros((), dtype=md.properties.dtype), None)
+                else:  # sharded like its parameter (a DTensor's: at its place)
+                    held = entry_of(key, name, param, shard_spec(param))
+                    like = torch.empty_like(held.local, dtype=md.properties.dtype)
+                    job.entries[key] = entry = Entry(key, like, held.spec, held.place)
+                    if tuple(md.size) != entry.global_shape:
                         raise ValueError(
                             f"checkpoint key {key}: saved global shape {tuple(md.size)}, "
-                            f"expected {entries[key].global_shape} (the parameter's)"
+                            f"expected {entry.global_shape} (the parameter's)"
                         )
-    return entries, objects, where
 
 
-def _apply_optimizer(optimizer, loaded: dict, where: dict[str, tuple], state: dict, names) -> None:
-    """Step 4 for the optimizer: each parameter's loaded state (none when it had none at
-    save), and each group's hyper-parameters from its first parameter's saved group."""
+def _targets(job: _Load, model, optimizer, stateful) -> None:
+    """Step 2's targets (local): optimizer state, this rank's RNG, the stateful objects."""
+    if optimizer is not None:
+        _optimizer_targets(job, optimizer, model)
+    saved = job.metadata.state_dict_metadata
+    if not job.prefix and rng_key(job.rank) in saved:
+        job.objects[rng_key(job.rank)] = None
+    for key in stateful or {}:
+        found = [k for k in (stateful_key(key, job.rank), stateful_key(key, 0)) if k in saved]
+        if not found:
+            raise ValueError(f"checkpoint at {job.path!r} holds no stateful object {key!r}")
+        job.objects[found[0]] = None
+
+
+def _read(job: _Load, group) -> dict[str, Any]:
+    """Step 3: every target read (tensors into fresh buffers; objects by value)."""
+    buffers = {k: torch.empty_like(e.local) for k, e in job.entries.items()}
+    state: dict[str, Any] = {k: job.entries[k].dcp_value(buffers[k]) for k in job.entries}
+    state.update(job.objects)
+    try:
+        with dcp_quietly():
+            dcp.load(
+                state, storage_reader=dcp.FileSystemReader(job.info.path),
+                planner=PiecesLoadPlanner(), process_group=group, no_dist=group is None,
+            )  # fmt: skip
+    except DCP_ERRORS as exc:  # DCP raises the same CheckpointException on every rank
+        raise RuntimeError(
+            f"damaged checkpoint at {job.path!r}: reading it failed ({dcp_errors(exc)})"
+        ) from exc
+    for value in state.values():
+        if isinstance(value, PiecesTensor):
+            value.zero_rest()
+    return {**state, **buffers}
+
+
+def _optimizer_state_dict(job: _Load, optimizer, model, read: dict) -> dict:
+    """The loaded state in ``optimizer.state_dict()``'s own form: state by parameter
+    index (none for a parameter that had none at save), each group's hyper-parameters
+    from its first parameter's saved group (else the group's own)."""
+    names = param_names(model, job.prefix)
     by_param: dict[int, dict] = {}
-    for key, (param, state_key) in where.items():
-        by_param.setdefault(id(param), {})[state_key] = loaded[key]
+    for key, (param, state_name) in job.where.items():
+        value = read[key]
+        if key in job.entries:  # a DTensor parameter's state is a DTensor again
+            value = job.entries[key].as_held(value)
+        by_param.setdefault(id(param), {})[state_name] = value
+    state: dict[int, dict] = {}
+    groups = []
+    index = 0  # state_dict()'s parameter numbering: across the groups, in order
     for group in optimizer.param_groups:
+        ids, hyper = [], None
         for param in group["params"]:
             if id(param) in by_param:
-                optimizer.state[param] = by_param[id(param)]
-            else:  # not stepped when saved: no state, as then
-                optimizer.state.pop(param, None)
-        hyper = next(
-            (state[k] for p in group["params"] if (k := OPTIM_GROUP + names[id(p)]) in state),
-            None,
-        )
-        if hyper is not None:
-            group.update(hyper)
+                state[index] = by_param[id(param)]
+            hyper = hyper or read.get(optim_group_key(names[id(param)]))
+            ids.append(index)
+            index += 1
+        own = {k: v for k, v in group.items() if k != "params"}
+        groups.append({**own, **(hyper or {}), "params": ids})
+    return {"state": state, "param_groups": groups}
+
+
+def _apply(job: _Load, model, optimizer, stateful, read: dict) -> None:
+    """Step 4: stateful objects, parameters, optimizer, RNG (see the module)."""
+    for key, obj in (stateful or {}).items():
+        mine = stateful_key(key, job.rank)
+        obj.load_state_dict(read[mine if mine in read else stateful_key(key, 0)])
+    with torch.no_grad():
+        for key, entry in job.entries.items():
+            if key.startswith(MODEL):
+                entry.local.copy_(read[key])
+    if optimizer is not None:
+        optimizer.load_state_dict(_optimizer_state_dict(job, optimizer, model, read))
+    if read.get(rng_key(job.rank)) is not None:
+        rng.restore(read[rng_key(job.rank)])
 
 
 def load(
@@ -186,76 +267,17 @@ def load(
     finish_pending()  # an asynchronous save still publishing (maybe at this path)
     group = checkpoint_group()
     rank = 0 if group is None else dist.get_rank(group)
-    error = info = metadata = None
-    entries: dict[str, Entry] = {}
-    try:  # local checks; a bad argument on one rank is the same error on every rank
-        path = check_common(path, model, optimizer, stateful)
-        prefix = check_prefix(prefix)
-        info, metadata = read_checkpoint(path)
-        if optimizer is not None and not info.has_optimizer:
-            raise ValueError(
-                f"checkpoint at {path!r} holds no optimizer state; pass optimizer=None "
-                f"(a model-only load) or a checkpoint saved with its optimizer"
-            )
-        if optimizer is not None and info.optimizer not in ("", optimizer_class(optimizer)):
-            raise ValueError(
-                f"checkpoint at {path!r} holds the state of a {info.optimizer}, not of "
-                f"optimizer={optimizer_class(optimizer)}; pass a {info.optimizer}, or "
-                f"optimizer=None to load the model alone (the new optimizer starts fresh)"
-            )
-        entries = model_entries(model, prefix)
+    job, error = None, None
+    try:
+        job = _check(path, model, optimizer, stateful, prefix, rank)
     except (ValueError, TypeError, OSError) as exc:
         error = exc
-    agree_errors(error, group)
-    ours = {k: e.global_shape for k, e in entries.items()}
-    error = None
+    agree_on_errors(error, group)
+    _agree_on_model(job, group)
     try:
-        _check_model(path, metadata, gather(ours, group), prefix)
+        _targets(job, model, optimizer, stateful)
     except ValueError as exc:
         error = exc
-    if error is not None:  # the same on every rank: each checked the same gathered keys
-        raise error
-    error, objects, where = None, {}, {}
-    try:
-        if optimizer is not None:
-            opt_entries, objects, where = _optimizer_targets(optimizer, model, prefix, metadata)
-            entries = {**entries, **opt_entries}
-        saved = metadata.state_dict_metadata
-        if not prefix and f"rng.{rank}" in saved:
-            objects[f"rng.{rank}"] = None
-        for key in stateful or {}:
-            found = [k for k in (f"stateful.{key}.{rank}", f"stateful.{key}.0") if k in saved]
-            if not found:
-                raise ValueError(f"checkpoint at {path!r} holds no stateful object {key!r}")
-            objects[found[0]] = None
-    except ValueError as exc:
-        error = exc
-    agree_errors(error, group)
-    buffers = {k: torch.zeros_like(e.local) for k, e in entries.items()}
-    state: dict[str, Any] = {k: entries[k].dcp_value(buffers[k]) for k in entries}
-    state.update(objects)
-    try:
-        with dcp_quietly():
-            dcp.load(
-                state, storage_reader=dcp.FileSystemReader(info.path),
-                planner=PiecesLoadPlanner(), process_group=group, no_dist=group is None,
-            )  # fmt: skip
-    except DCP_ERRORS as exc:  # DCP raises the same CheckpointException on every rank
-        raise RuntimeError(
-            f"damaged checkpoint at {path!r}: reading it failed ({dcp_errors(exc)})"
-        ) from exc
-    # the user's objects first: one whose load_state_dict raises leaves the model, the
-    # optimizer and the RNGs as they were
-    for key, obj in (stateful or {}).items():
-        mine = f"stateful.{key}.{rank}"
-        obj.load_state_dict(state[mine if mine in state else f"stateful.{key}.0"])
-    with torch.no_grad():
-        for key, entry in entries.items():
-            if key.startswith(MODEL):
-                entry.local.copy_(buffers[key])
-    if optimizer is not None:
-        loaded = {k: buffers.get(k, state[k]) for k in where}
-        _apply_optimizer(optimizer, loaded, where, state, param_names(model, prefix))
-    if state.get(f"rng.{rank}") is not None:
-        rng.restore(state[f"rng.{rank}"])
-    return info
+    agree_on_errors(error, group)
+    _apply(job, model, optimizer, stateful, _read(job, group))
+    return job.info

@@ -7,7 +7,7 @@ has finished and ``mp_bridge.json`` is written, the coordinator publishes it:
 2. the new directory is renamed to ``path``; 3. the old one is deleted.
 
 Each rename is atomic, so at every moment one whole checkpoint exists: at ``path``, or,
-only between steps 1 and 2, beside it (:func:`resolve` finds it there and the next save
+only between steps 1 and 2, beside it (:func:`.locate.resolve` finds it there and the next save
 puts it back). A save that dies leaves a ``.partial-`` directory without
 ``mp_bridge.json``: a load never reads it and the next save deletes it. No collective.
 
@@ -17,41 +17,20 @@ to ``ckpt/run``.
 
 from __future__ import annotations
 
-import glob
 import os
 import shutil
 
-from mp_bridge.checkpoint.info import INFO_FILE
+from mp_bridge.checkpoint.locate import (
+    INFO_FILE,
+    is_complete,
+    leftovers,
+    resolve,
+    sibling,
+    staging_dir,
+)
 
+# resolve and staging_dir are .locate's, named here too (where they were first written).
 __all__ = ["check_target", "clean_leftovers", "publish", "resolve", "staging_dir"]
-
-
-def _sibling(path: str, kind: str, token: str) -> str:
-    parent, name = os.path.split(os.path.abspath(path))
-    return os.path.join(parent, f".{name}.{kind}-{token}")
-
-
-def staging_dir(path: str, token: str) -> str:
-    """Where the save with ``token`` writes before it is published."""
-    return _sibling(path, "partial", token)
-
-
-def _leftovers(path: str) -> list[str]:
-    return glob.glob(_sibling(path, "partial", "*")) + glob.glob(_sibling(path, "old", "*"))
-
-
-def _complete(directory: str) -> bool:
-    return os.path.isfile(os.path.join(directory, INFO_FILE))
-
-
-def resolve(path: str) -> str:
-    """The directory holding the checkpoint published at ``path``: ``path`` itself, or,
-    when a publication was cut between its two renames, the whole one beside it (the
-    newest). ``path`` when there is none (the reader then names ``path`` in its error)."""
-    if os.path.exists(path):
-        return path
-    whole = [d for d in _leftovers(path) if _complete(d)]
-    return max(whole, key=lambda d: os.path.getmtime(os.path.join(d, INFO_FILE)), default=path)
 
 
 def check_target(path: str) -> None:
@@ -64,7 +43,7 @@ def check_target(path: str) -> None:
     if not os.path.isdir(parent):
         raise ValueError(f"cannot save a checkpoint at {path!r}: {parent!r} is a file")
     if os.path.exists(path) and not (
-        os.path.isdir(path) and (_complete(path) or not os.listdir(path))
+        os.path.isdir(path) and (is_complete(path) or not os.listdir(path))
     ):
         kind = "a directory that is not a checkpoint" if os.path.isdir(path) else "a file"
         raise ValueError(
@@ -79,7 +58,7 @@ def clean_leftovers(path: str) -> None:
     found = resolve(path)
     if found != path:
         os.rename(found, path)
-    for leftover in _leftovers(path):
+    for leftover in leftovers(path):
         shutil.rmtree(leftover, ignore_errors=True)
 
 
@@ -95,7 +74,7 @@ def publish(staging: str, path: str, token: str) -> None:
     """Make the finished ``staging`` directory the checkpoint at ``path`` (see the module)."""
     old = None
     if os.path.exists(path):
-        old = _sibling(path, "old", token)
+        old = sibling(path, "old", token)
         os.rename(path, old)
     os.rename(staging, path)
     _fsync_dir(os.path.dirname(os.path.abspath(path)))

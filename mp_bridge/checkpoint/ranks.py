@@ -2,8 +2,9 @@
 
 A checkpoint is collective over every rank of the default world (``None`` when
 ``torch.distributed`` is not initialized: one process, no collective). Errors found on
-one rank before DCP runs are exchanged first (:func:`agree_errors`), so every rank raises
-the same error and none is left waiting in a collective.
+one rank before DCP runs are exchanged first (:func:`agree_on_errors`, through
+:mod:`mp_bridge.checks.agreement`), so every rank raises the same error and none is left
+waiting in a collective.
 """
 
 from __future__ import annotations
@@ -16,9 +17,11 @@ from typing import Any
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
+from mp_bridge.checks.agreement import AgreementError, check_agreement
+
 __all__ = [
     "DCP_ERRORS",
-    "agree_errors",
+    "agree_on_errors",
     "broadcast",
     "checkpoint_group",
     "dcp_errors",
@@ -56,19 +59,24 @@ def broadcast(obj: Any, group: dist.ProcessGroup | None) -> Any:
     return box[0]
 
 
-def agree_errors(error: BaseException | None, group: dist.ProcessGroup | None) -> None:
-    """Raise, on every rank, the same error: the first rank's (its type and message, with
-    that rank named when the world has more than one); return when no rank has one.
-    One gather."""
-    found = gather(None if error is None else (type(error).__name__, str(error)), group)
-    for rank, item in enumerate(found):
-        if item is None:
-            continue
-        kind, message = item
-        cls = {"ValueError": ValueError, "TypeError": TypeError,
-               "FileNotFoundError": FileNotFoundError}.get(kind, RuntimeError)  # fmt: skip
-        where = "" if len(found) == 1 else f" (rank {rank})"
-        raise cls(f"{message}{where}") from error
+#: Where the checkpoint's error exchanges say they are (one call site for all of them).
+_WHERE = "mp_bridge.checkpoint"
+_KINDS = {"ValueError": ValueError, "TypeError": TypeError,
+          "FileNotFoundError": FileNotFoundError}  # fmt: skip
+
+
+def agree_on_errors(error: BaseException | None, group: dist.ProcessGroup | None) -> None:
+    """Raise, on every rank, the same error: the first failing rank's (its type, and its
+    message with ``(rank r)`` appended when the group has more than one rank); return when
+    no rank has one. :func:`~mp_bridge.checks.agreement.check_agreement` always on: one
+    all-gather of a small int64 row, plus one ``all_gather_object`` when a rank failed."""
+    try:
+        check_agreement(_WHERE, group, {}, error=error, always=True)
+    except AgreementError as exc:
+        if not exc.failures:  # ranks in different calls: its own message says which
+            raise
+        rank, kind, message = exc.failures[0]
+        raise _KINDS.get(kind, RuntimeError)(f"{message} (rank {rank})") from error
 
 
 #: What a failed DCP save or load raises: DCP's ``CheckpointException`` is a

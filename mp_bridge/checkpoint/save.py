@@ -1,31 +1,33 @@
 """``save``: one checkpoint of a model (and optimizer, RNG, stateful objects) at a path.
 
 Collective over every rank of the world (each rank holds part of the model; a pipeline
-stage only its own layers). Steps:
+stage only its own layers). Steps, each a function:
 
-1. local: check the arguments and collect this rank's entries (:mod:`.entries`); the
-   ranks exchange errors and layouts (two small gathers): a parameter one rank refuses
-   is the same ``ValueError`` on every rank, before anything is written;
-2. DCP writes every global tensor once (:mod:`.dcp_adapter`: pieces of the unpadded
-   tensor; replicas de-duplicated) into a staging directory beside ``path``;
-3. the coordinator writes ``mp_bridge.json`` and publishes (:mod:`.publish`); every rank
-   returns once the checkpoint is published.
+1. check and collect (:func:`_collect`): the arguments and this rank's entries
+   (:mod:`.entries`); errors are agreed (:func:`.ranks.agree_on_errors`): a parameter one
+   rank refuses is the same ``ValueError`` on every rank, before anything is written;
+2. describe (:func:`_describe`): every sharded parameter's group size (one gather) and
+   the model's own grids (:func:`_declared_grids`) go into ``mp_bridge.json``;
+3. write (:func:`_write`): DCP writes every global tensor once (:mod:`.dcp_adapter`:
+   pieces of the unpadded tensor; replicas de-duplicated) into a staging directory beside
+   ``path``; the coordinator writes ``mp_bridge.json`` and publishes (:mod:`.publish`).
 
 ``save`` never changes the run it saves: it reads parameters and ``optimizer.state`` as
 they are (it does not use DCP's ``get_optimizer_state_dict``, which initializes an empty
 optimizer's state by stepping it) and only reads the RNG states.
 
-With ``async_save=True`` step 1 and a copy of every tensor (to CPU) run in the caller;
-steps 2 and 3 run in a background thread on a gloo process group of their own (made
-here, collectively; freed by ``wait()``), and ``save`` returns an :class:`AsyncSave`. A later
-``save`` or ``load`` first waits for it to be published (:func:`finish_pending`).
+With ``async_save=True`` steps 1 and 2 and the staging of every tensor into the model's
+reused CPU buffers (:mod:`.staging`) run in the caller; step 3 runs in a background
+thread over the one long-lived writer group (:mod:`.background`), and ``save`` returns an
+:class:`~.background.AsyncSave`. A later ``save`` or ``load`` first waits for it to be
+published. :func:`close` frees the writer group and the staging buffers.
 """
 
 from __future__ import annotations
 
+import atexit
 import copy
 import os
-import threading
 import uuid
 from typing import Any
 
@@ -35,20 +37,22 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from mp_bridge.checkpoint import rng
+from mp_bridge.checkpoint.background import (
+    AsyncSave,
+    finish_pending,
+    release_group,
+    writer_group,
+)
 from mp_bridge.checkpoint.ckpt_arguments import check_common, check_extra
 from mp_bridge.checkpoint.dcp_adapter import PiecesSavePlanner
-from mp_bridge.checkpoint.entries import (
-    MODEL,
-    Entry,
-    model_entries,
-    optimizer_class,
-    optimizer_entries,
-)
+from mp_bridge.checkpoint.entries import Entry, model_entries, optimizer_class, optimizer_entries
 from mp_bridge.checkpoint.info import FORMAT_VERSION, CheckpointInfo, write_info
-from mp_bridge.checkpoint.publish import check_target, clean_leftovers, publish, staging_dir
+from mp_bridge.checkpoint.keys import MODEL, rng_key, stateful_key
+from mp_bridge.checkpoint.locate import staging_dir
+from mp_bridge.checkpoint.publish import check_target, clean_leftovers, publish
 from mp_bridge.checkpoint.ranks import (
     DCP_ERRORS,
-    agree_errors,
+    agree_on_errors,
     broadcast,
     checkpoint_group,
     dcp_errors,
@@ -56,20 +60,20 @@ from mp_bridge.checkpoint.ranks import (
     gather,
     is_coordinator,
 )
+from mp_bridge.checkpoint.staging import drop_all, stage
 from mp_bridge.comm import group_size
 from mp_bridge.grid import GridLayout
 
-__all__ = ["AsyncSave", "finish_pending", "save"]
-
-_PENDING: list[AsyncSave] = []  # this process's asynchronous saves, oldest first
+__all__ = ["close", "save"]
 
 
-def _grids(model: nn.Module) -> dict[str, dict]:
-    """A colocated MIMO model's two grids (its public ``groups``), else ``{}``."""
-    groups = getattr(model, "groups", None)
+def _declared_grids(model: nn.Module) -> dict[str, dict]:
+    """The grids ``model`` declares through ``model.checkpoint_grids()`` (``{part: a
+    HyperCommGrid or None}``; a colocated MIMO model's are ``encoder`` and ``llm``), as
+    JSON; ``{}`` for a model without the method."""
+    declare = getattr(model, "checkpoint_grids", None)
     out = {}
-    for part in ("encoder", "llm"):
-        grid = getattr(groups, f"{part}_grid", None)
+    for part, grid in (declare() if callable(declare) else {}).items():
         if grid is not None:
             layout = GridLayout.from_grid(grid)
             out[part] = {
@@ -83,30 +87,44 @@ def _grids(model: nn.Module) -> dict[str, dict]:
 def _collect(model, optimizer, stateful, rank: int) -> tuple[dict[str, Entry], dict[str, Any]]:
     """This rank's tensor entries and objects (RNG, optimizer groups, stateful states)."""
     entries = model_entries(model)
-    objects: dict[str, Any] = {f"rng.{rank}": rng.capture()}
+    objects: dict[str, Any] = {rng_key(rank): rng.capture()}
     if optimizer is not None:
         opt_entries, opt_objects = optimizer_entries(optimizer, model)
         entries.update(opt_entries)
         objects.update(opt_objects)
     for key, obj in (stateful or {}).items():
-        objects[f"stateful.{key}.{rank}"] = obj.state_dict()
+        objects[stateful_key(key, rank)] = obj.state_dict()
     return entries, objects
 
 
-def _dcp_state(entries: dict[str, Entry], objects: dict[str, Any], *, snapshot: bool) -> dict:
-    """The flat state dict DCP writes; ``snapshot``: of CPU copies (nothing aliases the run)."""
-    state: dict[str, Any] = {}
-    for key, entry in entries.items():
-        local = entry.local.detach().to("cpu", copy=True) if snapshot else entry.local
-        state[key] = entry.dcp_value(local)
-    state.update(copy.deepcopy(objects) if snapshot else objects)
+def _describe(model, optimizer, entries, step, extra, group) -> CheckpointInfo:
+    """Step 2 (one gather): what ``mp_bridge.json`` says about this checkpoint."""
+    sizes: dict[str, int] = {}
+    for part in gather(
+        {k[len(MODEL):]: group_size(e.spec.group) for k, e in entries.items()
+         if e.spec is not None and k.startswith(MODEL)},
+        group,
+    ):  # fmt: skip
+        sizes.update(part)
+    return CheckpointInfo(
+        step=step, extra=extra, format_version=FORMAT_VERSION,
+        world_size=group_size(group), group_sizes=dict(sorted(sizes.items())),
+        grids=_declared_grids(model), has_optimizer=optimizer is not None,
+        optimizer="" if optimizer is None else optimizer_class(optimizer),
+    )  # fmt: skip
+
+
+def _dcp_state(entries: dict[str, Entry], locals_: dict[str, torch.Tensor], objects) -> dict:
+    """The flat state dict DCP writes: each entry over ``locals_[key]``, then the objects."""
+    state: dict[str, Any] = {k: e.dcp_value(locals_[k]) for k, e in entries.items()}
+    state.update(objects)
     return state
 
 
-def _write(path: str, state: dict, info: CheckpointInfo, group) -> None:
-    """Steps 2 and 3 (collective over ``group``): stage, write, publish."""
+def _prepare_target(path: str, group) -> str:
+    """This save's token (the coordinator's, on every rank), once the coordinator has
+    checked ``path`` and cleaned what dead saves left beside it."""
     token = broadcast(uuid.uuid4().hex if is_coordinator(group) else None, group)
-    staging = staging_dir(path, token)
     error = None
     if is_coordinator(group):
         try:
@@ -117,7 +135,14 @@ def _write(path: str, state: dict, info: CheckpointInfo, group) -> None:
             error = exc
         except OSError as exc:
             error = RuntimeError(f"cannot save a checkpoint at {path!r}: {exc}")
-    agree_errors(error, group)
+    agree_on_errors(error, group)
+    return token
+
+
+def _write(path: str, state: dict, info: CheckpointInfo, group) -> None:
+    """Step 3 (collective over ``group``): stage, write, publish."""
+    token = _prepare_target(path, group)
+    staging = staging_dir(path, token)
     try:
         with dcp_quietly():
             dcp.save(
@@ -138,51 +163,18 @@ def _write(path: str, state: dict, info: CheckpointInfo, group) -> None:
         raise RuntimeError(status)
 
 
-def finish_pending() -> None:
-    """Wait until every earlier asynchronous save of this process is published (its
-    error stays for its own ``wait()``): saves publish in the order they were made, and
-    a save never deletes the staging directory of one still writing."""
-    while _PENDING:
-        _PENDING.pop(0)._thread.join()
+def _start_async(path, model, entries, objects, info) -> AsyncSave:
+    """Stage (in the caller), then write and publish in the background."""
+    staged, ready = stage(model, {k: e.local for k, e in entries.items()})
+    state = _dcp_state(entries, staged, copy.deepcopy(objects))
+    group = writer_group()  # collective on first use only, in the caller
 
+    def work() -> None:
+        if ready is not None:
+            ready.synchronize()
+        _write(path, state, info, group)
 
-class AsyncSave:
-    """A save running in the background (``save(..., async_save=True)``).
-
-    ``wait()`` blocks until the checkpoint is published (every rank) and re-raises its
-    error if it failed; ``done()`` tells whether it finished. Call ``wait()`` before the
-    next save to the same path and before the process group is destroyed.
-    """
-
-    def __init__(self, path: str, state: dict, info: CheckpointInfo, group) -> None:
-        self.path = path
-        self._group = group
-        self._error: BaseException | None = None
-        _PENDING.append(self)
-        self._thread = threading.Thread(
-            target=self._run, args=(state, info), name=f"mp_bridge-save:{path}", daemon=True
-        )
-        self._thread.start()
-
-    def _run(self, state: dict, info: CheckpointInfo) -> None:
-        try:
-            _write(self.path, state, info, self._group)
-        except BaseException as exc:  # noqa: BLE001 - handed to wait()
-            self._error = exc
-
-    def done(self) -> bool:
-        return not self._thread.is_alive()
-
-    def wait(self) -> None:
-        self._thread.join()
-        if self in _PENDING:
-            _PENDING.remove(self)
-        if self._group is not None:
-            dist.destroy_process_group(self._group)
-            self._group = None
-        if self._error is not None:
-            error, self._error = self._error, None
-            raise error
+    return AsyncSave(path, work)
 
 
 def save(
@@ -205,9 +197,9 @@ def save(
     rank's RNG states are saved too. A checkpoint already at ``path`` is replaced
     atomically: it stays whole until the new one is published.
 
-    Returns ``None`` once published, or with ``async_save=True`` an :class:`AsyncSave`
-    whose ``wait()`` returns once published (see the module). An earlier asynchronous
-    save still running is waited for first.
+    Returns ``None`` once published, or with ``async_save=True`` an
+    :class:`~mp_bridge.checkpoint.AsyncSave` whose ``wait()`` returns once published
+    (see the module). An earlier asynchronous save still running is waited for first.
     """
     finish_pending()
     group = checkpoint_group()
@@ -219,26 +211,21 @@ def save(
         entries, objects = _collect(model, optimizer, stateful, rank)
     except (ValueError, TypeError) as exc:
         error = exc
-    agree_errors(error, group)
-    sizes: dict[str, int] = {}
-    for part in gather(
-        {k[len(MODEL):]: group_size(e.spec.group) for k, e in entries.items()
-         if e.spec is not None and k.startswith(MODEL)},
-        group,
-    ):  # fmt: skip
-        sizes.update(part)
-    info = CheckpointInfo(
-        step=step, extra=extra, format_version=FORMAT_VERSION,
-        world_size=group_size(group), group_sizes=dict(sorted(sizes.items())),
-        grids=_grids(model), has_optimizer=optimizer is not None,
-        optimizer="" if optimizer is None else optimizer_class(optimizer),
-    )  # fmt: skip
-    if not async_save:
-        _write(path, _dcp_state(entries, objects, snapshot=False), info, group)
-        return None
-    state = _dcp_state(entries, objects, snapshot=True)
-    # gloo: the snapshot is on the CPU, and the thread has no CUDA device of its own (an
-    # NCCL group's object collectives there would all use cuda:0); DCP's own async_save
-    # asks for a CPU backend too.
-    own = None if group is None else dist.new_group(backend="gloo")
-    return AsyncSave(path, state, info, own)
+    agree_on_errors(error, group)
+    info = _describe(model, optimizer, entries, step, extra, group)
+    if async_save:
+        return _start_async(path, model, entries, objects, info)
+    locals_ = {k: e.local for k, e in entries.items()}
+    _write(path, _dcp_state(entries, locals_, objects), info, group)
+    return None
+
+
+def close() -> None:
+    """Wait for this process's asynchronous saves, then free the checkpoint's writer
+    process group and every staging buffer. Not collective (each rank frees its own);
+    the next asynchronous save makes them anew. Also run at interpreter exit."""
+    release_group()
+    drop_all()
+
+
+atexit.register(close)

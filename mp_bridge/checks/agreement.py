@@ -87,7 +87,16 @@ _running = threading.local()
 
 
 class AgreementError(ValueError):
-    """The ranks of a group disagree on an argument (or one rank rejected its input)."""
+    """The ranks of a group disagree on an argument (or one rank rejected its input).
+
+    ``failures``: ``(rank, error type name, message)`` of each rank that rejected its
+    input, in rank order (empty when the ranks only disagree), the same on every rank: a
+    caller may re-raise the first one as its own type (e.g. ``mp_bridge.checkpoint``).
+    """
+
+    def __init__(self, message: str, failures: Sequence[tuple[int, str, str]] = ()) -> None:
+        super().__init__(message)
+        self.failures = tuple(failures)
 
 
 # ------------------------------------------------------------------------ the spec
@@ -339,11 +348,14 @@ def check_agreement(
         "rank": dist.get_rank(),
         "where": where,
         "error": None if error is None else f"{type(error).__name__}: {error}",
+        "kind": None if error is None else type(error).__name__,
+        "message": None if error is None else str(error),
         "fields": readable,
     }
     with _checking():
         records = sorted(_gather_objects(mine, groups), key=lambda r: r["rank"])
-    raise AgreementError(_message(where, records, names)) from error
+    failures = [(r["rank"], r["kind"], r["message"]) for r in records if r["error"] is not None]
+    raise AgreementError(_message(where, records, names), failures) from error
 
 
 def run_checked(

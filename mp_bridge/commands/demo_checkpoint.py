@@ -73,7 +73,7 @@ def write_latest(root: str, step: int) -> None:
 def latest_checkpoint(root: str) -> tuple[str, Any]:
     """``(path, CheckpointInfo)`` of the newest complete checkpoint under ``root`` (no
     collective); ``ValueError`` naming ``root`` when there is none."""
-    from mp_bridge.checkpoint.load import read_checkpoint
+    from mp_bridge.checkpoint.info import read_checkpoint
 
     names = set(os.listdir(root)) if os.path.isdir(root) else set()
     pointer = os.path.join(root, LATEST)

@@ -137,28 +137,57 @@ def test_vocab_layers_under_fully_shard_train_like_one_process(tp):
     assert all(torch.equal(back[k].cpu(), v) for k, v in _full_weights().items())
 
 
+def _adam_step(model: TinyLM, opt, dp_rank: int) -> None:
+    ids, target = _batch(2)
+    rows = slice(dp_rank * B, (dp_rank + 1) * B)
+    opt.zero_grad()
+    model(ids[rows].to(current_device()), target[rows].to(current_device())).backward()
+    opt.step()
+
+
 @world.case
-def test_checkpoint_save_and_load_refuse_an_fsdp2_model_by_name():
-    """FSDP x TP on the 2 x 2 mesh: each parameter is a DTensor whose global shape is one
-    TP shard, so writing it as is would keep one TP rank's rows (DCP dedups equal chunks):
-    ``save`` and ``load`` refuse it on every rank, and the checkpoint already at the path
-    (saved before wrapping) is left whole: it still loads, exactly."""
+def test_checkpoint_of_fsdp2_over_our_tp_round_trips():
+    """FSDP x our TP on the 2 x 2 mesh (``KeepsShardSpecs``): each parameter is a DTensor
+    whose global shape is one padded TP shard (V = 11: TP rank 1's last row is padding,
+    and FSDP's dp rank 1 holds shard rows 3..5, i.e. full rows 9, 10 and that padding row).
+    A checkpoint saved after an Adam step holds the unpadded full tensors: it loads
+    exactly into a fresh FSDP model (Adam state back as DTensors on the parameter's mesh
+    and placements, equal shard for shard; the next step equals the uninterrupted one,
+    bitwise), into the plain TP model and into TP 1 (gathered weights equal, bitwise)."""
     mesh = _mesh(2)
-    tp_group = mesh.get_group("tp")
-    model = TinyLM(tp_group, _full_weights())
+    tp_group, dp_rank = mesh.get_group("tp"), mesh.get_local_rank("dp")
+
+    def wrapped(full):
+        model = TinyLM(tp_group, full)
+        for part in (model.emb, model.head, model):
+            fully_shard(part, mesh=mesh["dp"])
+        return model, torch.optim.Adam(model.parameters(), lr=LR)
+
+    zeros = {k: torch.zeros_like(v) for k, v in _full_weights().items()}
+    model, opt = wrapped(_full_weights())
+    _adam_step(model, opt, dp_rank)
     path = os.path.join(tempfile.gettempdir(), f"mp_bridge_fsdp2_{os.getppid()}", "ckpt")
-    save(path, model)  # plain TP shards: fine
-    for part in (model.emb, model.head, model):
-        fully_shard(part, mesh=mesh["dp"])
-    message = r"parameter 'emb.weight' is a DTensor .* gather_full_state\(model\)"
-    with pytest.raises(ValueError, match=message):
-        save(path, model)
-    with pytest.raises(ValueError, match=message):
-        load(path, model)
-    fresh = TinyLM(tp_group, {k: torch.zeros_like(v) for k, v in _full_weights().items()})
-    load(path, fresh)
+    save(path, model, opt, step=1)
+    saved = gather_full_state(model)
+    fresh, fresh_opt = wrapped(zeros)
+    assert load(path, fresh, fresh_opt).step == 1
     back = gather_full_state(fresh)
-    assert all(torch.equal(back[k].cpu(), v) for k, v in _full_weights().items())
+    assert all(torch.equal(back[k], v) for k, v in saved.items())
+    for p, q in zip(model.parameters(), fresh.parameters()):
+        for key, v in opt.state[p].items():
+            w = fresh_opt.state[q][key]
+            if key != "step":
+                assert isinstance(w, DTensor) and w.placements == v.placements, key
+            assert torch.equal(getattr(w, "_local_tensor", w), getattr(v, "_local_tensor", v))
+    _adam_step(model, opt, dp_rank)
+    _adam_step(fresh, fresh_opt, dp_rank)
+    on, resumed = gather_full_state(model), gather_full_state(fresh)
+    assert all(torch.equal(resumed[k], v) for k, v in on.items())
+    for tp_group_now in (tp_group, None):  # plain TP shards, then TP 1 on every rank
+        plain = TinyLM(tp_group_now, zeros)
+        load(path, plain)
+        back = gather_full_state(plain)
+        assert all(torch.equal(back[k], v) for k, v in saved.items())
     dist.barrier()
     if dist.get_rank() == 0:
         shutil.rmtree(os.path.dirname(path))

@@ -271,3 +271,54 @@ def test_one_name_per_thing():
                 classes.setdefault(node.name, []).append(rel)
     assert {n: p for n, p in files.items() if len(p) > 1} == {}
     assert {n: p for n, p in classes.items() if len(p) > 1} == {}
+
+
+# The checkpoint wing: three floors, each module importing only floors below its own (no
+# sibling import, no back arrow), so save, load and describe (inspect) stand as peers.
+CHECKPOINT_WING: dict[str, int] = {
+    "keys": 0, "locate": 0, "ranks": 0, "dcp_adapter": 0, "rng": 0, "ckpt_arguments": 0,
+    "dtensor_place": 0,
+    "entries": 1, "info": 1, "publish": 1, "background": 1, "staging": 1,
+    "save": 2, "load": 2, "describe": 2,
+}  # fmt: skip
+
+
+def wing_arrows(graph: dict[str, set[str]], wing: str, floors: dict[str, int]) -> list[str]:
+    """Imports inside ``wing`` (its ``__init__`` aside) that do not go strictly down
+    ``floors`` (module short name -> floor), and wing modules ``floors`` does not place."""
+    bad = []
+    for m, deps in sorted(graph.items()):
+        if not m.startswith(wing + "."):
+            continue
+        short = m[len(wing) + 1 :]
+        if short not in floors:
+            bad.append(f"{m} has no floor in the wing")
+            continue
+        for d in sorted(deps):
+            if d.startswith(wing + ".") and floors.get(d[len(wing) + 1 :], 99) >= floors[short]:
+                bad.append(f"{m} (floor {floors[short]}) imports {d}")
+    return bad
+
+
+def test_the_checkpoint_wing_has_three_floors_and_no_back_arrow():
+    assert max(CHECKPOINT_WING.values()) <= 2
+    assert wing_arrows(import_graph(), "mp_bridge.checkpoint", CHECKPOINT_WING) == []
+
+
+def test_a_sibling_import_in_the_checkpoint_wing_is_caught(tmp_path):
+    root = _plant(
+        tmp_path,
+        {
+            "__init__.py": "",
+            "checkpoint/__init__.py": "",
+            "checkpoint/keys.py": "",
+            "checkpoint/save.py": "from mp_bridge.checkpoint import keys\n",
+            "checkpoint/load.py": "def f():\n    from mp_bridge.checkpoint.save import g\n",
+            "checkpoint/extra.py": "",
+        },
+    )
+    floors = {"keys": 0, "save": 2, "load": 2}
+    assert wing_arrows(import_graph(root), "mp_bridge.checkpoint", floors) == [
+        "mp_bridge.checkpoint.extra has no floor in the wing",
+        "mp_bridge.checkpoint.load (floor 2) imports mp_bridge.checkpoint.save",
+    ]

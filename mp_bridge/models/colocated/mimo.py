@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from megatron.core.hyper_comm_grid import HyperCommGrid
 from torch import nn
 
 from mp_bridge.checks import FrozenSpec, agree, agreed, check_bool, check_int
@@ -177,6 +178,12 @@ class ColocatedMimoModel(nn.Module):
     @property
     def llm_dp_cp_group(self) -> dist.ProcessGroup | None:
         return self.groups.llm_dp_cp
+
+    def checkpoint_grids(self) -> dict[str, HyperCommGrid | None]:
+        """The grids a checkpoint records (``mp_bridge.checkpoint.save`` asks every model
+        for this method): ``encoder`` and ``llm`` (``None`` in one process, or when the
+        groups came from elsewhere)."""
+        return {"encoder": self.groups.encoder_grid, "llm": self.groups.llm_grid}
 
     def destroy(self) -> None:
         """Mark the model unusable (``forward`` raises). It owns no process group: its
