@@ -157,3 +157,11 @@ def test_flow_names_are_parsed_once_into_flow_objects():
         parse_flow("scatter")
     with pytest.raises(ValueError, match="flow=None must be one of"):
         parse_flow(None)
+
+
+@world.parametrize("cp_comm", ["ring", "a2a"])
+def test_routed_parity_with_each_cp_attention_mode(cp_comm):
+    # The LLM's attention moves K/V by a ring of send/recv steps or by Ulysses all-to-all
+    # over heads; the same single-process model and tolerances as every layout above.
+    layout = dict(FAN_IN_CP2, sequence_parallel=True)
+    return _check(_parity(**layout, batch=_ragged_batch(), flow="routed", cp_comm=cp_comm))
