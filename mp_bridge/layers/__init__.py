@@ -1,5 +1,6 @@
-"""Vocab-parallel embedding / LM head / losses, token reductions, CP attention."""
+"""Vocab-parallel embedding / LM head / losses, token reductions, CP attention, RoPE."""
 
+from mp_bridge.layers.activations import ACTIVATIONS, activation
 from mp_bridge.layers.cp_attention import context_parallel_attention
 from mp_bridge.layers.embedding import VocabParallelEmbedding
 from mp_bridge.layers.lm_head import VocabParallelLMHead
@@ -19,6 +20,7 @@ from mp_bridge.layers.param_shards import (
     shard_spec,
 )
 from mp_bridge.layers.reductions import masked_count, masked_mean, masked_sum
+from mp_bridge.layers.rotary import apply_rotary
 from mp_bridge.layers.vocab_shards import (
     VocabShard,
     padded_vocab_size,
@@ -51,4 +53,7 @@ __all__ = [
     "masked_count",
     "masked_mean",
     "context_parallel_attention",
+    "apply_rotary",
+    "ACTIVATIONS",
+    "activation",
 ]

@@ -109,7 +109,7 @@ class ColocatedMimoModel(nn.Module):
         self.microbatches = check_int("microbatches", microbatches, low=1)
         check_bool("balance", balance)
         cfg = llm.cfg  # BatchSpec checks image_token_id against the LLM vocab
-        self.spec = BatchSpec(cfg.vocab_size, image_token_id, cfg.num_patches, cfg.patch_dim)
+        self.spec = BatchSpec.of(cfg, image_token_id)
         if groups is None and set(deprecated) == {"groups"} and partition is None:
             groups = deprecated.pop("groups")  # the new form, groups by keyword
         dp_names = {"encoder_dp": "groups.encoder_dp", "llm_dp_cp": "groups.llm_dp_cp"}
