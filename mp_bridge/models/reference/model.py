@@ -1,7 +1,7 @@
 """The single-process reference MIMO model (plain torch): the oracle for every layout.
 
 Parameter names and layouts are the ones the distributed models shard from (the blocks'
-layouts: :mod:`mp_bridge.models.reference.blocks`; ``qkv`` is megatron's per-K/V-group
+layouts: :mod:`mp_bridge.models.reference.transformer`; ``qkv`` is megatron's per-K/V-group
 interleave, so a contiguous row block is a set of whole heads). Tensors are batch-first,
 ``[b, s, h]``; ragged images (:class:`RaggedImages`) run as one flat sequence with
 attention kept inside each image.
@@ -27,7 +27,7 @@ from mp_bridge.models.data.inputs import (
     parse_step_inputs,
 )
 from mp_bridge.models.data.placement import place_images
-from mp_bridge.models.reference.blocks import RefAttention, RefBlock, RefMLP, ref_norm
+from mp_bridge.models.reference.transformer import RefAttention, RefBlock, RefMLP, ref_norm
 
 __all__ = [
     "ReferenceEncoder",
