@@ -34,19 +34,24 @@ def llava_inputs(placeholders: int, images_per_sample=(1, 2, 0), seq=16, pad=(0,
 def grad_errors(ours: torch.nn.Module, hf: torch.nn.Module, cfg, full_grads=None) -> dict:
     """``{hf name: max |ours - hf|}`` for every HF parameter whose gradient is not None;
     ours are cut into HF tensors by the name map. ``full_grads``: our full gradients by
-    our name (default: ``ours``' own ``.grad``). ``KeyError`` if an HF gradient has no
-    counterpart of ours."""
+    our name (default: ``ours``' own ``.grad``); a pipeline stage's holds only its part of
+    ``llm.*``, and HF names of the other stages are skipped. ``KeyError`` if any other HF
+    gradient has no counterpart of ours."""
     hf_params = dict(hf.named_parameters())
-    ours_params = dict(ours.named_parameters()) if full_grads is None else None
-    mapped = {}
+    if full_grads is None:
+        full_grads = {n: p.grad for n, p in ours.named_parameters()}
+    mapped, elsewhere = {}, set()
     for m in hf_mappings(cfg):
-        g = full_grads[m.ours] if full_grads is not None else ours_params[m.ours].grad
+        if m.ours not in full_grads and m.ours.startswith("llm."):
+            elsewhere.update(disk_to_module(k) for k in m.hf)
+            continue
+        g = full_grads[m.ours]
         for key, t in zip(m.hf, hf_tensors(m, g)):
             mapped[disk_to_module(key)] = t
-    if cfg.tie_embeddings:
+    if cfg.tie_embeddings and "model.language_model.embed_tokens.weight" in mapped:
         mapped["lm_head.weight"] = mapped["model.language_model.embed_tokens.weight"]
     out = {}
     for name, p in hf_params.items():
-        if p.grad is not None:
+        if p.grad is not None and name not in elsewhere:
             out[name] = (mapped[name] - p.grad).abs().max().item()
     return out

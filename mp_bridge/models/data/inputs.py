@@ -92,7 +92,9 @@ class StepInputs:
       packed document), on ``input_ids.device``;
     - ``image_token_id``: the placeholder id they were counted with;
     - ``documents``: packed, the parsed documents (``PaddedLayout.of_documents``), which
-      ``PartitionAdapter.shard(cu_seqlens=...)`` pads without parsing again; else ``None``.
+      ``PartitionAdapter.shard(cu_seqlens=...)`` pads without parsing again; else ``None``;
+    - ``image_counts``: ragged images, the encoder's output tokens per sample of
+      ``images`` (:func:`image_output_counts`); else ``None``.
     """
 
     input_ids: torch.Tensor
@@ -103,6 +105,7 @@ class StepInputs:
     placeholders: torch.Tensor
     image_token_id: int
     documents: PaddedLayout | None = None
+    image_counts: torch.Tensor | None = None
 
     @property
     def packed(self) -> bool:
@@ -185,8 +188,9 @@ def parse_step_inputs(
     if images is not None and dp_sizes is not None and not images_of_text:
         check_image_batch(images, placeholders.shape[0], *dp_sizes, packed=packed)
     docs = None if cu is None else PaddedLayout.of_documents(cu.tolist())  # parsed: no 2nd parse
+    counts = image_output_counts(images, spec) if isinstance(images, RaggedImages) else None
     return StepInputs(
-        input_ids, labels, loss_mask, images, cu, placeholders, spec.image_token_id, docs
+        input_ids, labels, loss_mask, images, cu, placeholders, spec.image_token_id, docs, counts
     )
 
 

@@ -33,21 +33,28 @@ _HEAD = "language_model.lm_head.weight"
 
 
 def model_config(model: nn.Module) -> MimoConfig:
-    """The :class:`MimoConfig` a model was built from (``model.cfg``)."""
+    """The :class:`MimoConfig` a model was built from (``model.cfg``, or its LLM's for a
+    :class:`ColocatedMimoModel`)."""
     cfg = getattr(model, "cfg", None)
+    if cfg is None:
+        cfg = getattr(getattr(model, "llm", None), "cfg", None)
     if not isinstance(cfg, MimoConfig):
         raise TypeError(
-            f"{type(model).__name__} has no MimoConfig at .cfg; pass a ReferenceMimo "
-            "(or a model built from a MimoConfig)"
+            f"{type(model).__name__} has no MimoConfig at .cfg or .llm.cfg; pass a "
+            "ReferenceMimo or a ColocatedMimoModel"
         )
     return cfg
 
 
 def model_parameters(model: nn.Module, mappings: list[HFMapping]) -> dict[str, nn.Parameter]:
-    """Our full name -> this rank's parameter, for every mapping (``ValueError`` listing
-    the names that do not match: a model of another config)."""
+    """Our full name -> this rank's parameter, for every mapping this rank holds: all of
+    them, except that a pipeline stage holds its own part of ``llm.*`` (``ValueError``
+    listing the names that do not match: a model of another config)."""
     params = dict(model.named_parameters())
     want = {m.ours for m in mappings}
+    staged = getattr(getattr(model, "llm", None), "n_stages", 1) > 1
+    if staged:
+        want = {n for n in want if n in params or not n.startswith("llm.")}
     if set(params) != want:
         raise ValueError(
             f"{type(model).__name__}'s parameters do not match the HF name map: missing "
@@ -133,7 +140,9 @@ def load_hf(path: str, model: nn.Module) -> None:
     params = model_parameters(model, mappings)
     check_keys(files, mappings, cfg, path)
     for m in mappings:  # every key and shape checked: parameters change one at a time
-        param = params[m.ours]
+        param = params.get(m.ours)
+        if param is None:  # another pipeline stage's
+            continue
         param.copy_(_local_tensor(files, m, param).to(device=param.device, dtype=param.dtype))
     model.hf_untrained = {k: files.read(k) for k in files.keys() if untrained(k, cfg)}
     model.hf_config = llava_config(path).to_dict()

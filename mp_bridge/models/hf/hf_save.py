@@ -69,6 +69,12 @@ def save_hf(path: str, model: nn.Module, *, config: dict | None = None) -> None:
     _check_target(path)
     mappings = hf_mappings(cfg)
     params = model_parameters(model, mappings)
+    if len(params) != len(mappings):
+        raise ValueError(
+            "save_hf writes from global rank 0, which must hold every parameter's shards: "
+            "a pipelined LLM (pp > 1) is not supported yet; save at pp = 1 or use "
+            "mp_bridge.checkpoint.save"
+        )
     extra = dict(sorted(getattr(model, "hf_untrained", {}).items()))
     entries = [(k, params[m.ours].dtype, s) for m in mappings for k, s in zip(m.hf, m.hf_shapes)]
     entries += [(k, t.dtype, tuple(t.shape)) for k, t in extra.items()]
