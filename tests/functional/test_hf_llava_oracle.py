@@ -2,7 +2,7 @@
 transformers' own model in one process.
 
 Every rank builds the same random ``LlavaForConditionalGeneration`` (:func:`tiny_llava`,
-fp32) and saves it to its own directory; the colocated model is built from a *random*
+fp32), which rank 0 saves with ``save_pretrained``; the colocated model is built from a *random*
 reference and then filled by ``load_hf`` at its layout (each rank reading its slices).
 The HF model, run in one process on the whole batch, is the oracle (nothing of ours).
 
@@ -68,9 +68,14 @@ def _grids(enc, llm):
 
 
 def _setup(text, vision, tie, images, enc, llm, options):
-    hf = tiny_llava(text, vision, tie=tie)
-    path = tempfile.mkdtemp(prefix=f"hf-rank{dist.get_rank()}-")
-    hf.save_pretrained(path)
+    hf = tiny_llava(text, vision, tie=tie)  # the same model on every rank (seeded)
+    # Under torch.distributed, save_pretrained writes from rank 0 only: one directory.
+    path = [tempfile.mkdtemp(prefix="hf-llava-") if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(path, src=0)
+    path = path[0]
+    if dist.get_rank() == 0:
+        hf.save_pretrained(path)
+    dist.barrier()
     cfg = config_from_hf(path, seq_len=16)
     ids, pixels, mask, labels = llava_inputs(cfg.image_placeholders, images, pad=(0, 3, 0, 5))
     batch = hf_batch(cfg, ids, pixels, labels, mask)
@@ -91,13 +96,18 @@ def _step(model, local):
     return loss
 
 
-@world.parametrize("layout", list(LAYOUTS.values()), ids=list(LAYOUTS))
-@world.parametrize("hf_model", list(MODELS.values()), ids=list(MODELS))
-def test_loss_and_every_hf_gradient_at_the_layout(layout, hf_model):
-    text, vision, tie, images = hf_model
-    enc, llm, options = layout
-    if tie and llm.get("pp", 1) > 1:
-        return "tied head with pp > 1 is refused (see test below)"
+#: every model at every layout, but a tied head at pp > 1 (refused: test_llm_stages)
+CASES = {
+    f"{m}-{lay}": (MODELS[m], LAYOUTS[lay])
+    for m in MODELS
+    for lay in LAYOUTS
+    if not (MODELS[m][2] and LAYOUTS[lay][1].get("pp", 1) > 1)
+}
+
+
+@world.parametrize("case", list(CASES.values()), ids=list(CASES))
+def test_loss_and_every_hf_gradient_at_the_layout(case):
+    (text, vision, tie, images), (enc, llm, options) = case
     hf, cfg, model, grids, (ids, pixels, mask, labels), local = _setup(
         text, vision, tie, images, enc, llm, options
     )
@@ -143,7 +153,14 @@ def test_five_adam_steps_match_transformers_five_steps():
     for m in hf_mappings(cfg):
         for key, tensor in zip(m.hf, hf_tensors(m, full[m.ours])):
             want = hf_params[disk_to_module(key)].detach()
-            rel = float((tensor - want).abs().max() / want.abs().max())
-            worst = max(worst, (rel, key))
+            diff = float((tensor - want).abs().max())
+            if key.endswith("k_proj.bias"):
+                # Softmax ignores a shift shared by all keys, so the key bias's gradient
+                # is zero in exact arithmetic: both runs hold rounding noise that
+                # Adam scales to steps of up to lr in arbitrary directions. Bound:
+                # 5 steps of at most lr each.
+                assert diff <= 5 * 1e-3, (key, diff)
+                continue
+            worst = max(worst, (diff / float(want.abs().max()), key))
     assert worst[0] <= WEIGHT_RTOL, worst
     return {"losses": ours, "weight_rel": worst}

@@ -113,3 +113,15 @@ def test_pixel_patches_times_the_flattened_conv_weight_is_the_conv(tmp_path):
     pixels, weight = torch.randn(2, 3, 8, 8), torch.randn(16, 3, 4, 4)
     conv = torch.nn.functional.conv2d(pixels, weight, stride=4).flatten(2).transpose(1, 2)
     torch.testing.assert_close(pixel_patches(cfg, pixels) @ weight.reshape(16, -1).T, conv)
+
+
+def test_cli_hf_tiny_writes_a_model_transformers_loads(tmp_path, capsys):
+    from mp_bridge.cli import main
+
+    path = str(tmp_path / "tiny")
+    assert main(["hf", "tiny", path, "--text", "qwen2", "--vision", "siglip", "--tie"]) == 0
+    model = LlavaForConditionalGeneration.from_pretrained(path)
+    assert model.config.text_config.model_type == "qwen2" and model.config.tie_word_embeddings
+    cfg = config_from_hf(path, seq_len=16)
+    assert cfg.llm_qkv_bias and cfg.tie_embeddings and not cfg.enc_class_token
+    assert "wrote qwen2 + siglip LLaVA" in capsys.readouterr().out

@@ -89,11 +89,11 @@ def _edit_tensors(path, edit):
     "edit,match",
     [
         (lambda t: t.pop("language_model.model.layers.1.mlp.up_proj.weight"),
-         r"missing language_model.model.layers.1.mlp.up_proj.weight \(expected shape \(24, 16\)\)"),
+         r"missing language_model.model.layers.1.mlp.up_proj.weight \(expected shape \(48, 32\)\)"),
         (lambda t: t.update({"vision_tower.embeddings.position_ids": torch.zeros(5)}),
          r"holds vision_tower.embeddings.position_ids \(shape \(5,\)\) that no parameter"),
-        (lambda t: t.update({"multi_modal_projector.linear_1.bias": torch.zeros(17)}),
-         r"multi_modal_projector.linear_1.bias has shape \(17,\) but the config gives \(16,\)"),
+        (lambda t: t.update({"multi_modal_projector.linear_1.bias": torch.zeros(33)}),
+         r"multi_modal_projector.linear_1.bias has shape \(33,\) but the config gives \(32,\)"),
     ],
 )  # fmt: skip
 def test_missing_unexpected_and_misshaped_keys_change_no_parameter(saved, edit, match):
@@ -157,3 +157,17 @@ def test_hf_batch_labels_default_and_shift(saved):
     assert (batch.labels[:, -1] == -100).all()
     assert torch.equal(batch.loss_mask, (batch.labels != -100).float())
     assert batch.images.shape == (3, 4, 48)  # one image per sample: uniform
+
+
+def test_a_tied_head_across_pipeline_stages_is_refused():
+    from mp_bridge.models.parallel.llm_stages import TPLLMStage
+
+    cfg = config_from_hf(tiny_llava(tie=True).config, seq_len=16)
+    with pytest.raises(ValueError, match="tie_embeddings=True with 2 pipeline stages"):
+        TPLLMStage(cfg, stage=0, n_stages=2)
+
+
+def test_kv_heads_that_do_not_split_over_tp_are_named():
+    cfg = config_from_hf(tiny_llava().config, seq_len=16)
+    with pytest.raises(ValueError, match="llm_kv_heads=4 is not divisible by llm tp=8"):
+        cfg.check_tp(llm_tp=8)

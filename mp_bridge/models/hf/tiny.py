@@ -2,9 +2,10 @@
 oracle of the HF tests and ``mp-bridge hf tiny``.
 
 ``tiny_llava(text="llama"|"qwen2"|"mistral", vision="clip"|"siglip", ...)`` returns
-``LlavaForConditionalGeneration`` in fp32 with a grouped-query text model (4 heads, 2 K/V
-heads), 8x8 images in 4x4 patches (4 patches per image), 3 vision layers of which
-``vision_feature_layer=-2`` runs 2, and a 64-token vocab whose last id is the image token.
+``LlavaForConditionalGeneration`` in fp32 with a grouped-query text model (hidden 32, 8
+heads, 4 K/V heads: splits up to TP 4), 8x8 images in 4x4 patches (4 patches per
+image), 3 vision layers of which ``vision_feature_layer=-2`` runs 2, and a 64-token vocab
+whose last id is the image token.
 """
 
 from __future__ import annotations
@@ -41,8 +42,8 @@ def tiny_llava(
             f"text={text!r} / vision={vision!r}: use {sorted(texts)} / {sorted(visions)}"
         )
     text_kwargs = dict(
-        hidden_size=16, intermediate_size=24, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=64, tie_word_embeddings=tie, max_position_embeddings=64,
+        hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=8,
+        num_key_value_heads=4, vocab_size=64, tie_word_embeddings=tie, max_position_embeddings=64,
         rope_parameters={"rope_type": "default", "rope_theta": 500.0},
     )  # fmt: skip
     if text == "mistral":
