@@ -164,3 +164,49 @@ def test_five_adam_steps_match_transformers_five_steps():
             worst = max(worst, (diff / float(want.abs().max()), key))
     assert worst[0] <= WEIGHT_RTOL, worst
     return {"losses": ours, "weight_rel": worst}
+
+
+def _tp4_shard_elements() -> int:
+    """The elements one rank holds of tiny_llava's CLIP + Llama at encoder TP 4 / LLM TP 4,
+    counted by hand from the HF shapes: sharded tensors / 4, replicated ones whole."""
+    h, f, layers = 16, 32, 2  # vision hidden, ffn, layers run (feature layer -2 of 3)
+    vision = 16 * 48 + h + 5 * h + 2 * h  # patch conv (no bias), class token, 5 positions, pre-norm
+    vision += layers * (
+        4 * h + 2 * h  # ln1, ln2 (weight, bias); attention out and fc2 biases (row: whole)
+        + (3 * h * h + 3 * h + h * h + f * h + f + h * f) // 4  # qkv w/b, out, fc1 w/b, fc2
+    )  # fmt: skip
+    projector = (32 * 16 + 32 + 32 * 32) // 4 + 32  # linear_1 w/b sharded, linear_2 w, its bias
+    H, ffn, kv_rows, vocab = 32, 48, (8 + 2 * 4) * 4, 64  # text hidden, ffn, qkv rows, vocab
+    text = 2 * (2 * H + (kv_rows * H + H * H + 2 * ffn * H + H * ffn) // 4) + H  # layers, norm
+    text += 2 * vocab * H // 4  # embedding and head (vocab 64 splits evenly: no padding)
+    return vision + projector + text
+
+
+@world.case
+def test_a_model_built_from_a_config_holds_only_its_shards_and_loads_hf():
+    enc, llm = dict(tp=4, dp=2), dict(tp=4, dp=2)
+    hf = tiny_llava("llama", "clip")
+    path = [tempfile.mkdtemp(prefix="hf-llava-") if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(path, src=0)
+    if dist.get_rank() == 0:
+        hf.save_pretrained(path[0])
+    dist.barrier()
+    cfg = config_from_hf(path[0], seq_len=16)
+    grids = _grids(enc, llm)
+    model = build_colocated_mimo(cfg, *grids)  # no ReferenceMimo anywhere
+    try:
+        held = sum(p.numel() for p in model.parameters())
+        assert held == _tp4_shard_elements(), (held, _tp4_shard_elements())
+        assert all(p.dtype == torch.float32 for p in model.parameters())  # 4 bytes each
+        load_hf(path[0], model)
+        ids, pixels, mask, labels = llava_inputs(cfg.image_placeholders, (1, 1, 1, 1))
+        batch = hf_batch(cfg, ids, pixels, labels, mask)
+        rank = dist.get_rank()
+        enc_dp, llm_dp = (GridLayout.from_grid(g).coords(rank)["dp"] for g in grids)
+        local = (batch.encoder_shard(enc_dp, 2), batch.llm_shard(llm_dp, 2))
+        got = _step(model, local)
+    finally:
+        destroy_colocated_mimo(model, *grids)
+    want = hf(input_ids=ids, pixel_values=pixels, attention_mask=mask, labels=labels).loss
+    assert abs(got.item() - want.item()) <= LOSS_RTOL * abs(want.item()), (got, want)
+    return {"bytes_per_rank": 4 * held}
