@@ -210,3 +210,32 @@ def test_a_model_built_from_a_config_holds_only_its_shards_and_loads_hf():
     want = hf(input_ids=ids, pixel_values=pixels, attention_mask=mask, labels=labels).loss
     assert abs(got.item() - want.item()) <= LOSS_RTOL * abs(want.item()), (got, want)
     return {"bytes_per_rank": 4 * held}
+
+
+@world.case
+def test_packed_documents_under_cp_match_hf_rows():
+    """HF's right-padded rows == our packed documents (their real tokens, ``cu_seqlens``)
+    at encoder TP2/DP4 -> LLM TP2/CP2/DP2: rotary positions inside each document survive
+    the CP cut of packed input."""
+    enc, llm, options = FAN_IN_CP2
+    hf, cfg, model, grids, (ids, pixels, mask, labels), _ = _setup(
+        "llama", "clip", False, (1, 1, 1, 1), enc, llm, options
+    )
+    plain = hf_batch(cfg, ids, pixels, labels, mask)
+    keep = mask.bool().flatten()
+    lengths = mask.sum(dim=1)
+    cu = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
+    flat = [t.flatten()[keep] for t in (plain.input_ids, plain.labels, plain.loss_mask)]
+    packed = type(plain)(plain.images, *flat, cu_seqlens=cu)
+    rank = dist.get_rank()
+    enc_dp, llm_dp = (GridLayout.from_grid(g).coords(rank)["dp"] for g in grids)
+    images, text = packed.encoder_shard(enc_dp, 4), packed.llm_shard(llm_dp, 2)
+    try:
+        got = model.train_step(
+            text.input_ids, text.labels, text.loss_mask, images, cu_seqlens=text.cu_seqlens
+        )
+    finally:
+        destroy_colocated_mimo(model, *grids)
+    want = hf(input_ids=ids, pixel_values=pixels, attention_mask=mask, labels=labels).loss
+    assert abs(got.item() - want.item()) <= LOSS_RTOL * abs(want.item()), (got, want)
+    return {"loss": got.item()}
