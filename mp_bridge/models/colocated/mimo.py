@@ -110,10 +110,10 @@ class ColocatedMimoModel(nn.Module):
         self._flow = parse_flow(flow)
         self.microbatches = check_int("microbatches", microbatches, low=1)
         check_bool("balance", balance)
-        if balance and llm.cfg.image_placeholders != llm.cfg.num_patches:
+        if balance and llm.cfg.placeholders_per_image != llm.cfg.num_patches:
             raise ValueError(
                 f"balance=True moves encoder outputs by their input token counts, but this "
-                f"tower emits image_placeholders={llm.cfg.image_placeholders} per image of "
+                f"tower emits image_placeholders={llm.cfg.placeholders_per_image} per image of "
                 f"num_patches={llm.cfg.num_patches}; use balance=False"
             )
         cfg = llm.cfg  # BatchSpec checks image_token_id against the LLM vocab

@@ -20,6 +20,8 @@ _BOOLS = (
     "enc_final_norm", "proj_bias", "llm_qkv_bias", "tie_embeddings",
 )  # fmt: skip
 _FLOATS = ("norm_eps", "enc_norm_eps", "rope_theta")
+#: Fields whose ``None`` means "derived" (see the properties of the same meaning).
+_DERIVED = ("image_placeholders", "llm_kv_heads")
 _CHOICES = {
     "enc_act": ENCODER_ACTIVATIONS,
     "enc_feature_select": ("full", "default"),
@@ -38,8 +40,9 @@ class MimoConfig:
     and emits
     ``image_placeholders`` embeddings per image: ``num_patches``, plus one with
     ``enc_class_token`` (CLIP), minus one with ``enc_feature_select="default"`` (drops the
-    first output token whatever the tower). ``image_placeholders`` is derived when left
-    ``None`` and checked when given. The LLM reads ``seq_len`` tokens, where each image is
+    first output token whatever the tower). ``image_placeholders`` is checked when given;
+    :attr:`placeholders_per_image` is the value (derived when ``None``). The LLM reads
+    ``seq_len`` tokens, where each image is
     a run of ``image_placeholders`` ``image_token_id`` placeholders (the tiny model:
     ``num_patches`` each).
 
@@ -47,8 +50,9 @@ class MimoConfig:
     ``vision_feature_layer`` is resolved into this count, later layers are not built):
     patch embedding (a linear over flattened patches, bias ``enc_patch_bias``), optional
     class token (``enc_class_token``), learned positions (``enc_positions``), pre-norm
-    (``enc_pre_norm``), pre-LN blocks with LayerNorm (``enc_norm_eps``, default
-    ``norm_eps``), q/k/v/out and fc1/fc2 biases (``enc_bias``) and ``enc_act``, then a final
+    (``enc_pre_norm``), pre-LN blocks with LayerNorm (``enc_norm_eps``, ``None``:
+    ``norm_eps``; :attr:`encoder_norm_eps`), q/k/v/out and fc1/fc2 biases (``enc_bias``)
+    and ``enc_act``, then a final
     LayerNorm when ``enc_final_norm`` (LLaVA reads the features before CLIP's / SigLIP's
     ``post_layernorm``, so its configs set it False).
 
@@ -56,7 +60,8 @@ class MimoConfig:
 
     **LLM blocks**: ``llm_norm`` (LayerNorm or RMSNorm, eps ``norm_eps``), ``llm_mlp``
     (GELU MLP, or SwiGLU with fused ``[gate; up]`` rows), grouped-query attention with
-    ``llm_kv_heads`` K/V heads (default ``llm_heads``), q/k/v bias ``llm_qkv_bias``
+    ``llm_kv_heads`` K/V heads (``None``: ``llm_heads``; :attr:`kv_heads`), q/k/v bias
+    ``llm_qkv_bias``
     (Qwen2), rotary positions of base ``rope_theta`` (``None``: none), embedding and head
     tied when ``tie_embeddings``. Head counts, FFN widths and K/V heads must divide by the
     TP sizes used (:meth:`check_tp`).
@@ -98,12 +103,11 @@ class MimoConfig:
     image_channels: int = 3
 
     def __post_init__(self) -> None:
-        if self.enc_norm_eps is None:
-            object.__setattr__(self, "enc_norm_eps", self.norm_eps)
-        if self.llm_kv_heads is None:
-            object.__setattr__(self, "llm_kv_heads", self.llm_heads)
+        # llm_kv_heads, enc_norm_eps and image_placeholders keep what was given (None:
+        # derived, by the properties kv_heads, encoder_norm_eps, placeholders_per_image),
+        # so dataclasses.replace(cfg, llm_heads=...) derives them again.
         for name in _FLOATS:
-            if name == "rope_theta" and self.rope_theta is None:
+            if getattr(self, name) is None and name in ("rope_theta", "enc_norm_eps"):
                 continue
             fix = "e.g. 1e-5 (a norm epsilon: <= 0 can divide by zero)"
             if name == "rope_theta":
@@ -115,9 +119,9 @@ class MimoConfig:
             check_bool(f"MimoConfig.{name}", getattr(self, name))
         for name, choices in _CHOICES.items():
             check_choice(f"MimoConfig.{name}", getattr(self, name), choices)
-        skip = {*_BOOLS, *_FLOATS, *_CHOICES, "image_placeholders"}
+        skip = {*_BOOLS, *_FLOATS, *_CHOICES}
         for name, value in self.__dict__.items():
-            if name not in skip:
+            if name not in skip and not (value is None and name in _DERIVED):
                 check_int(f"MimoConfig.{name}", value, low=0)
         for hidden, heads, side in (
             (self.enc_hidden, self.enc_heads, "enc"),
@@ -128,9 +132,9 @@ class MimoConfig:
                     f"MimoConfig.{side}_hidden={hidden} must be a multiple of "
                     f"{side}_heads={heads}; pick heads dividing the hidden size"
                 )
-        if self.llm_kv_heads < 1 or self.llm_heads % self.llm_kv_heads:
+        if self.kv_heads < 1 or self.llm_heads % self.kv_heads:
             raise ValueError(
-                f"MimoConfig.llm_kv_heads={self.llm_kv_heads} must divide llm_heads="
+                f"MimoConfig.llm_kv_heads={self.kv_heads} must divide llm_heads="
                 f"{self.llm_heads} (grouped-query attention); e.g. llm_kv_heads={self.llm_heads}"
             )
         if self.rope_theta is not None and (self.llm_hidden // self.llm_heads) % 2:
@@ -143,12 +147,12 @@ class MimoConfig:
                 f"MimoConfig.image_token_id={self.image_token_id} must be a vocab id in "
                 f"[0, {self.vocab_size}); the placeholder is embedded before being replaced"
             )
-        self._set_image_placeholders()
+        self._check_image_placeholders()
 
-    def _set_image_placeholders(self) -> None:
-        derived = self.num_patches + self.enc_class_token - (self.enc_feature_select == "default")
+    def _check_image_placeholders(self) -> None:
+        derived = self.placeholders_per_image
         given = self.image_placeholders
-        if given is not None and (check_int("MimoConfig.image_placeholders", given) != derived):
+        if given is not None and given != derived:
             raise ValueError(
                 f"MimoConfig.image_placeholders={given} but the encoder emits {derived} "
                 f"tokens per image (num_patches={self.num_patches}, enc_class_token="
@@ -161,12 +165,27 @@ class MimoConfig:
                 f"{self.num_patches}, enc_feature_select={self.enc_feature_select!r}); "
                 "use more patches or enc_feature_select='full'"
             )
-        object.__setattr__(self, "image_placeholders", derived)
         if derived > self.seq_len:
             raise ValueError(
                 f"MimoConfig.image_placeholders={derived} exceeds seq_len={self.seq_len}; "
                 "the image tokens must fit in the sequence"
             )
+
+    @property
+    def kv_heads(self) -> int:
+        """The LLM's K/V heads: ``llm_kv_heads``, or ``llm_heads`` when it is ``None``."""
+        return self.llm_heads if self.llm_kv_heads is None else self.llm_kv_heads
+
+    @property
+    def encoder_norm_eps(self) -> float:
+        """The encoder's LayerNorm eps: ``enc_norm_eps``, or ``norm_eps`` when ``None``."""
+        return self.norm_eps if self.enc_norm_eps is None else self.enc_norm_eps
+
+    @property
+    def placeholders_per_image(self) -> int:
+        """The encoder's output tokens per image, i.e. the placeholders each image takes:
+        ``num_patches``, +1 with a class token, -1 with ``enc_feature_select="default"``."""
+        return self.num_patches + self.enc_class_token - (self.enc_feature_select == "default")
 
     @property
     def patch_size(self) -> int:
@@ -203,7 +222,7 @@ class MimoConfig:
             ("enc_ffn", self.enc_ffn, encoder_tp, "encoder tp"),
             ("proj_hidden", self.proj_hidden, encoder_tp, "encoder tp"),
             ("llm_heads", self.llm_heads, llm_tp, "llm tp"),
-            ("llm_kv_heads", self.llm_kv_heads, llm_tp, "llm tp"),
+            ("llm_kv_heads", self.kv_heads, llm_tp, "llm tp"),
             ("llm_ffn", self.llm_ffn, llm_tp, "llm tp"),
         )
         for name, value, tp, axis in checks:

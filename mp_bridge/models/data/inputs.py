@@ -76,7 +76,7 @@ class BatchSpec:
         """The spec of ``cfg`` (``image_token_id`` defaults to the config's)."""
         token = cfg.image_token_id if image_token_id is None else image_token_id
         return cls(
-            cfg.vocab_size, token, cfg.num_patches, cfg.patch_dim, cfg.image_placeholders,
+            cfg.vocab_size, token, cfg.num_patches, cfg.patch_dim, cfg.placeholders_per_image,
             cfg.fixed_image_size,
         )  # fmt: skip
 

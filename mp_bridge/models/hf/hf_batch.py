@@ -2,7 +2,7 @@
 
 - Images: ``pixel_values [n, C, H, W]`` -> patches ``[n, P, C·p·p]`` by
   :func:`pixel_patches` (the conv patch embedding as a linear over flattened patches).
-- Placeholders per image come from the vision config (``cfg.image_placeholders``), never
+- Placeholders per image come from the vision config (``cfg.placeholders_per_image``), never
   from ``image_seq_length``; sample ``i`` holds ``k_i`` images when it holds
   ``k_i · image_placeholders`` image tokens, the images taken in order (HF's
   ``masked_scatter`` order). One image per sample gives uniform images
@@ -101,7 +101,7 @@ def hf_batch(
     ours[:, :-1] = labels[:, 1:]
     loss_mask = (ours != IGNORE_INDEX).to(torch.float32)
     per_sample = is_image.sum(dim=1)
-    k = cfg.image_placeholders
+    k = cfg.placeholders_per_image
     patches = pixel_patches(cfg, pixel_values)
     if bool((per_sample % k).any()) or int(per_sample.sum()) != k * patches.shape[0]:
         raise ValueError(

@@ -207,7 +207,7 @@ def hf_mappings(cfg: MimoConfig, *, prefixes: dict[str, str] | None = None) -> l
             f"{_L}layers.{i}",
             hl,
             cfg.llm_heads,
-            cfg.llm_kv_heads,
+            cfg.kv_heads,
             cfg.llm_ffn,
             vision=False,
             qkv_bias=cfg.llm_qkv_bias,

@@ -42,6 +42,6 @@ class BlockOptions:
     def llm(cls, cfg: MimoConfig) -> BlockOptions:
         """The LLM's blocks: ``llm_norm``, ``llm_mlp``, GQA, ``llm_qkv_bias``, RoPE."""
         return cls(
-            kv_heads=cfg.llm_kv_heads, norm=cfg.llm_norm, gated=cfg.llm_mlp == "swiglu",
+            kv_heads=cfg.kv_heads, norm=cfg.llm_norm, gated=cfg.llm_mlp == "swiglu",
             qkv_bias=cfg.llm_qkv_bias, rope_theta=cfg.rope_theta,
         )  # fmt: skip

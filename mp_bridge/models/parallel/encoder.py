@@ -61,7 +61,7 @@ class TPEncoder(FullStateMixin, nn.Module):
         cfg.check_tp(encoder_tp=group_size(tp_group))
         self.cfg, self.tp_group = cfg, tp_group
         config = parallel_config(tp_group)
-        h, eps = cfg.enc_hidden, cfg.enc_norm_eps
+        h, eps = cfg.enc_hidden, cfg.encoder_norm_eps
         # Replicated over TP: patch embedding, class token, positions, norms.
         self.patch_embed = nn.Linear(cfg.patch_dim, h, bias=cfg.enc_patch_bias)
         if cfg.enc_class_token:

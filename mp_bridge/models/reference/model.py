@@ -44,14 +44,14 @@ def encoder_block(cfg: MimoConfig) -> RefBlock:
     h, bias = cfg.enc_hidden, cfg.enc_bias
     attn = RefAttention(h, cfg.enc_heads, causal=False, qkv_bias=bias, out_bias=bias)
     mlp = RefMLP(h, cfg.enc_ffn, act=cfg.enc_act, bias=bias)
-    return RefBlock(attn, mlp, "layernorm", h, cfg.enc_norm_eps)
+    return RefBlock(attn, mlp, "layernorm", h, cfg.encoder_norm_eps)
 
 
 def llm_block(cfg: MimoConfig) -> RefBlock:
     """One causal LLM block of ``cfg`` (norm, MLP, GQA, qkv bias and RoPE per config)."""
     h = cfg.llm_hidden
     attn = RefAttention(
-        h, cfg.llm_heads, causal=True, kv_heads=cfg.llm_kv_heads, qkv_bias=cfg.llm_qkv_bias,
+        h, cfg.llm_heads, causal=True, kv_heads=cfg.kv_heads, qkv_bias=cfg.llm_qkv_bias,
         rope_theta=cfg.rope_theta,
     )  # fmt: skip
     mlp = RefMLP(h, cfg.llm_ffn, gated=cfg.llm_mlp == "swiglu")
@@ -85,10 +85,10 @@ class ReferenceEncoder(nn.Module):
         if cfg.enc_positions:
             self.position_embedding = nn.Parameter(torch.randn(cfg.encoder_positions, h) * 0.02)
         if cfg.enc_pre_norm:
-            self.pre_norm = nn.LayerNorm(h, eps=cfg.enc_norm_eps)
+            self.pre_norm = nn.LayerNorm(h, eps=cfg.encoder_norm_eps)
         self.blocks = nn.ModuleList(encoder_block(cfg) for _ in range(cfg.enc_layers))
         if cfg.enc_final_norm:
-            self.norm = nn.LayerNorm(h, eps=cfg.enc_norm_eps)
+            self.norm = nn.LayerNorm(h, eps=cfg.encoder_norm_eps)
 
     def forward(self, images: torch.Tensor | RaggedImages) -> torch.Tensor:
         cfg = self.cfg
