@@ -19,12 +19,22 @@ setup(
         "megatron-core>=0.16,<0.20",
         "einops",
         "numpy",
+        "safetensors",
     ],
     extras_require={
         # triton: the "triton" loss engine's tests run its kernels under TRITON_INTERPRET=1
         # (3.9.0 beside torch 2.13 here; the GPU runbook's machine has 3.6).
-        "test": ["pytest", "hypothesis", "ruff", "triton>=3.6,<4; platform_system == 'Linux'"],
+        # transformers: the HF tests' oracle (LlavaForConditionalGeneration built offline).
+        "test": [
+            "pytest",
+            "hypothesis",
+            "ruff",
+            "triton>=3.6,<4; platform_system == 'Linux'",
+            "transformers>=5,<6",
+        ],
         "viz": ["matplotlib"],
+        # mp_bridge.models.hf (config_from_hf, load_hf, save_hf, hf_batch)
+        "hf": ["transformers>=5,<6", "safetensors"],
     },
     entry_points={"console_scripts": ["mp-bridge=mp_bridge.cli:main"]},
 )

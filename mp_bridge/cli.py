@@ -1,5 +1,6 @@
 """``mp-bridge`` command line: ``plan`` (rank tables), ``demo`` (train + oracle parity) and
-``checkpoint inspect`` (a checkpoint's layout and keys)."""
+``checkpoint inspect`` (a checkpoint's layout and keys) and ``hf tiny`` (a small random
+LLaVA written by transformers)."""
 
 from __future__ import annotations
 
@@ -13,13 +14,14 @@ __all__ = ["main"]
 
 
 def _build_parser() -> argparse.ArgumentParser:
-    from mp_bridge.commands import checkpoint, demo, plan
+    from mp_bridge.commands import checkpoint, demo, hf, plan
 
     parser = argparse.ArgumentParser(prog="mp-bridge", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     plan.add_arguments(sub.add_parser("plan", help="print every rank's coordinates and groups"))
     demo.add_arguments(sub.add_parser("demo", help="train the tiny MIMO model + oracle parity"))
     checkpoint.add_arguments(sub.add_parser("checkpoint", help="inspect a saved checkpoint"))
+    hf.add_arguments(sub.add_parser("hf", help="Hugging Face LLaVA models (tiny)"))
     return parser
 
 

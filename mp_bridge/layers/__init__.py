@@ -1,5 +1,6 @@
-"""Vocab-parallel embedding / LM head / losses, token reductions, CP attention."""
+"""Vocab-parallel embedding / LM head / losses, token reductions, CP attention, RoPE."""
 
+from mp_bridge.layers.activations import ACTIVATIONS, activation
 from mp_bridge.layers.attention.cp_attention import COMM_MODES, context_parallel_attention
 from mp_bridge.layers.attention.image_attention import image_attention
 from mp_bridge.layers.embedding import VocabParallelEmbedding
@@ -20,6 +21,7 @@ from mp_bridge.layers.param_shards import (
     shard_spec,
 )
 from mp_bridge.layers.reductions import masked_count, masked_mean, masked_sum
+from mp_bridge.layers.rotary import apply_rotary
 from mp_bridge.layers.vocab_shards import (
     VocabShard,
     padded_vocab_size,
@@ -54,4 +56,7 @@ __all__ = [
     "context_parallel_attention",
     "COMM_MODES",
     "image_attention",
+    "apply_rotary",
+    "ACTIVATIONS",
+    "activation",
 ]

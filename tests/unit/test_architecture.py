@@ -40,6 +40,7 @@ FLOORS: dict[str, float] = {
     "mp_bridge.models.parallel": 4.3,
     "mp_bridge.models.colocated": 4.4,
     "mp_bridge.models.oracle": 4.5,
+    "mp_bridge.models.hf": 4.6,
     "mp_bridge.integrations": 5,
     "mp_bridge.commands": 6,
     "mp_bridge.cli": 7,

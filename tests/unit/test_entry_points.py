@@ -42,7 +42,6 @@ PUBLIC_PACKAGES = (
 #: it (the audit says so).
 PENDING_MARKS: frozenset[str] = frozenset()
 
-_ASYNC = "the async save's own process group (never the training group), on arguments save agreed"
 _PRIMITIVE = "one collective on shapes its caller (an entry point) agreed on; checking each "
 _PRIMITIVE += "primitive would double the collectives the budget tests fix"
 _NO_COLLECTIVE = "stores or reads groups, runs no collective"
@@ -129,11 +128,8 @@ EXEMPT: dict[str, str] = {
     "shard (reads group ranks and sizes); no collective",
     "mp_bridge.layers.VocabParallelLMHead.zero_padding_": "zeroes local rows; no collective",
     # models
-    "mp_bridge.checkpoint.save": "its own agreement: every rank's argument error is exchanged "
-    "(checkpoint/ranks.py agree_errors) before any DCP collective, so all raise the same one",
-    "mp_bridge.checkpoint.AsyncSave.__init__": _ASYNC,
-    "mp_bridge.checkpoint.AsyncSave.done": _ASYNC,
-    "mp_bridge.checkpoint.AsyncSave.wait": _ASYNC,
+    "mp_bridge.models.ColocatedMimoModel.checkpoint_grids": "returns the grids the model "
+    "holds (what a checkpoint records); no collective",
     "mp_bridge.models.TPEncoder.__init__": _NO_COLLECTIVE,
     "mp_bridge.models.TPEncoder.forward": _DELEGATES + " (megatron's TP linears' mappings)",
     "mp_bridge.models.TPEncoder.from_full": "copies this rank's shards; no collective",

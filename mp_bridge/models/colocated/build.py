@@ -24,6 +24,7 @@ from mp_bridge.grid import GridLayout, destroy_grid
 from mp_bridge.models.colocated.mimo import ColocatedMimoModel
 from mp_bridge.models.colocated.mimo_groups import GridsSpec
 from mp_bridge.models.colocated.mimo_options import MimoOptions
+from mp_bridge.models.data.config import MimoConfig
 from mp_bridge.models.reference.model import ReferenceMimo
 
 __all__ = ["MimoBuildSpec", "build_colocated_mimo", "destroy_colocated_mimo"]
@@ -43,12 +44,17 @@ class MimoBuildSpec(FrozenSpec):
 
 @agreed("mp_bridge.models.build_colocated_mimo")
 def build_colocated_mimo(
-    reference: ReferenceMimo,
+    reference: ReferenceMimo | MimoConfig,
     encoder_grid: HyperCommGrid,
     llm_grid: HyperCommGrid,
     **options,
 ) -> ColocatedMimoModel:
     """Shard ``reference`` into encoder (``tp``/``dp``) and LLM (``tp``/``cp``/``dp``) grids.
+
+    ``reference`` may be a :class:`MimoConfig` instead: then no full model exists on any
+    rank; each rank allocates only its shards, filled by a seeded per-shard init
+    (:func:`~mp_bridge.models.parallel.shard_init.init_shards_`) until :func:`load_hf` or
+    ``checkpoint.load`` fills them.
 
     ``options``: the build options of :class:`~.mimo_options.MimoOptions` (``sequence_parallel``,
     ``fused_loss``, ``device``, ``flow``, ``microbatches``, ``schedule``, ``balance``).

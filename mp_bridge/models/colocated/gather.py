@@ -31,7 +31,7 @@ import torch
 from mp_bridge.models.colocated.parts import MimoFlow, StageFeed, StepParts, shard_loss
 from mp_bridge.models.colocated.step_agreement import agree_image_counts
 from mp_bridge.models.data.images import RaggedImages
-from mp_bridge.models.data.inputs import StepInputs
+from mp_bridge.models.data.inputs import BatchSpec, StepInputs, image_output_counts
 from mp_bridge.models.data.placement import place_images
 
 __all__ = ["GatherFlow"]
@@ -68,9 +68,11 @@ class GatherFlow(MimoFlow):
         self, parts: StepParts, image: torch.Tensor, images: torch.Tensor | RaggedImages
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Encoder DP batch -> LLM DP batch: ``[b_e, p, h] -> [b_l, p, h]``, or ragged
-        ``[T_e, h] -> [T_l, h]`` with the LLM batch's ``[b_l]`` token counts."""
+        ``[T_e, h] -> [T_l, h]`` with the LLM batch's ``[b_l]`` token counts (the encoder
+        rows per sample are its output tokens, :func:`image_output_counts`)."""
         if isinstance(images, RaggedImages):
-            return parts.bridge.communicate_ragged(image, images.tokens_per_sample)
+            counts = image_output_counts(images, BatchSpec.of(parts.encoder.cfg))
+            return parts.bridge.communicate_ragged(image, counts)
         return parts.bridge.communicate(image), None
 
     def stage_inputs(self, parts: StepParts, feed: StageFeed) -> Callable[[int], torch.Tensor]:

@@ -43,11 +43,13 @@ from mp_bridge.models.colocated.mimo_options import MimoOptions, parse_flow
 from mp_bridge.models.colocated.parts import MimoFlow, StepParts
 from mp_bridge.models.colocated.pipelined import pipelined_step
 from mp_bridge.models.colocated.step_agreement import agree_step_inputs
+from mp_bridge.models.data.config import MimoConfig
 from mp_bridge.models.data.inputs import BatchSpec, StepInputs, parse_step_inputs
 from mp_bridge.models.parallel.encoder import TPEncoder, TPProjection
 from mp_bridge.models.parallel.llm import TPLLM
 from mp_bridge.models.parallel.llm_stages import TPLLMStage
 from mp_bridge.models.parallel.pipeline import LLMPipeline
+from mp_bridge.models.parallel.shard_init import init_shards_
 
 __all__ = ["ColocatedMimoModel"]
 
@@ -109,8 +111,14 @@ class ColocatedMimoModel(nn.Module):
         self._flow = parse_flow(flow)
         self.microbatches = check_int("microbatches", microbatches, low=1)
         check_bool("balance", balance)
+        if balance and llm.cfg.placeholders_per_image != llm.cfg.num_patches:
+            raise ValueError(
+                f"balance=True moves encoder outputs by their input token counts, but this "
+                f"tower emits image_placeholders={llm.cfg.placeholders_per_image} per image of "
+                f"num_patches={llm.cfg.num_patches}; use balance=False"
+            )
         cfg = llm.cfg  # BatchSpec checks image_token_id against the LLM vocab
-        self.spec = BatchSpec(cfg.vocab_size, image_token_id, cfg.num_patches, cfg.patch_dim)
+        self.spec = BatchSpec.of(cfg, image_token_id)
         if groups is None and set(deprecated) == {"groups"} and partition is None:
             groups = deprecated.pop("groups")  # the new form, groups by keyword
         dp_names = {"encoder_dp": "groups.encoder_dp", "llm_dp_cp": "groups.llm_dp_cp"}
@@ -254,7 +262,8 @@ class ColocatedMimoModel(nn.Module):
     def from_full(cls, reference, encoder_grid, llm_grid, **kwargs) -> ColocatedMimoModel:
         """Shard a single-process ``ReferenceMimo`` over the groups of
         ``make_mimo_groups(encoder_grid, llm_grid)``; see :meth:`from_groups` (collective)."""
-        _check_tp(reference.cfg, *(GridLayout.from_grid(g) for g in (encoder_grid, llm_grid)))
+        cfg = reference if isinstance(reference, MimoConfig) else reference.cfg
+        _check_tp(cfg, *(GridLayout.from_grid(g) for g in (encoder_grid, llm_grid)))
         return cls.from_groups(reference, make_mimo_groups(encoder_grid, llm_grid), **kwargs)
 
     @classmethod
@@ -265,26 +274,37 @@ class ColocatedMimoModel(nn.Module):
         ``schedule``, ``balance``: see the class); with ``groups.llm_pp`` (LLM pp > 1) the
         LLM is this rank's :class:`TPLLMStage`. The one builder: ``from_full`` and
         ``build_colocated_mimo`` end here."""
-        opts, cfg = MimoOptions(**options), reference.cfg
+        opts = MimoOptions(**options)
+        cfg = reference if isinstance(reference, MimoConfig) else reference.cfg
         enc_tp, llm_tp, llm_cp = groups.encoder_tp, groups.llm_tp, groups.llm_cp
         device, sp = opts.device, opts.sequence_parallel
+
+        def part(kind, name: str, **kwargs):
+            """``reference``'s part ``name`` sharded, or (a config) this rank's shards only,
+            seeded per shard (:func:`init_shards_`), with no global RNG draw."""
+            if not isinstance(reference, MimoConfig):
+                return kind.from_full(getattr(reference, name), cfg, device=device, **kwargs)
+            with torch.random.fork_rng(devices=[]):
+                module = kind(cfg, device=device, **kwargs)
+            init_shards_(module, prefix=f"{name}.")
+            return module if device is None else module.to(device)
+
         if group_size(groups.llm_pp) > 1:
             if opts.fused_loss:
                 raise ValueError("fused_loss=True is not supported with a pipelined LLM (pp > 1)")
-            llm = TPLLMStage.from_full(
-                reference.llm, cfg, stage=dist.get_rank(groups.llm_pp),
+            llm = part(
+                TPLLMStage, "llm", stage=dist.get_rank(groups.llm_pp),
                 n_stages=group_size(groups.llm_pp), tp_group=llm_tp, cp_group=llm_cp,
-                sequence_parallel=sp, cp_comm=opts.cp_comm, device=device,
+                sequence_parallel=sp, cp_comm=opts.cp_comm,
             )  # fmt: skip
         else:
-            llm = TPLLM.from_full(
-                reference.llm, cfg, tp_group=llm_tp, cp_group=llm_cp,
-                sequence_parallel=sp, fused_loss=opts.fused_loss, cp_comm=opts.cp_comm,
-                device=device,
+            llm = part(
+                TPLLM, "llm", tp_group=llm_tp, cp_group=llm_cp, sequence_parallel=sp,
+                fused_loss=opts.fused_loss, cp_comm=opts.cp_comm,
             )  # fmt: skip
         return cls(
-            TPEncoder.from_full(reference.encoder, cfg, tp_group=enc_tp, device=device),
-            TPProjection.from_full(reference.projection, cfg, tp_group=enc_tp, device=device),
+            part(TPEncoder, "encoder", tp_group=enc_tp),
+            part(TPProjection, "projection", tp_group=enc_tp),
             llm,
             groups,
             image_token_id=cfg.image_token_id,

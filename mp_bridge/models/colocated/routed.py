@@ -180,7 +180,7 @@ def encoder_image_rows(parts: StepParts, image: torch.Tensor, inputs: StepInputs
     batch is the encoder batch.
     """
     if inputs.ragged:
-        return image, inputs.images.tokens_per_sample
+        return image, inputs.image_counts
     counts = inputs.placeholders  # [b_l]
     plan = parts.bridge.plan
     if plan is None:

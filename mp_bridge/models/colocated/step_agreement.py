@@ -112,7 +112,7 @@ def agree_image_counts(bridge: Bridge, inputs: StepInputs) -> None:
     """Every sample's placeholders equal its image tokens, agreed over the bridge's ranks.
 
     The gather flow's counterpart of ``route``'s count check: this rank's encoder batch
-    names each sample's tokens (``inputs.images.tokens_per_sample``), its LLM batch each
+    names each sample's output tokens (``inputs.image_counts``), its LLM batch each
     sample's placeholders (``inputs.placeholders``). A mismatch in one LLM DP replica would
     otherwise raise in that replica only (at placement) and strand the others in the
     loss's all-reduce; here every rank raises the same ``ValueError`` naming the sample.
@@ -126,7 +126,7 @@ def agree_image_counts(bridge: Bridge, inputs: StepInputs) -> None:
         bridge.plan,
         dist.get_rank(),
         bridge.world_group,
-        encoder_counts=inputs.images.tokens_per_sample.tolist(),
+        encoder_counts=inputs.image_counts.tolist(),
         llm_counts=inputs.placeholders.tolist(),
         device=inputs.input_ids.device,
         where=WHERE,

@@ -35,6 +35,7 @@ __all__ = [
     "StepInputs",
     "check_image_batch",
     "check_placeholders",
+    "image_output_counts",
     "packed_tokens",
     "parse_step_inputs",
 ]
@@ -47,15 +48,23 @@ Images = torch.Tensor | RaggedImages
 
 @dataclass(frozen=True)
 class BatchSpec:
-    """What a well-formed batch of a model looks like (sizes from its config)."""
+    """What a well-formed batch of a model looks like (sizes from its config).
+
+    ``num_patches``: the encoder's input tokens per image; ``image_placeholders``: the
+    embeddings it emits per image (``None``: ``num_patches``; see :class:`MimoConfig`);
+    ``fixed_image_size``: every ragged image must hold exactly ``num_patches`` tokens."""
 
     vocab_size: int
     image_token_id: int
     num_patches: int
     patch_dim: int
+    image_placeholders: int | None = None
+    fixed_image_size: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "num_patches", "patch_dim"):
+        if self.image_placeholders is None:
+            object.__setattr__(self, "image_placeholders", self.num_patches)
+        for name in ("vocab_size", "num_patches", "patch_dim", "image_placeholders"):
             check_int(f"BatchSpec.{name}", getattr(self, name), low=1)
         check_int(
             "image_token_id", self.image_token_id, low=0, high=self.vocab_size - 1,
@@ -66,7 +75,10 @@ class BatchSpec:
     def of(cls, cfg: MimoConfig, image_token_id: int | None = None) -> BatchSpec:
         """The spec of ``cfg`` (``image_token_id`` defaults to the config's)."""
         token = cfg.image_token_id if image_token_id is None else image_token_id
-        return cls(cfg.vocab_size, token, cfg.num_patches, cfg.patch_dim)
+        return cls(
+            cfg.vocab_size, token, cfg.num_patches, cfg.patch_dim, cfg.placeholders_per_image,
+            cfg.fixed_image_size,
+        )  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -80,7 +92,9 @@ class StepInputs:
       packed document), on ``input_ids.device``;
     - ``image_token_id``: the placeholder id they were counted with;
     - ``documents``: packed, the parsed documents (``PaddedLayout.of_documents``), which
-      ``PartitionAdapter.shard(cu_seqlens=...)`` pads without parsing again; else ``None``.
+      ``PartitionAdapter.shard(cu_seqlens=...)`` pads without parsing again; else ``None``;
+    - ``image_counts``: ragged images, the encoder's output tokens per sample of
+      ``images`` (:func:`image_output_counts`); else ``None``.
     """
 
     input_ids: torch.Tensor
@@ -91,6 +105,7 @@ class StepInputs:
     placeholders: torch.Tensor
     image_token_id: int
     documents: PaddedLayout | None = None
+    image_counts: torch.Tensor | None = None
 
     @property
     def packed(self) -> bool:
@@ -173,8 +188,9 @@ def parse_step_inputs(
     if images is not None and dp_sizes is not None and not images_of_text:
         check_image_batch(images, placeholders.shape[0], *dp_sizes, packed=packed)
     docs = None if cu is None else PaddedLayout.of_documents(cu.tolist())  # parsed: no 2nd parse
+    counts = image_output_counts(images, spec) if isinstance(images, RaggedImages) else None
     return StepInputs(
-        input_ids, labels, loss_mask, images, cu, placeholders, spec.image_token_id, docs
+        input_ids, labels, loss_mask, images, cu, placeholders, spec.image_token_id, docs, counts
     )
 
 
@@ -201,8 +217,14 @@ def _check_images(
                 f"images.tokens has shape {tuple(images.tokens.shape)}; expected [T, "
                 f"patch_dim={spec.patch_dim}]"
             )
+        if spec.fixed_image_size and bool((images.tokens_per_image != spec.num_patches).any()):
+            raise ValueError(
+                f"images.tokens_per_image={images.tokens_per_image.tolist()} but this encoder "
+                f"(learned positions / class token) takes exactly num_patches="
+                f"{spec.num_patches} tokens per image; resize the images"
+            )
         if of_text:
-            check_placeholders(placeholders, images.tokens_per_sample, spec.image_token_id)
+            check_placeholders(placeholders, image_output_counts(images, spec), spec.image_token_id)
         return
     if images is None:
         return
@@ -210,14 +232,14 @@ def _check_images(
         raise TypeError(
             f"images must be a torch.Tensor, RaggedImages or None, got {type(images).__name__}"
         )
-    over = (placeholders > spec.num_patches).nonzero()
+    over = (placeholders > spec.image_placeholders).nonzero()
     if over.numel():
         i = int(over[0, 0])
         where = f"{sample} {i} of the packed batch" if packed else f"sample {i}"
         raise ValueError(
             f"{where} has {int(placeholders[i])} image tokens "
             f"(image_token_id={spec.image_token_id}) but its image yields only "
-            f"{spec.num_patches} embeddings; use at most that many placeholders per {sample}"
+            f"{spec.image_placeholders} embeddings; use at most that many placeholders per {sample}"
         )
     if images.dim() != 3 or images.shape[1] != spec.num_patches:
         raise ValueError(
@@ -229,6 +251,15 @@ def _check_images(
             f"images has {images.shape[0]} samples but the text has {placeholders.shape[0]} "
             f"{sample}s; give one image per {sample} ({sample} i takes image i)"
         )
+
+
+def image_output_counts(images: RaggedImages, spec: BatchSpec) -> torch.Tensor:
+    """``[b]`` int64: the encoder's output tokens per sample of ragged ``images``, i.e.
+    the placeholders each sample must hold. Each image of ``t`` input tokens yields
+    ``t + image_placeholders - num_patches`` (the tiny model: ``t``; CLIP with the class
+    token kept, ``"full"``: ``t + 1``; SigLIP ``"default"``: ``t - 1``)."""
+    extra = spec.image_placeholders - spec.num_patches
+    return images.tokens_per_sample + extra * images.images_per_sample
 
 
 def check_image_batch(

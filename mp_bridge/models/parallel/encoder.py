@@ -23,6 +23,7 @@ from mp_bridge.comm import group_size
 from mp_bridge.layers import image_attention
 from mp_bridge.models.data.config import MimoConfig
 from mp_bridge.models.data.images import RaggedImages
+from mp_bridge.models.parallel.block_options import BlockOptions
 from mp_bridge.models.parallel.sharding import FullStateMixin
 from mp_bridge.models.parallel.tp_blocks import TPMLP, make_blocks, make_norm, parallel_config
 
@@ -43,7 +44,10 @@ def bidirectional_attention(
 
 class TPEncoder(FullStateMixin, nn.Module):
     """``images [b, p, patch_dim] -> [b, p, enc_hidden]``, or ragged images (flat
-    ``[T, patch_dim]`` tokens) ``-> [T, enc_hidden]``; TP-replicated output.
+    ``[T, patch_dim]`` tokens) ``-> [T, enc_hidden]``; TP-replicated output. A tower with a
+    fixed image size (CLIP / SigLIP: :attr:`MimoConfig.fixed_image_size`) runs every image
+    as a batch row ``[n, P, patch_dim] -> [n, image_placeholders, enc_hidden]`` (ragged:
+    flattened back to ``[n · image_placeholders, enc_hidden]``).
 
     Parameter names equal :class:`ReferenceEncoder`'s, so :meth:`from_full` /
     :meth:`to_full` round-trip a single-process model's ``state_dict``.
@@ -61,14 +65,52 @@ class TPEncoder(FullStateMixin, nn.Module):
         cfg.check_tp(encoder_tp=group_size(tp_group))
         self.cfg, self.tp_group = cfg, tp_group
         config = parallel_config(tp_group)
-        self.patch_embed = nn.Linear(cfg.patch_dim, cfg.enc_hidden)  # replicated over TP
+        h, eps = cfg.enc_hidden, cfg.encoder_norm_eps
+        # Replicated over TP: patch embedding, class token, positions, norms.
+        self.patch_embed = nn.Linear(cfg.patch_dim, h, bias=cfg.enc_patch_bias)
+        if cfg.enc_class_token:
+            self.class_token = nn.Parameter(torch.zeros(h))
+        if cfg.enc_positions:
+            self.position_embedding = nn.Parameter(torch.zeros(cfg.encoder_positions, h))
+        if cfg.enc_pre_norm:
+            self.pre_norm = make_norm(h, eps, device=device)
         self.blocks = make_blocks(
-            cfg.enc_layers, cfg.enc_hidden, cfg.enc_heads, cfg.enc_ffn, eps=cfg.norm_eps,
-            tp_group=tp_group, config=config, core=bidirectional_attention, device=device,
+            cfg.enc_layers, h, cfg.enc_heads, cfg.enc_ffn, eps=eps, tp_group=tp_group,
+            config=config, core=bidirectional_attention, device=device,
+            options=BlockOptions.encoder(cfg),
         )  # fmt: skip
-        self.norm = make_norm(cfg.enc_hidden, cfg.norm_eps, device=device)
+        if cfg.enc_final_norm:
+            self.norm = make_norm(h, eps, device=device)
+
+    def _fixed_size(self, images: torch.Tensor) -> torch.Tensor:
+        """``[n, P, patch_dim] -> [n, image_placeholders, h]``: class token, positions,
+        pre-norm, blocks (one image per batch row: attention stays inside it), select."""
+        cfg = self.cfg
+        x = self.patch_embed(images)
+        if cfg.enc_class_token:
+            x = torch.cat([self.class_token.expand(x.shape[0], 1, -1), x], dim=1)
+        if cfg.enc_positions:
+            x = x + self.position_embedding
+        if cfg.enc_pre_norm:
+            x = self.pre_norm(x)
+        x = x.transpose(0, 1)  # blocks are sequence-first
+        for block in self.blocks:
+            x = block(x)
+        x = (self.norm(x) if cfg.enc_final_norm else x).transpose(0, 1)
+        return x[:, 1:] if cfg.enc_feature_select == "default" else x
 
     def forward(self, images: torch.Tensor | RaggedImages) -> torch.Tensor:
+        cfg = self.cfg
+        if cfg.fixed_image_size:
+            ragged = isinstance(images, RaggedImages)
+            x = images.tokens.view(-1, cfg.num_patches, cfg.patch_dim) if ragged else images
+            if x.dim() != 3 or x.shape[1:] != (cfg.num_patches, cfg.patch_dim):
+                raise ValueError(
+                    f"images must be [batch, num_patches={cfg.num_patches}, patch_dim="
+                    f"{cfg.patch_dim}] or RaggedImages of such images; got {tuple(x.shape)}"
+                )
+            out = self._fixed_size(x)
+            return out.reshape(-1, out.shape[-1]) if ragged else out
         if isinstance(images, RaggedImages):
             # One sequence of T tokens (batch 1), attention kept inside each image.
             x, lengths = images.tokens.unsqueeze(1), images.lengths()
@@ -82,7 +124,7 @@ class TPEncoder(FullStateMixin, nn.Module):
         x = self.patch_embed(x)
         for block in self.blocks:
             x = block(x, images=lengths)
-        x = self.norm(x)
+        x = self.norm(x) if cfg.enc_final_norm else x
         return x.squeeze(1) if lengths is not None else x.transpose(0, 1)
 
 
@@ -101,6 +143,6 @@ class TPProjection(FullStateMixin, TPMLP):
         cfg.check_tp(encoder_tp=group_size(tp_group))
         super().__init__(
             cfg.enc_hidden, cfg.proj_hidden, cfg.llm_hidden,
-            tp_group=tp_group, config=parallel_config(tp_group),
+            tp_group=tp_group, config=parallel_config(tp_group), bias=cfg.proj_bias,
         )  # fmt: skip
         self.tp_group = tp_group

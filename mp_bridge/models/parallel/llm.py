@@ -44,6 +44,7 @@ from mp_bridge.layers import (
     vocab_parallel_cross_entropy,
 )
 from mp_bridge.models.data.config import MimoConfig
+from mp_bridge.models.parallel.block_options import BlockOptions
 from mp_bridge.models.parallel.sharding import FullStateMixin
 from mp_bridge.models.parallel.tp_blocks import make_blocks, make_norm, parallel_config
 
@@ -96,14 +97,16 @@ class TPLLM(FullStateMixin, nn.Module):
         self.blocks = make_blocks(
             cfg.llm_layers, cfg.llm_hidden, cfg.llm_heads, cfg.llm_ffn, eps=cfg.norm_eps,
             tp_group=tp_group, config=config, core=_CausalCPAttention(cp_group, cp_comm),
-            device=device,
+            device=device, options=BlockOptions.llm(cfg),
         )  # fmt: skip
         self.norm = make_norm(
-            cfg.llm_hidden, cfg.norm_eps, device=device, sequence_parallel=self.sequence_parallel
-        )
+            cfg.llm_hidden, cfg.norm_eps, device=device, sequence_parallel=self.sequence_parallel,
+            kind=cfg.llm_norm,
+        )  # fmt: skip
         self.head = VocabParallelLMHead(
             cfg.llm_hidden, cfg.vocab_size, tp_group=tp_group,
             sequence_parallel=self.sequence_parallel, seq_dim=1,
+            tie_to=self.embed if cfg.tie_embeddings else None,
         )  # fmt: skip
 
     # ------------------------------------------------------------------ forward

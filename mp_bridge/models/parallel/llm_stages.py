@@ -35,6 +35,7 @@ from mp_bridge.layers import (
     vocab_parallel_cross_entropy,
 )
 from mp_bridge.models.data.config import MimoConfig
+from mp_bridge.models.parallel.block_options import BlockOptions
 from mp_bridge.models.parallel.sharding import FullStateMixin, build_from_full
 from mp_bridge.models.parallel.tp_blocks import TPBlock, make_norm, parallel_config
 
@@ -83,6 +84,12 @@ class TPLLMStage(FullStateMixin, nn.Module):
         check_group("cp_group", cp_group)
         check_bool("sequence_parallel", sequence_parallel)
         cfg.check_tp(llm_tp=group_size(tp_group))
+        if cfg.tie_embeddings and n_stages > 1:
+            raise ValueError(
+                f"tie_embeddings=True with {n_stages} pipeline stages: the embedding (stage 0) "
+                "and the head (last stage) would need their gradients summed across stages, "
+                "which this model does not do; use pp=1 or an untied head"
+            )
         self.layers = stage_layers(cfg.llm_layers, n_stages, stage)
         self.stage, self.n_stages = stage, n_stages
         self.cfg, self.tp_group, self.cp_group = cfg, tp_group, cp_group
@@ -104,6 +111,7 @@ class TPLLMStage(FullStateMixin, nn.Module):
                     config=config,
                     core=core,
                     device=device,
+                    options=BlockOptions.llm(cfg),
                 )  # fmt: skip
                 for i in self.layers
             }
@@ -111,11 +119,12 @@ class TPLLMStage(FullStateMixin, nn.Module):
         if self.is_last:
             self.norm = make_norm(
                 cfg.llm_hidden, cfg.norm_eps, device=device,
-                sequence_parallel=self.sequence_parallel,
+                sequence_parallel=self.sequence_parallel, kind=cfg.llm_norm,
             )  # fmt: skip
             self.head = VocabParallelLMHead(
                 cfg.llm_hidden, cfg.vocab_size, tp_group=tp_group,
                 sequence_parallel=self.sequence_parallel, seq_dim=1,
+                tie_to=self.embed if cfg.tie_embeddings else None,  # one stage only
             )  # fmt: skip
 
     @property
@@ -133,7 +142,8 @@ class TPLLMStage(FullStateMixin, nn.Module):
         no random numbers, whatever the stage holds (:func:`build_from_full`)."""
         return build_from_full(
             cls, reference, cfg, device=device,
-            names=lambda model: {name for name, _ in model.named_parameters()}, **kwargs,
+            names=lambda model: dict(model.named_parameters(remove_duplicate=False)).keys(),
+            **kwargs,
         )  # fmt: skip
 
     # ------------------------------------------------------------------ forward

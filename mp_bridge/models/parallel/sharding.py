@@ -50,10 +50,11 @@ def build_from_full(cls, reference: nn.Module, cfg, *, device=None, names=None, 
 def load_full_state(module: nn.Module, full_state: Mapping[str, torch.Tensor]) -> None:
     """Copy this rank's slice of every full tensor into ``module``'s parameters.
 
-    ``full_state`` is a single-process ``state_dict`` with the same parameter names.
+    ``full_state`` is a single-process ``state_dict`` with the same parameter names (a
+    tied parameter under each of its names, as ``state_dict`` lists it).
     Raises ``ValueError`` listing missing/unexpected names or a shape that does not fit.
     """
-    params = dict(module.named_parameters())
+    params = dict(module.named_parameters(remove_duplicate=False))
     missing = sorted(set(params) - set(full_state))
     extra = sorted(set(full_state) - set(params))
     if missing or extra:

@@ -1,13 +1,14 @@
 """The single-process reference MIMO model (plain torch): the oracle for every layout.
 
-Parameter names and layouts are the ones the distributed models shard from:
-``qkv`` rows are ordered ``[heads, (q, k, v), head_dim]`` so a contiguous row block is a
-contiguous set of whole heads (Megatron's interleaved QKV), which is what a
-column-parallel shard holds. Tensors are batch-first, ``[b, s, h]``; ragged images
-(:class:`RaggedImages`) run as one flat sequence with attention kept inside each image.
+Parameter names and layouts are the ones the distributed models shard from (the blocks'
+layouts: :mod:`mp_bridge.models.reference.transformer`; ``qkv`` is megatron's per-K/V-group
+interleave, so a contiguous row block is a set of whole heads). Tensors are batch-first,
+``[b, s, h]``; ragged images (:class:`RaggedImages`) run as one flat sequence with
+attention kept inside each image.
 Packed text (``cu_seqlens``) runs as one ``[1, T, h]`` sequence under a dense
 block-diagonal causal mask (:func:`packed_causal_mask`): each document attends only to
-its own earlier tokens, exactly as if it ran alone (checked against per-document runs in
+its own earlier tokens, exactly as if it ran alone, with rotary positions restarting per
+document (checked against per-document runs in
 ``tests/unit/test_models_packed.py``). It uses no code of the distributed path.
 """
 
@@ -17,11 +18,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mp_bridge.layers import image_attention
 from mp_bridge.models.data.config import MimoConfig
 from mp_bridge.models.data.images import RaggedImages
-from mp_bridge.models.data.inputs import BatchSpec, StepInputs, parse_step_inputs
+from mp_bridge.models.data.inputs import (
+    BatchSpec,
+    StepInputs,
+    image_output_counts,
+    parse_step_inputs,
+)
 from mp_bridge.models.data.placement import place_images
+from mp_bridge.models.reference.transformer import RefAttention, RefBlock, RefMLP, ref_norm
 
 __all__ = [
     "ReferenceEncoder",
@@ -33,86 +39,85 @@ __all__ = [
 ]
 
 
-class _Attention(nn.Module):
-    def __init__(self, hidden: int, heads: int, *, causal: bool):
-        super().__init__()
-        self.heads, self.causal = heads, causal
-        self.qkv = nn.Linear(hidden, 3 * hidden, bias=False)
-        self.proj = nn.Linear(hidden, hidden, bias=False)
-
-    def forward(self, x: torch.Tensor, mask=None) -> torch.Tensor:
-        """``mask``: a bool ``[s, s]`` (True = attend) that replaces the causal mask, so a
-        causal stack's mask holds the causality itself (:func:`packed_causal_mask`); or a
-        tuple of image token counts (``b = 1``): attention inside each image
-        (``image_attention``, no ``[s, s]`` mask)."""
-        b, s, h = x.shape
-        qkv = self.qkv(x).view(b, s, self.heads, 3, h // self.heads)
-        if isinstance(mask, tuple):
-            q, k, v = (qkv[:, :, :, i] for i in range(3))  # [b, s, heads, d]
-            return self.proj(image_attention(q, k, v, mask).reshape(b, s, h))
-        q, k, v = (qkv[:, :, :, i].transpose(1, 2) for i in range(3))  # [b, heads, s, d]
-        causal = self.causal and mask is None
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
-        return self.proj(out.transpose(1, 2).reshape(b, s, h))
+def encoder_block(cfg: MimoConfig) -> RefBlock:
+    """One bidirectional encoder block of ``cfg`` (LayerNorm, biases per ``enc_bias``)."""
+    h, bias = cfg.enc_hidden, cfg.enc_bias
+    attn = RefAttention(h, cfg.enc_heads, causal=False, qkv_bias=bias, out_bias=bias)
+    mlp = RefMLP(h, cfg.enc_ffn, act=cfg.enc_act, bias=bias)
+    return RefBlock(attn, mlp, "layernorm", h, cfg.encoder_norm_eps)
 
 
-class _MLP(nn.Module):
-    def __init__(self, hidden: int, ffn: int, out: int | None = None):
-        super().__init__()
-        self.fc1 = nn.Linear(hidden, ffn, bias=False)
-        self.fc2 = nn.Linear(ffn, hidden if out is None else out, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(F.gelu(self.fc1(x)))
-
-
-class _Block(nn.Module):
-    def __init__(self, hidden: int, heads: int, ffn: int, *, causal: bool, eps: float):
-        super().__init__()
-        self.ln1 = nn.LayerNorm(hidden, eps=eps)
-        self.attn = _Attention(hidden, heads, causal=causal)
-        self.ln2 = nn.LayerNorm(hidden, eps=eps)
-        self.mlp = _MLP(hidden, ffn)
-
-    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
-        x = x + self.attn(self.ln1(x), mask)
-        return x + self.mlp(self.ln2(x))
+def llm_block(cfg: MimoConfig) -> RefBlock:
+    """One causal LLM block of ``cfg`` (norm, MLP, GQA, qkv bias and RoPE per config)."""
+    h = cfg.llm_hidden
+    attn = RefAttention(
+        h, cfg.llm_heads, causal=True, kv_heads=cfg.kv_heads, qkv_bias=cfg.llm_qkv_bias,
+        rope_theta=cfg.rope_theta,
+    )  # fmt: skip
+    mlp = RefMLP(h, cfg.llm_ffn, gated=cfg.llm_mlp == "swiglu")
+    return RefBlock(attn, mlp, cfg.llm_norm, h, cfg.norm_eps)
 
 
-def _trunk(n: int, hidden: int, heads: int, ffn: int, *, causal: bool, eps: float):
-    """``n`` transformer blocks and the final norm (``blocks``, ``norm``) of a stack."""
-    blocks = nn.ModuleList(_Block(hidden, heads, ffn, causal=causal, eps=eps) for _ in range(n))
-    return blocks, nn.LayerNorm(hidden, eps=eps)
-
-
-def _run_blocks(blocks: nn.ModuleList, x: torch.Tensor, mask=None) -> torch.Tensor:
+def _run_blocks(blocks: nn.ModuleList, x: torch.Tensor, mask=None, position_ids=None):
     for block in blocks:
-        x = block(x, mask)
+        x = block(x, mask, position_ids)
     return x
 
 
 class ReferenceEncoder(nn.Module):
-    """Patch embedding + bidirectional blocks + norm: [b, p, patch_dim] -> [b, p, enc_hidden],
-    or ragged images -> [T, enc_hidden] (one sequence, attention inside each image)."""
+    """Vision tower: ``[b, P, patch_dim] -> [b, image_placeholders, enc_hidden]``, or ragged
+    images -> ``[T_out, enc_hidden]``.
+
+    Patch embedding (one linear over flattened patches), then as ``cfg`` says: class token
+    first, learned positions added, pre-norm; ``enc_layers`` bidirectional blocks; the
+    final norm; ``"default"`` drops the first output token. Ragged images of the tiny model
+    run as one sequence with attention kept inside each image; with a fixed image size
+    (:attr:`MimoConfig.fixed_image_size`) they run as an ``[n, P, patch_dim]`` batch.
+    """
 
     def __init__(self, cfg: MimoConfig):
         super().__init__()
-        self.patch_embed = nn.Linear(cfg.patch_dim, cfg.enc_hidden)
-        self.blocks, self.norm = _trunk(cfg.enc_layers, cfg.enc_hidden, cfg.enc_heads,
-                                        cfg.enc_ffn, causal=False, eps=cfg.norm_eps)  # fmt: skip
+        self.cfg = cfg
+        h = cfg.enc_hidden
+        self.patch_embed = nn.Linear(cfg.patch_dim, h, bias=cfg.enc_patch_bias)
+        if cfg.enc_class_token:
+            self.class_token = nn.Parameter(torch.randn(h) * 0.02)
+        if cfg.enc_positions:
+            self.position_embedding = nn.Parameter(torch.randn(cfg.encoder_positions, h) * 0.02)
+        if cfg.enc_pre_norm:
+            self.pre_norm = nn.LayerNorm(h, eps=cfg.encoder_norm_eps)
+        self.blocks = nn.ModuleList(encoder_block(cfg) for _ in range(cfg.enc_layers))
+        if cfg.enc_final_norm:
+            self.norm = nn.LayerNorm(h, eps=cfg.encoder_norm_eps)
 
     def forward(self, images: torch.Tensor | RaggedImages) -> torch.Tensor:
+        cfg = self.cfg
+        if isinstance(images, RaggedImages) and cfg.fixed_image_size:
+            n = len(images.tokens_per_image)
+            out = self(images.tokens.view(n, cfg.num_patches, cfg.patch_dim))
+            return out.reshape(-1, out.shape[-1])
         if isinstance(images, RaggedImages):
             x = self.patch_embed(images.tokens).unsqueeze(0)
-            return self.norm(_run_blocks(self.blocks, x, images.lengths())).squeeze(0)
-        return self.norm(_run_blocks(self.blocks, self.patch_embed(images)))
+            x = _run_blocks(self.blocks, x, images.lengths())
+            return (self.norm(x) if cfg.enc_final_norm else x).squeeze(0)
+        x = self.patch_embed(images)  # [b, P, h]
+        if cfg.enc_class_token:
+            x = torch.cat([self.class_token.expand(x.shape[0], 1, -1), x], dim=1)
+        if cfg.enc_positions:
+            x = x + self.position_embedding
+        if cfg.enc_pre_norm:
+            x = self.pre_norm(x)
+        x = _run_blocks(self.blocks, x)
+        if cfg.enc_final_norm:
+            x = self.norm(x)
+        return x[:, 1:] if cfg.enc_feature_select == "default" else x
 
 
-class ReferenceProjection(_MLP):
-    """Two-layer GELU MLP: [..., enc_hidden] -> [..., llm_hidden]."""
+class ReferenceProjection(RefMLP):
+    """Two-layer GELU MLP: [..., enc_hidden] -> [..., llm_hidden] (biases per ``proj_bias``)."""
 
     def __init__(self, cfg: MimoConfig):
-        super().__init__(cfg.enc_hidden, cfg.proj_hidden, cfg.llm_hidden)
+        super().__init__(cfg.enc_hidden, cfg.proj_hidden, cfg.llm_hidden, bias=cfg.proj_bias)
 
 
 def packed_causal_mask(cu_seqlens: torch.Tensor, device=None) -> torch.Tensor:
@@ -127,20 +132,39 @@ def packed_causal_mask(cu_seqlens: torch.Tensor, device=None) -> torch.Tensor:
 
 
 class ReferenceLLM(nn.Module):
-    """Embedding, causal blocks, final norm, untied head: [b, s, h] -> logits [b, s, V].
+    """Embedding, causal blocks, final norm, head: [b, s, h] -> logits [b, s, V].
 
-    ``mask`` (bool ``[s, s]``) replaces the causal mask, e.g. :func:`packed_causal_mask`.
+    ``mask`` (bool ``[s, s]``) replaces the causal mask, e.g. :func:`packed_causal_mask`;
+    ``position_ids`` (``[b|1, s]``, the tokens' original positions) feed rotary positions.
+    With ``tie_embeddings`` the head's weight is the embedding's (one parameter).
     """
 
     def __init__(self, cfg: MimoConfig):
         super().__init__()
         self.embed = nn.Embedding(cfg.vocab_size, cfg.llm_hidden)
-        self.blocks, self.norm = _trunk(cfg.llm_layers, cfg.llm_hidden, cfg.llm_heads,
-                                        cfg.llm_ffn, causal=True, eps=cfg.norm_eps)  # fmt: skip
+        self.blocks = nn.ModuleList(llm_block(cfg) for _ in range(cfg.llm_layers))
+        self.norm = ref_norm(cfg.llm_norm, cfg.llm_hidden, cfg.norm_eps)
         self.head = nn.Linear(cfg.llm_hidden, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.head.weight = self.embed.weight
 
-    def forward(self, embeddings: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
-        return self.head(self.norm(_run_blocks(self.blocks, embeddings, mask)))
+    def forward(
+        self,
+        embeddings: torch.Tensor,
+        mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        return self.head(self.norm(_run_blocks(self.blocks, embeddings, mask, position_ids)))
+
+
+def reference_positions(inputs: StepInputs, device=None) -> torch.Tensor:
+    """Original positions ``[b, S]`` (plain) or ``[1, T]`` restarting per packed document."""
+    if not inputs.packed:
+        b, s = inputs.input_ids.shape
+        return torch.arange(s, device=device).expand(b, s)
+    cu = inputs.cu_seqlens
+    starts = cu[:-1].repeat_interleave(cu.diff())
+    return (torch.arange(int(cu[-1])) - starts).unsqueeze(0).to(device)
 
 
 def reference_masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -164,6 +188,7 @@ class ReferenceMimo(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.image_token_id = cfg.image_token_id
+        self.spec = BatchSpec.of(cfg)
         self.encoder = ReferenceEncoder(cfg)
         self.projection = ReferenceProjection(cfg)
         self.llm = ReferenceLLM(cfg)
@@ -178,9 +203,8 @@ class ReferenceMimo(nn.Module):
         cu_seqlens: torch.Tensor | list[int] | None = None,
     ) -> torch.Tensor:
         """Global masked-mean token loss (fp32 scalar) of the whole batch."""
-        spec = BatchSpec.of(self.cfg, self.image_token_id)
         inputs = parse_step_inputs(
-            input_ids, labels, loss_mask, images, cu_seqlens, spec, images_of_text=True
+            input_ids, labels, loss_mask, images, cu_seqlens, self.spec, images_of_text=True
         )
         return self.step_loss(inputs)
 
@@ -189,12 +213,12 @@ class ReferenceMimo(nn.Module):
         image, counts = None, None
         if inputs.has_images:
             image = self.projection(self.encoder(inputs.images))
-            counts = inputs.images.tokens_per_sample if inputs.ragged else None
+            counts = image_output_counts(inputs.images, self.spec) if inputs.ragged else None
         embeddings = place_images(self.llm.embed, inputs, image, counts)
         mask = None
         if inputs.packed:  # one packed row [1, T, h]: documents kept apart
             mask = packed_causal_mask(inputs.cu_seqlens, embeddings.device)
-        logits = self.llm(embeddings, mask)
+        logits = self.llm(embeddings, mask, reference_positions(inputs, embeddings.device))
         labels = inputs.labels
         per_token = F.cross_entropy(
             logits.flatten(0, 1).float(), labels.flatten(), reduction="none"

@@ -1,0 +1,30 @@
+"""``mp-bridge hf tiny DIR --text llama|qwen2|mistral --vision clip|siglip [--tie]``: write a
+small random LLaVA with transformers' own ``save_pretrained``, offline (no download), then
+print the :class:`MimoConfig` that :func:`config_from_hf` reads back from it."""
+
+from __future__ import annotations
+
+import argparse
+
+__all__ = ["add_arguments", "run_tiny"]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="action", required=True)
+    tiny = sub.add_parser("tiny", help="write a small random LLaVA (transformers, offline)")
+    tiny.add_argument("path", help="the directory to write (save_pretrained)")
+    tiny.add_argument("--text", choices=("llama", "qwen2", "mistral"), default="llama")
+    tiny.add_argument("--vision", choices=("clip", "siglip"), default="clip")
+    tiny.add_argument("--tie", action="store_true", help="tie the head to the embedding")
+    tiny.add_argument("--seed", type=int, default=0)
+    tiny.set_defaults(run=run_tiny)
+
+
+def run_tiny(args: argparse.Namespace) -> int:
+    from mp_bridge.models.hf import config_from_hf
+    from mp_bridge.models.hf.tiny import tiny_llava
+
+    tiny_llava(args.text, args.vision, tie=args.tie, seed=args.seed).save_pretrained(args.path)
+    cfg = config_from_hf(args.path, seq_len=16)
+    print(f"wrote {args.text} + {args.vision} LLaVA to {args.path}: {cfg}")
+    return 0

@@ -1,0 +1,57 @@
+"""Shared by the HF tests: a transformers LLaVA batch and the comparison of our
+gradients with transformers' by its ``named_parameters()`` names."""
+
+from __future__ import annotations
+
+import torch
+
+from mp_bridge.models.hf import disk_to_module, hf_mappings
+from mp_bridge.models.hf.hf_save import hf_tensors
+
+IMAGE = 63  # tiny_llava's image token (its vocab's last id)
+
+
+def llava_inputs(placeholders: int, images_per_sample=(1, 2, 0), seq=16, pad=(0, 0, 4), seed=0):
+    """HF's ``input_ids [B, S]`` (text around runs of ``placeholders`` image tokens),
+    ``pixel_values [n, 3, 8, 8]``, ``attention_mask`` right-padded by ``pad[i]`` and
+    ``labels`` (-100 at images and padding)."""
+    g = torch.Generator().manual_seed(seed)
+    b = len(images_per_sample)
+    ids = torch.randint(0, IMAGE, (b, seq), generator=g)
+    for i, n in enumerate(images_per_sample):
+        for j in range(n):
+            start = 1 + j * (placeholders + 1)
+            ids[i, start : start + placeholders] = IMAGE
+    mask = torch.ones(b, seq, dtype=torch.long)
+    for i, p in enumerate(pad):
+        if p:
+            mask[i, seq - p :] = 0
+    pixels = torch.randn(sum(images_per_sample), 3, 8, 8, generator=g)
+    labels = ids.masked_fill((ids == IMAGE) | (mask == 0), -100)
+    return ids, pixels, mask, labels
+
+
+def grad_errors(ours: torch.nn.Module, hf: torch.nn.Module, cfg, full_grads=None) -> dict:
+    """``{hf name: max |ours - hf|}`` for every HF parameter whose gradient is not None;
+    ours are cut into HF tensors by the name map. ``full_grads``: our full gradients by
+    our name (default: ``ours``' own ``.grad``); a pipeline stage's holds only its part of
+    ``llm.*``, and HF names of the other stages are skipped. ``KeyError`` if any other HF
+    gradient has no counterpart of ours."""
+    hf_params = dict(hf.named_parameters())
+    if full_grads is None:
+        full_grads = {n: p.grad for n, p in ours.named_parameters()}
+    mapped, elsewhere = {}, set()
+    for m in hf_mappings(cfg):
+        if m.ours not in full_grads and m.ours.startswith("llm."):
+            elsewhere.update(disk_to_module(k) for k in m.hf)
+            continue
+        g = full_grads[m.ours]
+        for key, t in zip(m.hf, hf_tensors(m, g)):
+            mapped[disk_to_module(key)] = t
+    if cfg.tie_embeddings and "model.language_model.embed_tokens.weight" in mapped:
+        mapped["lm_head.weight"] = mapped["model.language_model.embed_tokens.weight"]
+    out = {}
+    for name, p in hf_params.items():
+        if p.grad is not None and name not in elsewhere:
+            out[name] = (mapped[name] - p.grad).abs().max().item()
+    return out

@@ -1,0 +1,127 @@
+"""Our reference model loaded from a transformers LLaVA equals transformers' own model.
+
+Oracle: ``LlavaForConditionalGeneration`` built offline from small random configs
+(:func:`tiny_llava`), fp32. Tolerances: loss 1e-5 relative and gradients 1e-4 absolute,
+the MIMO oracle tests' (measured here: ~1e-7 both; the two compute the same math in
+another order: SDPA vs eager softmax, fused vs separate q/k/v matmuls).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from safetensors.torch import load_file  # noqa: E402
+from transformers import LlavaForConditionalGeneration  # noqa: E402
+
+from mp_bridge.models import ReferenceMimo  # noqa: E402
+from mp_bridge.models.hf import config_from_hf, hf_batch, load_hf, pixel_patches, save_hf  # noqa: E402
+from mp_bridge.models.hf.tiny import tiny_llava  # noqa: E402
+from tests.hf_llava import grad_errors, llava_inputs  # noqa: E402
+
+CASES = [
+    # text, vision, tied head, attention, LlavaConfig overrides, images per sample
+    ("llama", "clip", False, "eager", {}, (1, 2, 0)),
+    ("qwen2", "siglip", True, "sdpa", {}, (1, 1, 1)),
+    ("mistral", "clip", True, "sdpa", {"vision_feature_select_strategy": "full"}, (2, 1, 0)),
+    ("llama", "siglip", False, "eager", {"vision_feature_layer": 1}, (1, 1, 1)),
+]
+
+
+def _saved(tmp_path, text="llama", vision="clip", tie=False, attn="eager", **overrides):
+    hf = tiny_llava(text, vision, tie=tie, attn_implementation=attn, **overrides)
+    path = str(tmp_path / "hf")
+    hf.save_pretrained(path)
+    return hf, path
+
+
+def _loaded(path, seq_len=16):
+    cfg = config_from_hf(path, seq_len=seq_len)
+    model = ReferenceMimo(cfg)
+    load_hf(path, model)
+    return cfg, model
+
+
+@pytest.mark.parametrize("text,vision,tie,attn,overrides,images", CASES)
+def test_loss_and_every_gradient_match_transformers(
+    tmp_path, text, vision, tie, attn, overrides, images
+):
+    hf, path = _saved(tmp_path, text, vision, tie, attn, **overrides)
+    cfg, ours = _loaded(path)
+    ids, pixels, mask, labels = llava_inputs(cfg.placeholders_per_image, images)
+    want = hf(input_ids=ids, pixel_values=pixels, attention_mask=mask, labels=labels).loss
+    want.backward()
+    batch = hf_batch(cfg, ids, pixels, labels, mask)
+    got = ours(batch.input_ids, batch.labels, batch.loss_mask, batch.images)
+    got.backward()
+    assert abs(got.item() - want.item()) <= 1e-5 * abs(want.item())
+    errors = grad_errors(ours, hf, cfg)
+    assert len(errors) > 30 and max(errors.values()) <= 1e-4, max(
+        errors.items(), key=lambda e: e[1]
+    )
+
+
+def test_packed_documents_restart_rotary_positions_as_separate_hf_rows(tmp_path):
+    """Two right-padded HF rows == one packed row of their real tokens (cu_seqlens)."""
+    hf, path = _saved(tmp_path, "qwen2", "clip")
+    cfg, ours = _loaded(path, seq_len=32)
+    ids, pixels, mask, labels = llava_inputs(cfg.placeholders_per_image, (1, 1), pad=(0, 5))
+    want = hf(input_ids=ids, pixel_values=pixels, attention_mask=mask, labels=labels).loss
+    batch = hf_batch(cfg, ids, pixels, labels, mask)
+    keep = mask.bool().flatten()
+    cu = torch.tensor([0, 16, 27])
+    got = ours(batch.input_ids.flatten()[keep], batch.labels.flatten()[keep],
+               batch.loss_mask.flatten()[keep], batch.images, cu_seqlens=cu)  # fmt: skip
+    assert abs(got.item() - want.item()) <= 1e-5 * abs(want.item())
+
+
+@pytest.mark.parametrize("text,vision,tie", [("llama", "clip", False), ("qwen2", "siglip", True)])
+def test_save_after_load_gives_back_the_hf_tensors_bitwise(tmp_path, text, vision, tie):
+    hf, path = _saved(tmp_path, text, vision, tie)
+    _, ours = _loaded(path)
+    out = str(tmp_path / "out")
+    save_hf(out, ours)
+    before = load_file(os.path.join(path, "model.safetensors"))
+    after = load_file(os.path.join(out, "model.safetensors"))
+    assert sorted(before) == sorted(after)  # untrained layers, post_layernorm, head.* kept
+    assert all(
+        torch.equal(before[k], after[k]) and before[k].dtype == after[k].dtype for k in before
+    )
+    back = LlavaForConditionalGeneration.from_pretrained(out)
+    want, got = hf.state_dict(), back.state_dict()
+    assert sorted(want) == sorted(got) and all(torch.equal(want[k], got[k]) for k in want)
+    assert not [n for n in os.listdir(tmp_path) if n.startswith(".out.")]  # published by rename
+
+
+def test_a_sharded_checkpoint_with_its_index_loads_the_same(tmp_path):
+    hf, path = _saved(tmp_path)
+    sharded = str(tmp_path / "sharded")
+    hf.save_pretrained(sharded, max_shard_size="20KB")
+    assert os.path.isfile(os.path.join(sharded, "model.safetensors.index.json"))
+    _, one = _loaded(path)
+    _, many = _loaded(sharded)
+    for (name, a), (_, b) in zip(one.named_parameters(), many.named_parameters()):
+        assert torch.equal(a, b), name
+
+
+def test_pixel_patches_times_the_flattened_conv_weight_is_the_conv(tmp_path):
+    cfg, _ = _loaded(_saved(tmp_path)[1])
+    pixels, weight = torch.randn(2, 3, 8, 8), torch.randn(16, 3, 4, 4)
+    conv = torch.nn.functional.conv2d(pixels, weight, stride=4).flatten(2).transpose(1, 2)
+    torch.testing.assert_close(pixel_patches(cfg, pixels) @ weight.reshape(16, -1).T, conv)
+
+
+def test_cli_hf_tiny_writes_a_model_transformers_loads(tmp_path, capsys):
+    from mp_bridge.cli import main
+
+    path = str(tmp_path / "tiny")
+    assert main(["hf", "tiny", path, "--text", "qwen2", "--vision", "siglip", "--tie"]) == 0
+    model = LlavaForConditionalGeneration.from_pretrained(path)
+    assert model.config.text_config.model_type == "qwen2" and model.config.tie_word_embeddings
+    cfg = config_from_hf(path, seq_len=16)
+    assert cfg.llm_qkv_bias and cfg.tie_embeddings and not cfg.enc_class_token
+    assert "wrote qwen2 + siglip LLaVA" in capsys.readouterr().out
