@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 GPU = Path(__file__).resolve().parents[2] / "bench" / "gpu"
+sys.path.insert(0, str(GPU))  # roofline.py imports its siblings (comm_model) by name
 
 
 def _load():
@@ -110,6 +111,36 @@ def test_tp8_collectives_per_rank():
     assert rl.collective_bytes(rl.Shape(8192, 4096, 131072))["default"] == 0
 
 
+def test_tp8_collective_time_by_hand():
+    s = rl.Shape(8192, 4096, 131072, tp=8)
+    res = rl.predict(s, FACTS)
+    # 2 172 649 472 B received per rank (test above) at 350 GB/s: 6.2076 ms, every
+    # collective plain: all of it exposed, added to the kernels' own time
+    comm = (7 * 4 * 64 * 8192 * 4 + 7 * (16_777_216 + 268_435_456 + 16_777_216)) / 350e9
+    assert comm == pytest.approx(6.2076e-3, rel=1e-4)
+    compute = sum(k.seconds for k in res["invariant"])
+    total, own, exposed = rl.call_seconds(s, "invariant", res["invariant"])
+    assert own == pytest.approx(comm) and exposed == pytest.approx(comm)
+    assert total == pytest.approx(compute + comm)
+    # default: 917 504 B of statistics + 234 881 024 B of ring all-reduce: 0.6737 ms
+    total, own, exposed = rl.call_seconds(s, "default", res["default"])
+    assert own == pytest.approx(235_798_528 / 350e9) and exposed == pytest.approx(own)
+
+
+def test_block_dweight_counts_its_accumulator_and_its_zero_fill():
+    s = rl.Shape(8192, 4096, 131072)
+    k = rl.block_dweight_pass(s, FACTS)
+    # 8 chunks x (131072 / 128 vocab tiles x 4096 / 256 hidden tiles) = 131 072 programs,
+    # 1024 / 64 = 16 token steps each, (128 + 256) x 64 bf16 per step = 49 152 B:
+    # 103 079 215 104 B; + the fp32 [131072, 4096] accumulator (2 GiB) in and out per
+    # chunk: 16 x 2 147 483 648 = 34 359 738 368 B
+    assert k.l2 == 103_079_215_104 + 34_359_738_368
+    assert k.seconds == pytest.approx(137_438_953_472 / 7e12)  # 19.63 ms, L2-bound
+    zero = [x for x in rl.invariant_mode(s, FACTS) if "zero-fill" in x.name]
+    assert len(zero) == 1 and zero[0].hbm == 2_147_483_648  # torch.zeros of the accumulator
+    assert zero[0].seconds == pytest.approx(2_147_483_648 / 4.08e12)
+
+
 def test_the_statistics_fold_is_one_launch_plus_its_bytes_per_8192_tokens():
     for tp in (1, 8):  # TP 8 folds every rank's blocks too: all K = 512
         k = rl.fold_stats_pass(rl.Shape(8192, 4096, 131072, tp=tp))
@@ -148,8 +179,10 @@ def test_the_speed_table_puts_measured_next_to_predicted(monkeypatch):
 
 def test_the_default_modes_d_w_comes_out_of_cublas_in_bf16_with_no_copy():
     ks = rl.default_mode(rl.Shape(8192, 4096, 131072), FACTS)
-    assert [k.facts for k in ks].count("torch copy") == 0 and len(ks) == 6
-    dw = ks[4]
+    assert [k.facts for k in ks].count("torch copy") == 0 and len(ks) == 7
+    # the fp32 d h accumulator's zero-fill: [8192, 4096] fp32 written
+    assert ks[2].name.startswith("bwd: zero-fill") and ks[2].hbm == 134_217_728
+    dw = ks[5]
     assert dw.name.startswith("bwd: dW_s") and dw.kind == "cublas_bf16"
     # h (64 MiB > L2) per slab, W once, per slab g bf16 (32 MiB) in and d W_s bf16 (16 MiB) out
     assert dw.hbm == 64 * 67_108_864 + 1_073_741_824 + 64 * (33_554_432 + 16_777_216)
