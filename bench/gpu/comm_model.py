@@ -34,11 +34,15 @@ def link_seconds(received: float) -> float:
 
 def collectives(s, c: int) -> dict[str, dict[str, float]]:
     """``{mode: {collective: bytes each rank receives in one call}}`` at roofline ``Shape``
-    ``s`` with invariant chunks of ``c`` tokens (none at TP 1)."""
+    ``s`` with invariant chunks of ``c`` tokens (none at TP 1). The invariant ``d h`` by
+    token-row ownership: the whole weight once, per chunk ``1 / TP`` of the chunk's ``g``
+    rows from every peer, and the ``d h`` rows back."""
     if s.tp == 1:
         return {"default": {}, "invariant": {}}
     peers, n = s.tp - 1, s.n
-    hc = math.ceil(s.h / s.tp)  # the widest column slice (rank 0's)
+    piece = s.v_local  # Kmax * 256: every rank's real blocks (the shapes here are even)
+    full, last = divmod(n, c)
+    rows = full * math.ceil(c / s.tp) + (math.ceil(last / s.tp) if last else 0)  # per rank
     return {
         "default": {
             "stats all-gather [tp, S, N]": peers * STATS * n * F32,
@@ -46,9 +50,9 @@ def collectives(s, c: int) -> dict[str, dict[str, float]]:
         },
         "invariant": {
             "raw block statistics all-gather": peers * STATS * (s.v_local // VOCAB_BLOCK) * n * F32,
-            "weight columns all-to-all (once)": peers * s.v_local * hc * s.elt,
-            "g all-gather": peers * n * s.v_local * s.elt,
-            "d h columns all-gather": peers * n * hc * F32,
+            "weight shards all-gather (once)": peers * piece * s.h * s.elt,
+            "g token rows all-to-all": peers * rows * piece * s.elt,
+            "d h token rows all-gather": peers * rows * s.h * F32,
         },
     }
 
@@ -92,25 +96,32 @@ def default_schedule(s, kernels, c: int) -> list[tuple]:
 
 
 def invariant_schedule(s, kernels, c: int) -> list[tuple]:
-    """``triton_invariant`` as the code runs it, every collective plain (waited for at
-    once). Forward: ``block_stats``, the raw block statistics all-gather, ``fold_stats``.
-    Backward (``grads``): the accumulator's zero-fill, the weight-column all-to-all; per
-    chunk ``block_grad``, the ``g`` all-gather, ``dhidden``, the ``d h`` column
-    all-gather, ``block_dweight``; then the accumulator's rounding copy."""
+    """``triton_invariant`` as the code runs it. Forward: ``block_stats``, the raw block
+    statistics all-gather (plain), ``fold_stats``. Backward (``grads``): the accumulator's
+    zero-fill; the weight-shard all-gather started (``async_op``), first waited for before
+    the first ``dhidden``; per chunk ``block_grad``, the ``g`` token-row all-to-all started,
+    ``block_dweight`` beside it, both waited for, ``dhidden``, the ``d h`` token-row
+    all-gather started; the accumulator's rounding copy; the row all-gathers waited for."""
     coll = collectives(s, c)["invariant"]
     chunks = math.ceil(s.n / c)
     per = 1.0 / chunks
     steps = _kernel(kernels, "block_stats")
     steps += [("sync", name, link_seconds(b)) for name, b in coll.items() if "statistics" in name]
     steps += _kernel(kernels, "fold_stats") + _kernel(kernels, "zero-fill")
-    steps += [("sync", name, link_seconds(b)) for name, b in coll.items() if "once" in name]
-    for _ in range(chunks):
+    if coll:
+        steps.append(("start", "w", link_seconds(coll["weight shards all-gather (once)"])))
+    for i in range(chunks):
         steps += _kernel(kernels, "block_grad", per)
-        steps += [("sync", n, per * link_seconds(b)) for n, b in coll.items() if "g all" in n]
-        steps += _kernel(kernels, "dhidden", per)
-        steps += [("sync", n, per * link_seconds(b)) for n, b in coll.items() if "d h col" in n]
+        if coll:
+            steps.append(("start", f"g{i}", per * link_seconds(coll["g token rows all-to-all"])))
         steps += _kernel(kernels, "block_dweight", per)
-    return steps + _kernel(kernels, "acc -> bf16")
+        steps += [("wait", "w"), ("wait", f"g{i}")] if coll else []
+        steps += _kernel(kernels, "dhidden", per)
+        if coll:
+            rows = coll["d h token rows all-gather"]
+            steps.append(("start", f"dh{i}", per * link_seconds(rows)))
+    steps += _kernel(kernels, "acc -> bf16")
+    return steps + [("wait", f"dh{i}") for i in range(chunks) if coll]
 
 
 SCHEDULES = {"default": default_schedule, "invariant": invariant_schedule}

@@ -85,7 +85,7 @@ TILE_M_FP32 = 32  # block_stats.TILE_M_FP32: every fp32 row tile (row_tile)
 ROW_TILE = {"_block_stats_kernel": TILE_M, "_block_grad_kernel": 128}  # block_grad.WIDE_M
 BVW, BHW, TILE_K, GROUP_V = 128, 256, 64, 8  # block_dweight.BVW, .BH (bf16 / fp16), .TILE_K
 BVW_FP32 = BHW_FP32 = 64  # block_dweight.BVW_FP32, .BH_FP32
-CHUNK = 1024  # triton_invariant.DEFAULT_CHUNK_TOKENS: times TP (``chunk``)
+CHUNK = 1024  # triton_invariant.DEFAULT_CHUNK_TOKENS: times max(TP, 8) (``chunk``)
 FOLD_TOKENS = 8192  # triton_invariant.FOLD_TOKENS: tokens folded at once (whole chunks)
 STATS = 4  # S: (m, s, target, sum z) for plain cross-entropy
 LINK_BPS_TEXT = "350 GB/s (comm_model.LINK_BPS)"
@@ -242,27 +242,28 @@ DH_TILE = {"bf16": (128, 256, 64), "fp32": (32, 64, 32)}
 
 
 def dhidden_pass(s: Shape, facts) -> Kernel:
-    """``d h`` by column ownership: ``d h[:, cols_r] = g_full @ W_full[:, cols_r]``, one
-    plain GEMM over the whole vocab per chunk (TP 1: ``cols`` = all of ``H``; TP > 1: rank
-    0's ``ceil(H / TP)``, the widest). Grid ``(C / TILE_M, Hc / BH)``, token tiles fastest;
-    each program streams ``g [TILE_M, BK]`` and ``W [BK, BH]`` per ``k`` step over all
-    ``V`` rows. ``W[:, c-slice]``'s users are consecutive: once per chunk; the ``g`` chunk
-    is reused by the ``Hc / BH`` programs of a tile row, ``C / TILE_M`` apart: the ones in
-    flight together share a read. A launch of fewer programs than SMs leaves SMs idle:
-    ``busy`` scales the compute and L2 rates (``Kernel.busy``)."""
+    """``d h`` by token-row ownership: ``d h[rows_r] = g_full[rows_r] @ W_full``, one plain
+    GEMM over the whole vocab per chunk (TP 1: every row, the shard; TP > 1: rank 0's
+    ``ceil(C / TP)`` rows, the most, and the whole gathered weight). Grid ``(Cr / TILE_M,
+    H / BH)``, token tiles fastest; each program streams ``g [TILE_M, BK]`` and ``W [BK,
+    BH]`` per ``k`` step over all ``V`` rows. ``W[:, c-slice]``'s users are consecutive:
+    once per chunk; the ``g`` rows are reused by the ``H / BH`` programs of a tile row,
+    ``Cr / TILE_M`` apart: the ones in flight together share a read. A launch of fewer
+    programs than SMs leaves SMs idle: ``busy`` scales the compute and L2 rates."""
     f = _fact(facts, "_dhidden_kernel", s.dtype)
     tm, bh, bk = DH_TILE[s.dtype]
-    c, hc = chunk(s), math.ceil(s.h / s.tp)
+    c = chunk(s)
+    cr = math.ceil(c / s.tp)  # token rows a rank owns per chunk
     chunks = math.ceil(s.n / c)
-    tiles, cols = math.ceil(c / tm), math.ceil(hc / bh)
+    tiles, cols = math.ceil(cr / tm), math.ceil(s.h / bh)
     programs = chunks * tiles * cols
     g_reads = math.ceil(cols / max(1, _window(f) // tiles))
-    hbm = chunks * (g_reads * c * s.v * s.elt + s.v * hc * s.elt + c * hc * F32)
+    hbm = chunks * (g_reads * cr * s.v * s.elt + s.v * s.h * s.elt + cr * s.h * F32)
     l2 = programs * math.ceil(s.v / bk) * (tm * bk + bk * bh) * s.elt
     busy = min(1.0, tiles * cols / SMS)  # programs of one launch (a chunk) over the SMs
-    return Kernel("invariant", "bwd: dhidden (g_full W[:, cols], column ownership)",
-                  _triton_kind(f), 2.0 * s.n * s.v * hc, hbm, l2, facts=_facts_text(f),
-                  busy=busy)  # fmt: skip
+    return Kernel("invariant", "bwd: dhidden (g rows_r W_full, token-row ownership)",
+                  _triton_kind(f), 2.0 * chunks * cr * s.v * s.h, hbm, l2,
+                  facts=_facts_text(f), busy=busy)  # fmt: skip
 
 
 def block_dweight_pass(s: Shape, facts) -> Kernel:
@@ -323,7 +324,7 @@ def fold_stats_pass(s: Shape) -> Kernel:
 
 def chunk(s: Shape) -> int:
     """Tokens per chunk of the invariant mode (``triton_invariant.default_chunk``)."""
-    return min(CHUNK * s.tp, s.n)
+    return min(CHUNK * max(s.tp, 8), s.n)
 
 
 def invariant_mode(s: Shape, facts) -> list[Kernel]:
