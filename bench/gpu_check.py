@@ -11,14 +11,22 @@ is killed keeps everything it measured:
    lacks (``.gpu-wheels/`` from ``make gpu-wheels``: megatron-core, Liger-Kernel, Cut
    Cross-Entropy, einops, mp_bridge) offline into one folder, put on ``PYTHONPATH`` after
    the repository root (the tree's ``mp_bridge`` is the one tested).
-2. ``unit`` (75 s): every unit test (``tests/unit``).
-3. ``functional`` (140 s): every functional file in the **one-GPU mode**
+2. ``kernels`` (60 s), issue 42's first check: ``bench/gpu/first_check.py`` times each
+   invariant kernel for one chunk (8192 tokens, 8192 x 4096 x 131072 bf16) next to the
+   roofline's *predicted* time (60 % of the stage: the JIT compiles 6 builds first); the
+   default mode's four cuBLAS slab GEMMs against their predicted times and, with two or
+   more GPUs, a 256 MiB NCCL all-gather's bus bandwidth against the assumed 350 GB/s (one
+   GPU: it says so; half of what is left); then ``bench/gpu/bits.py`` in bf16 hashes the
+   invariant bits of the statistics build the tree has (its ``k`` step is named in the
+   kernels table: the 64-step variant where the tree has it) against the record.
+3. ``unit`` (75 s): every unit test (``tests/unit``).
+4. ``functional`` (110 s): every functional file in the **one-GPU mode**
    (``MP_BRIDGE_TEST_DEVICE=cuda``: gloo ranks, every rank's tensors on ``cuda:0``; the
    kit starts them by forkserver), most valuable first (:data:`FUNCTIONAL_ORDER`, then
    the rest), one pytest ``-v`` run whose per-test lines stream to ``tests.log``; the
    per-file pass/fail/skip table is made from those lines, so a run cut at its budget
    still counts what it ran.
-4. ``invariance`` (90 s): ``bench/gpu/bits.py`` first (30 % of the stage): the
+5. ``invariance`` (90 s): ``bench/gpu/bits.py`` first (30 % of the stage): the
    invariant mode's outputs and gradients hashed at a fixed shape (2048 x 2048 x 65536,
    fp32 / bf16 / fp16), compared with ``bench/gpu/invariant_bits.txt`` under this
    architecture and Triton version, the lines to record printed; then
@@ -27,11 +35,11 @@ is killed keeps everything it measured:
    both engines' fused losses and the materialized ones, fp32 and bf16) and at a
    production-like one (N=2048 H=4096 V=131072: the triton engine's three fused checks
    and the torch engine's cross-entropy, one call per input dtype).
-5. ``speed`` (110 s): ``bench/gpu/speed.py``, the LM-head speed / memory / precision
+6. ``speed`` (80 s): ``bench/gpu/speed.py``, the LM-head speed / memory / precision
    table (every method, measured ms next to the roofline's *predicted* ms and their
    ratio, losses and gradients against float64 on the same inputs) at
    8192 x 4096 x 131072 with the per-rank TP-8 figure (``V_local`` = 16384), then 262144.
-6. ``mimo`` (30 s): ``mp-bridge demo`` in the one-GPU mode: colocated MIMO training
+7. ``mimo`` (30 s): ``mp-bridge demo`` in the one-GPU mode: colocated MIMO training
    steps (encoder tp=2,dp=4 -> LLM tp=2,cp=2,dp=2) with their oracle parity table and
    per-step time.
 
@@ -46,7 +54,8 @@ process; its largest method (materialized, V=262144) needs 24 GiB.
 
 Files under ``OUT_DIR`` (at most 8, no sub-folders: what the device tool brings back):
 ``gpu_check.md`` (summary + every table), ``tests.md``, ``tests.log``,
-``invariance.md``, ``speed.md``, ``speed.json``, ``mimo.md``, ``stages.log``. Without
+``invariance.md``, ``speed.md`` (the ``kernels`` stage's tables first), ``speed.json``,
+``mimo.md``, ``stages.log``. Without
 CUDA it prints one line and exits 0.
 
 The one device call (after ``make gpu-wheels``; the wheel folder is git-ignored, so it
@@ -81,8 +90,9 @@ NO_CUDA = (
     "gpu_check: no CUDA device on this machine (torch.cuda.is_available() is False); "
     "nothing was run (see bench/RESULTS.md, 'GPU runbook', for the device call)"
 )
-STAGES = ("install", "unit", "functional", "invariance", "speed", "mimo")
-CAPS = {"install": 25, "unit": 75, "functional": 140, "invariance": 90, "speed": 110, "mimo": 30}
+STAGES = ("install", "kernels", "unit", "functional", "invariance", "speed", "mimo")
+CAPS = {"install": 25, "kernels": 60, "unit": 75, "functional": 110, "invariance": 90,
+        "speed": 80, "mimo": 30}  # fmt: skip
 TOTAL_S = 470.0  # 8 minutes with room to write the files
 #: Functional files, most valuable on a GPU first (the rest follow in name order; the
 #: test kit's own files, which test CPU process handling, come last).
@@ -109,7 +119,12 @@ FUNCTIONAL_LAST = (
     "test_cli_demo.py",
     "test_example.py",
 )
-STAGE_FILE = {"unit": "tests.md", "functional": "tests.md", "install": "stages.log"}
+STAGE_FILE = {
+    "unit": "tests.md",
+    "functional": "tests.md",
+    "install": "stages.log",
+    "kernels": "speed.md",  # 8 files at most: the kernel timings beside the speed table
+}
 
 
 @dataclass
@@ -179,6 +194,23 @@ def _steps(stage: str, args, py: str) -> list[Step]:
     common = [py, "-m", "pytest", "-p", "no:cacheprovider", "-rfE"]
     if stage == "install":
         return [Step([py, str(HERE / "wheels.py"), args.wheels, args.site], label="wheels")]
+    if stage == "kernels":
+        first = [py, str(HERE / "first_check.py")]
+        bits = [py, str(HERE / "bits.py"), "--dtypes", "bfloat16"]
+        if args.smoke:  # the interpreter: toy sizes, one timed call, gloo ranks on CPU
+            first += ["--device", "cpu", "--n", "16", "--hidden", "16", "--vocab", "256"]
+            first += ["--reps", "1", "--backend", "gloo", "--ranks", "2", "--mib", "1"]
+            bits += ["--device", "cpu", "--n", "16", "--hidden", "16", "--vocab", "256"]
+        steps = [
+            # the JIT compiles 6 kernel builds first (unmeasured: the share is a guess)
+            Step([*first, "--parts", "kernels"], share=0.6, label="invariant kernels, one chunk"),
+            Step([*first, "--parts", "cublas", "nccl"], share=0.5, label="cuBLAS, NCCL"),
+            Step(bits, label="invariant bits of the build in use, bf16"),
+        ]
+        for i, step in enumerate(steps):
+            step.table = str(out / f"kernels_part{i}.tmp")
+            step.argv += ["--out", step.table]
+        return steps
     if stage == "unit":
         unit = ["tests/unit/test_vocab_shards.py"] if args.smoke else ["tests/unit"]
         return [Step([*common, "-q", *unit], log="tests.log", label="unit (all)")]
@@ -318,8 +350,8 @@ def main(argv: list[str] | None = None) -> int:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(x for x in paths if x)}
     env["PYTHONUNBUFFERED"] = "1"
     header, summary, texts, used = _header(args, torch), [], [], []
-    # Smoke runs on a CPU (toy sizes; a loaded CI machine): three times the GPU budgets.
-    scale = 3.0 if args.smoke else 1.0
+    # Smoke runs on a CPU (toy sizes; a loaded CI machine): five times the GPU budgets.
+    scale = 5.0 if args.smoke else 1.0
     caps = [CAPS[s] * scale for s in args.stages]
     if args.total is None:
         args.total = TOTAL_S * scale

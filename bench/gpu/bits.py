@@ -2,7 +2,7 @@
 hashed, so that any later change to them is seen.
 
 The triton engine with ``invariant=True``, TP 1, at ``N x H x V`` = 2048 x 2048 x 65536
-(two 1024-token chunks, whole 256-row blocks: the running, 16-divisible builds), inputs
+(one 2048-token chunk, whole 256-row blocks: the running, 16-divisible builds), inputs
 drawn on the CPU from one seed and moved to the device, bf16 / fp32 / fp16 (the table is
 rewritten after each dtype: a step cut at its budget keeps what it hashed):
 

@@ -21,10 +21,11 @@ Invariant mode (``triton_invariant.TritonInvariantRunner``, chunks of ``C`` toke
   TP > 1 the gathered ``[S, K_total, G]`` as well);
 - backward, allocated first: the fp32 ``d h [N, H]`` and the fp32 ``d W`` accumulator
   ``[V_local, H]`` (one chunk, ``N <= C``: ``d W`` in the weight's dtype instead);
-- per chunk (``C = 1024 TP`` tokens): ``g [C, V_local]`` in the input dtype; at TP > 1
-  (``d h`` by column ownership) the gathered ``g [C, V]``, this rank's weight columns
-  ``[V, H / TP]`` (held for the whole backward), its fp32 ``[C, H / TP]`` columns and the
-  gathered ``[TP, C, H / TP]``;
+- per chunk (``C = 1024 max(TP, 8)`` tokens): ``g [C, V_local]`` in the input dtype; at
+  TP > 1 (``d h`` by token-row ownership) the whole gathered weight ``[V, H]`` in the input
+  dtype (held for the whole backward), the ``g`` rows this rank owns from every rank
+  ``[C / TP, V]`` and its fp32 ``d h`` rows ``[C / TP, H]`` (the rows' all-gather writes
+  straight into ``d h``);
 - the end: the fp32 accumulator and its one rounding to ``d W`` in the weight's dtype, the
   fp32 ``d h`` and its copy in the input dtype.
 
@@ -69,17 +70,18 @@ def default_peak(n: int, h: int, v_local: int, elt: int, vs: int, **kw) -> tuple
 
 def invariant_phases(n: int, h: int, v: int, tp: int, elt: int) -> dict[str, int]:
     """Bytes held at each phase of one invariant-mode call (``v``: the whole vocab; each
-    rank holds ``v / tp`` rows; chunks of ``CHUNK x tp`` tokens, ``default_chunk``)."""
-    v_local, c, grp = v // tp, min(CHUNK * tp, n), min(FOLD_TOKENS, n)
+    rank holds ``v / tp`` rows; chunks of ``CHUNK x max(tp, 8)`` tokens,
+    ``default_chunk``)."""
+    v_local, c, grp = v // tp, min(CHUNK * max(tp, 8), n), min(FOLD_TOKENS, n)
     k_local = -(-v_local // VOCAB_BLOCK)
     stats = STATS * k_local * grp * F32 + (STATS * k_local * tp * grp * F32 if tp > 1 else 0)
     # fp32 d h; d W: the fp32 accumulator, or (one chunk) d W itself in the input dtype
     acc = v_local * h * (F32 if n > c else elt)
     grads = n * h * F32 + acc
     chunk = c * v_local * elt
-    if tp > 1:  # gathered g, this rank's weight columns, its columns and the gathered ones
-        hc = -(-h // tp)
-        chunk += c * v * elt + v * hc * elt + (tp + 1) * c * hc * F32
+    if tp > 1:  # the gathered weight, this rank's g rows from every rank, its d h rows
+        rows = -(-c // tp)
+        chunk += v * h * elt + rows * v * elt + rows * h * F32
     end = grads + n * h * elt + (v_local * h * elt if n > c else 0)
     return {
         "forward (block statistics)": stats,

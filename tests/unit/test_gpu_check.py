@@ -183,6 +183,28 @@ def test_smoke_path_runs_the_stages_on_cpu_and_writes_each_table(tmp_path):
     ]
 
 
+def test_smoke_kernels_stage_puts_each_kernel_beside_its_prediction(tmp_path):
+    """Issue 42's first check (the ``kernels`` stage) at toy sizes on CPU: each invariant
+    kernel timed beside its predicted time, the build whose bits are hashed, the four
+    cuBLAS slab GEMMs, a 2-rank gloo all-gather (the figures are not GPU figures)."""
+    out = tmp_path / "out"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "MP_BRIDGE_TEST_DEVICE": "cpu"}
+    argv = [sys.executable, str(REPO / "bench" / "gpu_check.py"), str(out), "--smoke"]
+    argv += ["--stages", "kernels"]
+    proc = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = (out / "gpu_check.md").read_text()
+    for step in ("invariant kernels", "cuBLAS", "invariant bits"):
+        assert re.search(rf"^\| kernels \| {step}[^|]* \| ok \|", summary, re.M), summary
+    speed = (out / "speed.md").read_text()
+    for kernel in ("block_stats", "fold_stats", "block_grad", "dhidden", "block_dweight acc"):
+        assert re.search(rf"^\| {kernel} \| \d+\.\d+ \| \d+\.\d+ \| ", speed, re.M), speed
+    assert "statistics build in use (block_stats.stats_build, bf16): {" in speed
+    assert len(re.findall(r"^\| (fwd|bwd): (z|dW_s|dh) ", speed, re.M)) == 4, speed
+    assert re.search(r"^\| 2 \| \d+\.\d+ \| \d+\.\d+ \| 350 \| ", speed, re.M), speed
+    assert re.search(r"^\| bfloat16 \| ce \| [0-9a-f]{16} \| new \|$", speed, re.M), speed
+
+
 def test_the_bits_step_compares_with_the_record_and_fails_on_a_difference(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(GPU))
     bits = _load("bits")

@@ -235,17 +235,17 @@ def test_bf16_gradient_stores_round_to_nearest_even_like_torch():
     assert torch.equal(y, x.to(torch.bfloat16))
 
 
-def test_hidden_column_owners_split_like_tensor_split():
-    # the invariant d h by column ownership (triton_ops.dhidden): rank r owns slice r,
-    # empty when TP > H
-    from mp_bridge.layers.loss.reduce import column_slices
+def test_token_row_owners_split_like_tensor_split():
+    # the invariant d h by token-row ownership (triton_ops.dhidden): rank r owns slice r
+    # of the chunk's rows, empty when TP > C
+    from mp_bridge.layers.loss.reduce import split_slices
 
     for hidden, tp in ((16, 3), (4096, 8), (3, 4), (5, 4), (1, 1), (7, 7)):
         want = [(int(c[0]), int(c[-1]) + 1) if len(c) else None
                 for c in torch.arange(hidden).tensor_split(tp)]  # fmt: skip
-        got = [(c.start, c.stop) if c.stop > c.start else None for c in column_slices(hidden, tp)]
+        got = [(c.start, c.stop) if c.stop > c.start else None for c in split_slices(hidden, tp)]
         assert got == want, (hidden, tp)
-        assert sum(c.stop - c.start for c in column_slices(hidden, tp)) == hidden
+        assert sum(c.stop - c.start for c in split_slices(hidden, tp)) == hidden
 
 
 def test_invariant_chunks_keep_g_under_int32_offsets_and_scale_with_tp():
@@ -259,7 +259,8 @@ def test_invariant_chunks_keep_g_under_int32_offsets_and_scale_with_tp():
     # is exactly 2**31, so the cap is the tile (128) below it
     assert TritonInvariantRunner.build(w, None, one, spec, 16384).chunk == 8064
     assert TritonInvariantRunner.build(w, None, one, spec, 1000).chunk == 1024  # rounded up
-    assert TritonInvariantRunner.build(w, None, one, spec, None).chunk == 1024
+    # no chunk_size: 8192 tokens (triton_invariant.default_chunk) capped like 16384
+    assert TritonInvariantRunner.build(w, None, one, spec, None).chunk == 8064
     shard = VocabShard.of_rank(8, 32768, rank=3, vocab_size=262144)
     assert TritonInvariantRunner.build(w[:32768], None, shard, spec, None).chunk == 8192
 

@@ -5,7 +5,7 @@ Two modes over a vocab shard at any TP, every option of the torch engine in the 
 - default (``triton_default``): cuBLAS ``out_dtype=fp32`` GEMMs over vocab slabs, one Triton
   statistics pass and one gradient pass per slab; 4 GEMMs, no fp32 weight or ``d W``.
 - ``invariant=True`` (``triton_invariant``): fixed-tile Triton kernels over 256-row vocab blocks
-  (statistics folded in the canonical block tree, ``d h`` by hidden-column ownership over
+  (statistics folded in the canonical block tree, ``d h`` by token-row ownership over
   the whole vocab); bitwise identical across TP sizes, chunkings and batch composition.
 
 One kernel per file with its launch wrapper and tile sizes at the top (``row_stats``,

@@ -1,4 +1,4 @@
-"""Invariant mode, backward step 2: ``d h`` by column ownership, one plain GEMM per chunk.
+"""Invariant mode, backward step 2: ``d h`` by token-row ownership, one plain GEMM per chunk.
 
 ``out [C, Hc] fp32 = g [C, Vreal] @ W [Vreal, Hc]``: the whole real vocab (``Vreal =
 K_real * 256`` rows, every real block of every rank) in ONE sequential ``k`` loop, ``BK``
@@ -13,19 +13,21 @@ vocab rows at the same positions (the MMA's ``k16`` groups included) at every TP
 
 Layout: ``g`` and ``W`` come in *pieces* of ``piece`` vocab rows in vocab order (global
 row ``v`` is row ``v % piece`` of piece ``v // piece``; ``piece`` a multiple of 256, so a
-``k`` step never straddles two), so the all-gathered ``[TP, C, piece]`` ``g`` and the
-all-to-all'd ``[TP, piece, Hc]`` ``W`` columns are read where they land, with no copy:
+``k`` step never straddles two), so the all-to-all'd ``[TP, C / TP, piece]`` ``g`` rows
+and the all-gathered ``[TP, piece, Hg]`` weight are read where they land, with no copy:
 
 - TP = 1: ``g [C, K * 256]`` (``block_grad``'s output) and the weight shard ``[V_local,
-  H]``, one piece (``Hc = H``); weight rows past ``V_local`` (``w_rows``) load as zeros.
-- TP > 1 (``triton_invariant.TritonInvariantRunner.grads``): rank ``r`` owns hidden
-  columns ``cols_r`` (``torch.tensor_split(range(H), TP)[r]``, maybe empty). Once per
-  call an all-to-all gives it ``W_full[:, cols_r]`` as ``[TP, Kmax * 256, Hc]`` (rank
-  ``s``'s shard rows, zero-padded to the most real blocks ``Kmax`` a rank holds); per
-  chunk an all-gather gives the full ``g`` as ``[TP, C, Kmax * 256]`` (each rank's real
-  blocks first, in order; ranks in vocab order); the ``k`` loop stops at ``Vreal``, so
-  padding blocks are never read. A last all-gather of the ``[C, Hc]`` column slices
-  gives every rank the full ``d h``.
+  H]``, one piece; weight rows past ``V_local`` (``w_rows``) load as zeros.
+- TP > 1 (``triton_invariant.TritonInvariantRunner.grads``): rank ``r`` owns the chunk's
+  token rows ``rows_r`` (``torch.tensor_split(range(C), TP)[r]``, maybe empty). Once per
+  call an all-gather gives it the whole weight as ``[TP, Kmax * 256, Hg]`` per column
+  group (rank ``s``'s shard rows, zero-padded to the most real blocks ``Kmax`` a rank
+  holds; groups of ``Hg`` columns keep each under ``2**31`` elements, the weight's int32
+  offsets: one group up to ``TP x Kmax 256 x H < 2**31``); per chunk an all-to-all gives
+  it ``g[rows_r]`` of every rank as ``[TP, C / TP, Kmax * 256]`` (each rank's real blocks
+  first, in order; ranks in vocab order); the ``k`` loop stops at ``Vreal``, so padding
+  blocks are never read. A last all-gather of the ``[C / TP, H]`` row slices gives every
+  rank the full ``d h``. Each element's ``k`` steps are TP 1's: the same bits.
 """
 
 from __future__ import annotations

@@ -14,14 +14,20 @@ chunk of ``C`` tokens, ``K`` real local blocks:
   and ``fold_stats`` (one launch) folds all ``K`` real blocks in the canonical tree:
   the same kernel on the same leaves as TP = 1.
 - backward: ``block_grad`` recomputes the logits (same kernel code, same bits) into ``g
-  [C, K * 256]`` (input dtype); ``dhidden`` computes ``d h`` by hidden-column ownership:
-  ``d h[:, cols] = g_full @ W_full[:, cols]``, one plain GEMM whose ``k`` loop runs over
-  the whole real vocab in order (TP = 1: ``g`` times the shard; TP > 1: each rank owns a
-  ``tensor_split`` slice of ``H``, gets ``W_full[:, cols_r]`` by one all-to-all per call,
-  all-gathers ``g`` per chunk, and the ``[C, H / TP]`` column slices are all-gathered);
-  ``block_dweight_`` adds ``g^T h`` tile by tile into an fp32 ``[R, H]`` accumulator (one
-  ``d W`` rounding to the weight's dtype at the end; a single chunk writes ``d W`` in the
-  weight's dtype directly, the same bits).
+  [C, K * 256]`` (input dtype); ``dhidden`` computes ``d h`` by token-row ownership:
+  ``d h[rows] = g_full[rows] @ W_full``, one plain GEMM whose ``k`` loop runs over the
+  whole real vocab in order (TP = 1: ``g`` times the shard; TP > 1: each rank owns a
+  ``tensor_split`` slice of the chunk's rows, gets the whole weight by one all-gather per
+  call, its rows of every rank's ``g`` by one all-to-all per chunk, and the ``[C / TP,
+  H]`` row slices are all-gathered into ``d h``); ``block_dweight_`` adds ``g^T h`` tile
+  by tile into an fp32 ``[R, H]`` accumulator (one ``d W`` rounding to the weight's dtype
+  at the end; a single chunk writes ``d W`` in the weight's dtype directly, the same
+  bits). The three ``d h`` collectives are ``async_op`` and waited for where their result
+  is used (``reduce.InFlight``): the weight's all-gather runs beside the first
+  ``block_grad``, each ``g`` all-to-all beside its chunk's ``block_dweight_``, each ``d h``
+  row all-gather beside the next chunk (the last beside the accumulator's rounding). Per
+  rank and call at TP 8, 8192 x 4096 x 131072 in bf16: 1.35 GB received, was 2.17 GB by
+  hidden-column ownership (the whole ``g`` gathered: 1.88 GB).
 
 Why the bits depend on neither ``N`` nor TP: every kernel has fixed tile sizes (never
 autotuned), a fixed ``k`` order and no split-K or atomics, so each element is computed by
@@ -36,10 +42,11 @@ this rank's share of the vocab (the whole vocab, ``1 / TP`` of the columns): the
 FLOPs. Memory beyond the outputs: forward, the ``[S, K, G]`` fp32 block statistics of a
 fold group (every rank's blocks at TP > 1) and ``1 / 16`` of it of fold scratch; backward,
 ``[C, V_local]`` ``g`` of the chunk and the fp32 ``d W`` (none with a single chunk); TP > 1
-adds the gathered ``g`` ``[TP, C, Kmax * 256]`` (``C x V`` in the input
-dtype: 256 MiB at ``C = 1024``, ``V = 131072`` in bf16), this rank's weight columns
-``[V, H / TP]`` for the whole call (plus a send buffer the size of the shard during the
-one all-to-all) and ``(TP + 1) x [C, H / TP]`` fp32 per chunk for the column gather.
+adds the whole gathered weight ``[TP, Kmax * 256, H]`` in the input dtype for the whole
+backward (``V x H``: 1 GiB at 131072 x 4096 in bf16), this rank's rows of the gathered
+``g`` ``[TP, C / TP, Kmax * 256]`` (``C / TP x V``: 256 MiB at ``C = 8192``, TP 8) and
+its fp32 ``[C / TP, H]`` ``d h`` rows per chunk (a buffer of ``TP x`` those where ``TP``
+does not divide ``C``).
 """
 
 from __future__ import annotations
@@ -50,6 +57,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from mp_bridge.comm import group_rank
 from mp_bridge.layers.loss.blocks import VOCAB_BLOCK, BlockLayout
 from mp_bridge.layers.loss.engines.triton_ops.block_dweight import (
     TILE_K,
@@ -63,22 +71,27 @@ from mp_bridge.layers.loss.engines.triton_ops.fold_stats import fold_stats
 from mp_bridge.layers.loss.engines.triton_ops.tiles import kernel_column_weights
 from mp_bridge.layers.loss.formulas import LossSpec
 from mp_bridge.layers.loss.reduce import (
-    column_slices,
-    exchange_columns,
+    exchange_token_rows,
     gather_blocks,
-    gather_columns,
+    gather_token_rows,
+    gather_weight_pieces,
+    split_slices,
 )
 
 __all__ = ["DEFAULT_CHUNK_TOKENS", "FOLD_TOKENS", "TritonInvariantRunner", "default_chunk"]
 
-#: Tokens per chunk without ``chunk_size``, times the TP size (``default_chunk``): ``g`` is
-#: ``[1024 TP, V / TP]`` in the input dtype (256 MiB at V = 131072 in bf16, at every TP).
-#: Why times TP: ``dhidden``'s grid is ``C / 128 x H / (256 TP)`` programs, 128 at ``C =
-#: 1024``, ``H = 4096``, TP 1, but 16 at TP 8 with ``C = 1024``: the whole-vocab ``k`` loop
-#: of each would leave 7 / 8 of an H200's 132 SMs idle. The price: the gathered ``g [C,
-#: V]`` (TP > 1) is ``TP x`` that of TP 1 (2 GiB at TP 8, V = 131072, bf16); pass
-#: ``chunk_size`` to bound it. No bit depends on the chunk.
+#: Tokens per chunk without ``chunk_size``, per rank of the TP group, with at least 8 ranks
+#: counted (``default_chunk``: 8192 tokens up to TP 8). Why 8192 at TP 1: one chunk of
+#: 8192 tokens writes ``d W`` directly, and each further chunk moves the fp32 ``[V, H]``
+#: accumulator in and out (4 GiB of HBM and L2 traffic per chunk at 131072 x 4096: 4.9 ms
+#: of a predicted 66 at 8192 tokens in chunks of 1024); the price is ``g [8192, V]`` in
+#: the input dtype (2 GiB at V = 131072 in bf16). Why ``1024 TP`` above: ``dhidden``'s grid
+#: is ``C / (128 TP) x H / 256`` programs (token-row ownership), 128 at ``C = 8192``, ``H =
+#: 4096``, TP 8; fewer leave an H200's 132 SMs idle in its whole-vocab ``k`` loop. Pass
+#: ``chunk_size`` to bound the memory. No bit depends on the chunk.
 DEFAULT_CHUNK_TOKENS = 1024
+#: The TP size ``default_chunk`` counts at least (8192 tokens per chunk below it).
+MIN_CHUNK_RANKS = 8
 #: Tokens whose per-block statistics are folded at once (whole chunks): one ``fold_stats``
 #: launch and (TP > 1) one all-gather per group, not per chunk; ``[S, K, 8192]`` fp32 is
 #: 64 MiB at ``K = 512`` blocks (all ranks' at TP > 1), ``S = 4``. The fold is element-wise
@@ -89,7 +102,7 @@ FOLD_TOKENS = 8192
 def default_chunk(tp_size: int) -> int:
     """Tokens per chunk without ``chunk_size`` at TP ``tp_size`` (see
     ``DEFAULT_CHUNK_TOKENS``)."""
-    return DEFAULT_CHUNK_TOKENS * tp_size
+    return DEFAULT_CHUNK_TOKENS * max(tp_size, MIN_CHUNK_RANKS)
 
 
 @dataclass(frozen=True, eq=False)
@@ -181,7 +194,9 @@ class TritonInvariantRunner:
             gw[rows_w:].zero_()  # weight rows past the real blocks: padding
         elif want_gw:
             acc = accumulator(rows_w, hd, h.device)
-        d_hidden = self._column_owner(wt, hd) if h.shape[0] else None  # W columns: once
+        # TP > 1: the whole weight's all-gather starts now, beside the first block_grad
+        d_hidden = self._row_owner(wt, hd) if h.shape[0] else None
+        pending = []  # d h rows all-gathers in flight (TP > 1)
         for rows in self._chunks(h.shape[0]):
             g = block_grad(
                 h[rows], wt, temp[rows], tcol[rows], lse[rows], w[rows],
@@ -189,37 +204,59 @@ class TritonInvariantRunner:
                 n_blocks=k, num_valid=self._num_valid, spec=self.spec, colw=colw,
                 wab=None if wab is None else (wab[0][rows], wab[1][rows]),
             )  # fmt: skip
-            d_hidden(g, gh[rows])
-            if fresh:
+            finish = d_hidden(g)  # TP > 1: g's token-row all-to-all starts now
+            if fresh:  # beside the all-to-all
                 block_dweight_(gw[:rows_w], g, h[rows], fresh=True)
             elif acc is not None:
                 block_dweight_(acc, g, h[rows])
-            del g
-        if acc is not None:
+            pending.append(finish(gh[rows]))  # waits; d h rows; their all-gather starts
+            del g, finish
+        if acc is not None:  # beside the last d h rows all-gather
             gw = acc.to(self.weight.dtype).contiguous()  # one rounding of the fp32 sum
             if rows_w < self.weight.shape[0]:  # weight rows past the real blocks: padding
                 gw = torch.cat([gw, gw.new_zeros((self.weight.shape[0] - rows_w, hd))])
+        for p in pending:
+            if p is not None:
+                p.wait()
         return gh, gw
 
-    def _column_owner(self, wt: torch.Tensor, hd: int):
-        """``fn(g, out)``: ``out [C, H] = g_full @ W_full`` of one chunk by column ownership
-        (``dhidden``). TP = 1: the one plain GEMM over this shard. TP > 1: this rank's
-        columns of ``W_full`` now (one all-to-all); per chunk, ``g`` all-gathered, this
-        rank's columns computed, the column slices all-gathered into ``out``."""
+    def _row_owner(self, wt: torch.Tensor, hd: int):
+        """``start(g) -> finish(out)``: ``out [C, H] = g_full @ W_full`` of one chunk by
+        token-row ownership (``dhidden``). TP = 1: ``finish`` runs the one plain GEMM over
+        this shard (returns ``None``). TP > 1: the whole weight's all-gather starts now
+        (once per call); ``start`` starts the all-to-all of ``g``'s token rows; ``finish``
+        waits for both, computes this rank's rows (``split_slices``) over the whole vocab
+        and starts their all-gather into ``out`` (returns its ``InFlight``). Every
+        collective is ``async_op``: what the caller queues in between runs beside it."""
         lay, group = self.layout, self.tp_group
         k_rows = lay.num_real * VOCAB_BLOCK  # the whole real vocab, every rank's blocks
         if lay.tp_size == 1:
-            return lambda g, out: dhidden(g, wt, out, k_rows=k_rows, w_rows=wt.shape[0])
+
+            def alone(g):
+                def finish(out):
+                    dhidden(g, wt, out, k_rows=k_rows, w_rows=wt.shape[0])
+
+                return finish
+
+            return alone
         # piece: the most real blocks a rank holds (rank 0's); ranks in vocab order, so
         # global row v sits in piece v // piece at v % piece (``dhidden``)
         piece = min(lay.v_local // VOCAB_BLOCK, lay.num_real) * VOCAB_BLOCK
-        w_cols = exchange_columns(wt, piece, group)  # [TP, piece, Hc]
-        width = column_slices(hd, lay.tp_size)[0].stop  # the widest slice: rank 0's
+        weights = gather_weight_pieces(wt, piece, group)  # [(cols, InFlight [TP, piece, Hg])]
+        rank = group_rank(group)
 
-        def run(g, out):
-            g_full = gather_blocks(g, group, piece)  # [TP, C, piece], the input dtype
-            part = torch.empty((g.shape[0], width), dtype=torch.float32, device=g.device)
-            dhidden(g_full, w_cols, part, k_rows=k_rows, w_rows=piece)
-            gather_columns(part, out, group)
+        def start(g):
+            sent = exchange_token_rows(g, piece, group)  # [TP, rows_r, piece]
 
-        return run
+            def finish(out):
+                mine = split_slices(out.shape[0], lay.tp_size)[rank]
+                g_rows = sent.wait()
+                rows = mine.stop - mine.start
+                part = torch.empty((rows, hd), dtype=torch.float32, device=g.device)
+                for cols, full in weights:
+                    dhidden(g_rows, full.wait(), part[:, cols], k_rows=k_rows, w_rows=piece)
+                return gather_token_rows(part, out, group)
+
+            return finish
+
+        return start
