@@ -90,9 +90,9 @@ NO_CUDA = (
     "gpu_check: no CUDA device on this machine (torch.cuda.is_available() is False); "
     "nothing was run (see bench/RESULTS.md, 'GPU runbook', for the device call)"
 )
-STAGES = ("install", "kernels", "unit", "functional", "invariance", "speed", "mimo")
-CAPS = {"install": 25, "kernels": 60, "unit": 75, "functional": 110, "invariance": 90,
-        "speed": 80, "mimo": 30}  # fmt: skip
+STAGES = ("install", "kernels", "unit", "functional", "invariance", "speed", "attention", "mimo")
+CAPS = {"install": 25, "kernels": 60, "unit": 75, "functional": 95, "invariance": 90,
+        "speed": 65, "attention": 30, "mimo": 30}  # fmt: skip
 TOTAL_S = 470.0  # 8 minutes with room to write the files
 #: Functional files, most valuable on a GPU first (the rest follow in name order; the
 #: test kit's own files, which test CPU process handling, come last).
@@ -124,6 +124,7 @@ STAGE_FILE = {
     "functional": "tests.md",
     "install": "stages.log",
     "kernels": "speed.md",  # 8 files at most: the kernel timings beside the speed table
+    "attention": "speed.md",  # bench/attention.py's tables beside the speed table
 }
 
 
@@ -267,6 +268,14 @@ def _steps(stage: str, args, py: str) -> list[Step]:
             argv += ["--no-tp8"] if vocab == "262144" else []
             steps.append(Step(argv, share=share, label=label, table=table))
         return steps
+    if stage == "attention":  # bench/attention.py: one process, CP ranks on cuda:0, encoder
+        att = [py, str(REPO / "bench" / "attention.py"), "--out", str(out / "attention.tmp")]
+        if args.smoke:
+            att += ["--sizes", "256", "--dtypes", "fp32", "--reps", "1"]
+            att += ["--cp-sizes", "2", "--cp-lengths", "512", "--images", "2"]
+        else:
+            att += ["--device", "cuda", "--reps", "2", "--cp-lengths", "16384,65536"]
+        return [Step(att, label="attention vs SDPA", table=str(out / "attention.tmp"))]
     device = {} if args.smoke else {"MP_BRIDGE_TEST_DEVICE": "cuda"}
     demo = [py, "-m", "mp_bridge.cli", "demo", "--steps", "3" if args.smoke else "10"]
     return [Step(demo, env=device, label="colocated MIMO steps, one-GPU mode")]

@@ -157,12 +157,12 @@ def test_smoke_path_runs_the_stages_on_cpu_and_writes_each_table(tmp_path):
     out = tmp_path / "out"
     env = {**os.environ, "PYTHONPATH": str(REPO), "MP_BRIDGE_TEST_DEVICE": "cpu"}
     argv = [sys.executable, str(REPO / "bench" / "gpu_check.py"), str(out), "--smoke"]
-    argv += ["--stages", "unit", "invariance", "speed"]
+    argv += ["--stages", "unit", "invariance", "speed", "attention"]
     proc = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = (out / "gpu_check.md").read_text()
     steps = ("unit", "unit (all)"), ("invariance", "small"), ("invariance", "invariant bits")
-    for stage, step in (*steps, ("speed", "V=2048")):
+    for stage, step in (*steps, ("speed", "V=2048"), ("attention", "attention vs SDPA")):
         assert re.search(rf"^\| {stage} \| {re.escape(step)}[^|]* \| ok \|", summary, re.M), summary
     tests = (out / "tests.md").read_text()
     assert re.search(r"\| unit \(all\) \| [1-9]\d* \| 0 \| 0 \|", tests), tests
@@ -172,6 +172,10 @@ def test_smoke_path_runs_the_stages_on_cpu_and_writes_each_table(tmp_path):
     assert re.search(r"^\| bfloat16 \| ce \| [0-9a-f]{16} \| new \|$", invariance, re.M), invariance
     assert "\ncpu-interpreter triton=" in invariance and " 70x48x1024 float16 lp " in invariance
     assert "ours_default" in (out / "speed.md").read_text()
+    attention = (out / "speed.md").read_text()  # bench/attention.py's three sections
+    assert "sdpa plain" not in attention and "| attention |" not in attention
+    for row in (r"^256\s+fp32\s+plain\s", r"^512\s+2\s+ring\s", r"^2 images, T="):
+        assert re.search(row, attention, re.M), attention
     assert sorted(f.name for f in out.iterdir()) == [
         "gpu_check.md",
         "invariance.md",
