@@ -94,8 +94,15 @@ def fused_linear_cross_entropy(
     dtype, any leading shape; "none" returns ``target``'s shape). "mean" (the default,
     as ``F.cross_entropy``) divides by the number of non-ignored tokens of this call
     (combine across DP/CP with ``masked_mean``); over only ignored tokens it is nan with
-    zero gradients, like torch. Returns fp32. ``chunk_size=None``: the engine's default
-    (torch: about ``DEFAULT_CHUNK_ELEMENTS`` logits per chunk). ``engine``: ``"auto"``
+    zero gradients, like torch. Returns fp32. ``chunk_size``: the number of tokens whose
+    logits exist at once, in every engine and mode (the torch engine and the triton
+    default mode take it as it is; the invariant modes round it up to their token tile:
+    torch 128, triton 64 in fp32 and 128 in bf16 / fp16, capped so a chunk's ``[C,
+    V_local]`` gradient stays under 2**31 elements); ``None``: the engine's default
+    (torch: about ``DEFAULT_CHUNK_ELEMENTS`` logits per chunk; triton default: every
+    token, in weight slabs of about ``SLAB_ELEMENTS`` logits; triton invariant: 1024 x TP).
+    An engine that cannot bound it is a ``ValueError`` by name and never ``"auto"``'s
+    choice when it is given. ``engine``: ``"auto"``
     (``"triton"`` for CUDA tensors it can run when it imports, else ``"torch"``),
     ``"torch"`` or ``"triton"`` (``ImportError`` without ``pip install triton``;
     ``ValueError`` naming the reason for an input it cannot run, e.g. fp64); the same on

@@ -59,10 +59,12 @@ __all__ = ["KINDS", "PRECISIONS", "EngineChoice", "LossOptions", "parse_loss_opt
 KINDS = ("ce", "logprob", "entropy")
 PRECISIONS = ("fp32", "input")
 
-#: ``(engine=, inputs' (name, shape, dtype), device) -> the engine that runs`` (the fused
-#: doors pass ``engines.protocol.choose_engine``: the options never import an engine).
+#: ``(engine=, inputs' (name, shape, dtype), device, chunk_size) -> the engine that runs``
+#: (the fused doors pass ``engines.protocol.choose_engine``: the options never import an
+#: engine).
 EngineChoice = Callable[
-    [object, tuple[tuple[str, tuple[int, ...], torch.dtype], ...], torch.device], str
+    [object, tuple[tuple[str, tuple[int, ...], torch.dtype], ...], torch.device, int | None],
+    str,
 ]
 
 #: Fields the ranks do not compare by value: ``inputs`` is spelled out per tensor, the
@@ -91,8 +93,8 @@ class LossOptions(FrozenSpec):
     or ``None`` (then the float ``spec.temperature``). ``engine``: the engine that runs,
     ``"torch"`` or ``"triton"`` (chosen at the parse by the fused doors' ``choose_engine``:
     ``"auto"`` resolved, an explicit one checked; always ``"torch"`` on the materialized
-    doors). ``chunk_size`` (``None``: the engine's default) and ``logits_precision`` are the
-    fused doors' options.
+    doors). ``chunk_size`` (tokens whose logits exist at once, in every engine and mode;
+    ``None``: the engine's default) and ``logits_precision`` are the fused doors' options.
     """
 
     kind: str
@@ -291,7 +293,7 @@ def parse_loss_options(
         engine = "torch"
     else:
         assert choose_engine is not None, "the fused doors pass engines.protocol.choose_engine"
-        engine = choose_engine(engine, described, like.device)
+        engine = choose_engine(engine, described, like.device, chunk_size)
     return LossOptions(
         kind,
         _spec(kind, shard.vocab_size, target, (return_entropy, return_sum_pi_squared), scalars),

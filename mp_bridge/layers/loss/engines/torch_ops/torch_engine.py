@@ -1,6 +1,8 @@
 """The ``"torch"`` engine: chunked torch matmuls, the CPU path and the reference engine.
 
-Tokens are processed in chunks of ``chunk_size`` rows by the runner of the mode
+Tokens are processed in chunks of ``chunk_size`` rows (the tokens whose logits exist at
+once; ``None``: about ``DEFAULT_CHUNK_ELEMENTS`` logits, at least 128 rows) by the runner
+of the mode
 (``torch_default.TorchDefaultRunner``, ``torch_invariant.TorchInvariantRunner`` with
 ``options.invariant``) under one autograd Function (``driver.FusedLinearLoss``); at most one
 chunk's fp32 logits ``[chunk, V_local]`` exist at a time and the weight is never gathered.
