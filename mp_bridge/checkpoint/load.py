@@ -29,7 +29,7 @@ from torch import nn
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
 from mp_bridge.checkpoint import rng
-from mp_bridge.checkpoint.ckpt_arguments import check_common, check_prefix
+from mp_bridge.checkpoint.arguments import check_common, check_prefix
 from mp_bridge.checkpoint.dcp_adapter import PiecesLoadPlanner
 from mp_bridge.checkpoint.entries import (
     MODEL,

@@ -35,7 +35,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from mp_bridge.checkpoint import rng
-from mp_bridge.checkpoint.ckpt_arguments import check_common, check_extra
+from mp_bridge.checkpoint.arguments import check_common, check_extra
 from mp_bridge.checkpoint.dcp_adapter import PiecesSavePlanner
 from mp_bridge.checkpoint.entries import (
     MODEL,

@@ -27,7 +27,7 @@ from tests.triton_engine import run, triton_loss  # isort: split
 from mp_bridge.layers import fused_linear_cross_entropy  # noqa: E402
 from mp_bridge.layers.loss.engines.protocol import choose_engine  # noqa: E402
 from mp_bridge.layers.loss.engines.registry import ENGINE_CAPS  # noqa: E402
-from mp_bridge.layers.loss.engines.torch_ops import torch_default, torch_invariant  # noqa: E402
+from mp_bridge.layers.loss.engines.torch_ops import default, invariant  # noqa: E402
 from mp_bridge.layers.loss.engines.triton_ops import (  # noqa: E402
     triton_default,
     triton_invariant,
@@ -81,9 +81,9 @@ def test_the_triton_default_mode_holds_logits_of_chunk_size_tokens(monkeypatch, 
 
 def test_the_torch_engine_holds_chunk_size_tokens_exact_by_default_tiles_invariant(monkeypatch):
     hidden, weight, target = _data()
-    for module, runner, invariant, want in (
-        (torch_default, torch_default.TorchDefaultRunner, False, [5, 5, 3]),
-        (torch_invariant, torch_invariant.TorchInvariantRunner, True, [13]),  # 128-token tiles
+    for module, runner, is_invariant, want in (
+        (default, default.TorchDefaultRunner, False, [5, 5, 3]),
+        (invariant, invariant.TorchInvariantRunner, True, [13]),  # 128-token tiles
     ):
         seen = []
         inner = runner.forward_chunk
@@ -94,7 +94,7 @@ def test_the_torch_engine_holds_chunk_size_tokens_exact_by_default_tiles_invaria
 
         monkeypatch.setattr(runner, "forward_chunk", spy)
         fused_linear_cross_entropy(
-            hidden, weight, target, chunk_size=5, invariant=invariant, engine="torch"
+            hidden, weight, target, chunk_size=5, invariant=is_invariant, engine="torch"
         )
         assert seen == want, module.__name__
 
