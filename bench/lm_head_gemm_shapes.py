@@ -5,7 +5,7 @@ best and worst of the rounds, load average printed:
 
 1. Default runner, logits of one chunk: ``W [V_local, H] @ h^T [H, C]`` for every chunk of
    ``N`` tokens, as one call per chunk versus slabs of ``S`` weight rows (``SLAB_ROWS`` in
-   ``engines/torch_ops/torch_default.py``), and the bits of the two compared.
+   ``engines/torch_ops/default.py``), and the bits of the two compared.
 2. Invariant runner, the three batched products of one group of ``BLOCK_GROUP`` blocks at
    token tiles of 64, 128 and 256 rows, the same FLOPs per row of the table: logits
    ``[G, T, H] x [G, H, B]``, d hidden ``[G, T, B] x [G, B, H]`` and d weight ``[G, B, H]

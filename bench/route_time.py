@@ -24,7 +24,7 @@ import torch.distributed as dist
 from mp_bridge.comm import ColocatedBridgeCommunicator, PartitionAdapter, pad_layout
 from mp_bridge.comm.bridge.plans.bridge_plan import plan_bridge
 from mp_bridge.comm.bridge.plans.plan_cache import PlanCache
-from mp_bridge.comm.bridge.plans.route_plan import (
+from mp_bridge.comm.bridge.plans.route import (
     image_token_shards,
     plan_route,
     route_groups,

@@ -63,6 +63,12 @@ DEPRECATIONS: dict[str, Deprecation] = {
             "0.3.0",
         ),
         Deprecation(
+            "mp_bridge.models.MimoGroups(bridge=<an object that is not a Bridge>)",
+            "a mp_bridge.comm.Bridge: LocalBridge() for one process, "
+            "ColocatedBridgeCommunicator on grids",
+            "0.3.0",
+        ),
+        Deprecation(
             "mp_bridge.models.run_parity(encoder_dim_names=...)",
             "run_parity(encoder_axis_names=...)",
             "0.3.0",

@@ -36,7 +36,9 @@ ROW = ("temp_ptr", "lse_ptr", "w_tok_ptr", "went_ptr", "ent_ptr")
 #: The fp32 class weights of the shard's columns (``HAS_CW``).
 COLUMN = ("cw_ptr",)
 FLOATS = ("cap", "coef_a", "coef_b", "coef_c", "zw2")
-ALL_ON = dict(HAS_CAP=True, HAS_Z=True, HAS_ENT=True, WITH_ENT=True, WITH_SQ=True, HAS_CW=True)
+ALL_ON = dict(
+    HAS_CAP=True, HAS_Z=True, HAS_ENT=True, WITH_ENT=True, WITH_SQ=True, HAS_CW=True, APART=True
+)
 TORCH = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 

@@ -8,16 +8,24 @@ arguments, the grid and the launch options (``num_warps``, ``num_stages``,
 JIT specializes them at launch (``native_specialize_impl``: integers and pointers
 divisible by 16 get ``tt.divisibility = 16``, an integer equal to 1 becomes a constant)
 and compiled for ``GPUTarget("cuda", 90, 32)`` with the bundled ``ptxas``. Two builds per
-kernel and dtype:
+kernel, dtype and call option:
 
 - ``spec``: the production shape, chunk ``C = 1024`` tokens, ``H = 4096``, ``V_local =
   131072`` (the build that runs: vectorized loads, ``cp.async`` pipelining);
 - ``odd``: ``C = 1023``, ``H = 4095`` (what a call with an odd ``N`` or ``H`` compiles).
 
+The matrix (``MATRIX``): bf16 and fp32 (at its own tiles) in each of ``OPTIONS`` (mean
+CE, ``ce_weight``, every RL option on, every CE option on: the options decide the
+statistics and gradient kernels' constexprs, tiles and epilogues), fp16 in mean CE. A
+build is keyed ``"<kernel> <dtype> <build>"`` in mean CE and ``"... <option>"`` otherwise.
+Builds with the same kernel key (signature, constexprs, attributes, options) compile
+once, the distinct ones in parallel over every CPU.
+
 ``facts`` reads from the PTX, the TTGIR, ``cuobjdump -res-usage`` and the SASS: the MMA
 instructions (``wgmma.mma_async`` or ``mma.sync`` with their shapes), the pipelining
 depth (shared-memory buffers of the k-loop's operands), registers, stack, ``LDL`` /
-``STL``, shared memory and the CTAs per SM that registers and shared memory allow.
+``STL``, shared memory and the CTAs per SM that registers and shared memory allow; and
+the build's tile constexprs and ``k`` step.
 ``bench/gpu/compiled_facts.json`` records them per architecture (``--record`` rewrites
 it); ``tests/unit/test_triton_compile.py`` compares a fresh compile with the record, and
 ``bench/gpu/roofline.py`` reads it. Run without ``TRITON_INTERPRET`` (under it the
@@ -31,11 +39,14 @@ from __future__ import annotations
 
 import json
 import math
+import multiprocessing
 import os
 import re
 import subprocess
 import sys
 import tempfile
+import time
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import torch
@@ -58,15 +69,47 @@ RECORD = Path(__file__).resolve().parents[1] / "bench" / "gpu" / "compiled_facts
 BUILDS = (("spec", 1024, 4096), ("odd", 1023, 4095))
 V_LOCAL = 131072
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+#: The calls whose options change a kernel's build (``block_stats`` / ``block_grad``):
+#: mean cross-entropy (the benchmarked call, keyed without a suffix), with ``ce_weight``,
+#: every RL option on (log-probs: per-token temperature, soft-cap, entropy,
+#: ``sum_pi_squared``, ``ignore_index``) and every CE option on (soft-cap, z-loss, label
+#: smoothing, ``ce_weight``).
+OPTIONS = ("mean", "ce_weight", "rl", "ce")
+#: ``(dtype, options)`` built in both ``BUILDS``: bf16 and fp32 (its own tiles) in every
+#: option, fp16 (bf16's kernels with another MMA type) in mean CE.
+MATRIX = (("bf16", OPTIONS), ("fp32", OPTIONS), ("fp16", ("mean",)))
 #: sm_90 per SM: 64 Ki registers (allocated per warp in 256s), 228 KiB shared memory,
 #: 2048 threads, 32 CTAs.
 SM_REGS, SM_SMEM, SM_THREADS, SM_CTAS = 65536, 228 * 1024, 2048, 32
 _BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 
 
-def _calls(dt: torch.dtype, c: int, hd: int):
-    """``(kernel, launching call)`` of every GEMM-like kernel at chunk ``c``, hidden ``hd``."""
-    spec = LossSpec.cross_entropy(V_LOCAL, -100, 0.0)  # mean CE: the benchmarked call
+def option_spec(option: str) -> tuple[LossSpec, bool]:
+    """``(LossSpec, with class weights)`` of one of ``OPTIONS`` over ``V_LOCAL`` ids."""
+    cw = torch.ones(V_LOCAL)
+    return {
+        "mean": (LossSpec.cross_entropy(V_LOCAL, -100, 0.0), False),
+        "ce_weight": (LossSpec.cross_entropy(V_LOCAL, -100, 0.0, class_weight=cw), True),
+        "rl": (
+            LossSpec.logprob(
+                V_LOCAL, 1.0, ignore_index=-100, softcap=30.0, entropy=True, sum_pi_squared=True
+            ),
+            False,
+        ),
+        "ce": (
+            LossSpec.cross_entropy(
+                V_LOCAL, -100, 0.1, softcap=30.0, z_loss_weight=1e-4, class_weight=cw
+            ),
+            True,
+        ),
+    }[option]
+
+
+def _calls(dt: torch.dtype, c: int, hd: int, option: str = "mean"):
+    """``(kernel, launching call)`` of every GEMM-like kernel at chunk ``c``, hidden ``hd``,
+    for a call with ``option`` (``OPTIONS``; ``dhidden`` / ``block_dweight``: ``"mean"``
+    only, their builds do not depend on it)."""
+    spec, weighted = option_spec(option)
     k = V_LOCAL // 256
 
     def m(*shape, dtype=dt):
@@ -74,16 +117,34 @@ def _calls(dt: torch.dtype, c: int, hd: int):
 
     h, w, g = m(c, hd), m(V_LOCAL, hd), m(c, k * 256)
     f, t = m(c, dtype=torch.float32), m(c, dtype=torch.int64)
+    colw = m(V_LOCAL, dtype=torch.float32) if weighted else None
+    ent = f if spec.entropy else None
     yield (
         block_stats._block_stats_kernel,
-        lambda: block_stats.block_stats(h, w, f, t, n_blocks=k, num_valid=V_LOCAL, spec=spec),
+        lambda: block_stats.block_stats(
+            h, w, f, t, n_blocks=k, num_valid=V_LOCAL, spec=spec, colw=colw
+        ),
     )
     yield (
         block_grad._block_grad_kernel,
         lambda: block_grad.block_grad(
-            h, w, f, t, f, f, None, None, n_blocks=k, num_valid=V_LOCAL, spec=spec
-        ),
+            h,
+            w,
+            f,
+            t,
+            f,
+            f,
+            ent,
+            ent,
+            n_blocks=k,
+            num_valid=V_LOCAL,
+            spec=spec,
+            colw=colw,
+            wab=(f, f) if weighted else None,
+        ),  # fmt: skip
     )
+    if option != "mean":
+        return
     yield (
         dhidden._dhidden_kernel,
         lambda: dhidden.dhidden(g, w, m(c, hd, dtype=torch.float32), k_rows=k * 256),
@@ -184,17 +245,75 @@ def facts(compiled, options: dict) -> dict:
     }
 
 
-def all_facts() -> dict[str, dict]:
-    """``{"<kernel> <dtype> <build>": facts}``: bf16 / fp16 in both builds, fp32 ``spec``."""
-    target = GPUTarget("cuda", ARCH, 32)
-    out = {}
-    for dname, dt in DTYPES.items():
-        for build, c, hd in BUILDS[:1] if dname == "fp32" else BUILDS:
-            for kernel, call in _calls(dt, c, hd):
-                src, opts = launch_source(kernel, call)
-                compiled = triton.compile(src, target=target, options=opts)
-                out[f"{kernel.__name__} {dname} {build}"] = facts(compiled, opts)
-    return out
+#: The tile constexprs a build records (``k_step``: the reduction step of its k-loop).
+TILES = ("TILE_M", "BK", "BH", "BVW", "SPLIT", "APART")
+
+
+def build_facts(compiled, src: ASTSource, options: dict) -> dict:
+    """:func:`facts` plus the build's tiles and its k step (``BK``; ``block_dweight``,
+    whose k-loop runs over tokens: ``TILE_M``)."""
+    consts = {name: src.constants[(i,)] for i, name in enumerate(src.fn.arg_names)
+              if (i,) in src.constants}  # fmt: skip
+    tiles = {k: consts[k] for k in TILES if k in consts}
+    k_step = tiles.get("BK", tiles.get("TILE_M"))
+    return {**facts(compiled, options), "tiles": tiles, "k_step": k_step}
+
+
+def build_keys() -> list[str]:
+    """Every recorded build: ``"<kernel> <dtype> <build>"`` in mean CE, with ``" <option>"``
+    for the others (``MATRIX``, ``BUILDS``)."""
+    keys = []
+    for dname, options in MATRIX:
+        for build, c, hd in BUILDS:
+            for option in options:
+                for kernel, _ in _calls(DTYPES[dname], c, hd, option):
+                    suffix = "" if option == "mean" else f" {option}"
+                    keys.append(f"{kernel.__name__} {dname} {build}{suffix}")
+    return keys
+
+
+def _source_of(key: str) -> tuple[ASTSource, dict]:
+    name, dname, build, *option = key.split()
+    c, hd = {b: (c, hd) for b, c, hd in BUILDS}[build]
+    for kernel, call in _calls(DTYPES[dname], c, hd, option[0] if option else "mean"):
+        if kernel.__name__ == name:
+            return launch_source(kernel, call)
+    raise KeyError(key)
+
+
+def _kernel_key(src: ASTSource, opts: dict) -> str:
+    """What decides a compile: the kernel, its specialized signature, constexprs,
+    attributes and options (two calls with the same key compile the same binary)."""
+    return repr((src.fn.__name__, sorted(src.signature.items()), sorted(src.constants.items()),
+                 sorted(src.attrs.items()), sorted(opts.items())))  # fmt: skip
+
+
+def _compile(key: str) -> dict:
+    src, opts = _source_of(key)
+    compiled = triton.compile(src, target=GPUTarget("cuda", ARCH, 32), options=opts)
+    return build_facts(compiled, src, opts)
+
+
+def all_facts(workers: int | None = None) -> dict[str, dict]:
+    """``{build key: facts}`` of every build of :func:`build_keys`, each distinct kernel
+    key compiled once (e.g. ``block_stats`` with ``ce_weight`` and no smoothing is mean
+    CE's build), in parallel over ``workers`` processes (default: every CPU)."""
+    keys = build_keys()
+    first: dict[str, str] = {}
+    for key in keys:
+        first.setdefault(_kernel_key(*_source_of(key)), key)
+    unique = list(first.values())
+    workers = workers or min(len(unique), os.cpu_count() or 1)
+    if workers > 1:
+        # spawn: a fork of this parent (torch's and Triton's threads) can hang on a lock
+        from tests.triton_facts import _compile as compile_one  # by name, not __main__'s
+
+        ctx = multiprocessing.get_context("spawn")
+        with ProcessPoolExecutor(workers, mp_context=ctx) as pool:
+            done = dict(zip(unique, pool.map(compile_one, unique)))
+    else:
+        done = {key: _compile(key) for key in unique}
+    return {key: done[first[_kernel_key(*_source_of(key))]] for key in keys}
 
 
 def record_entry(found: dict[str, dict]) -> dict:
@@ -217,7 +336,10 @@ def dump_record(data: dict) -> str:
 if __name__ == "__main__":
     if os.environ.get("TRITON_INTERPRET") == "1":
         sys.exit("unset TRITON_INTERPRET: interpreted kernels do not compile")
+    started = time.perf_counter()
     found = all_facts()
+    took = time.perf_counter() - started
+    print(f"{len(found)} builds in {took:.1f} s ({os.cpu_count()} CPUs)", file=sys.stderr)
     if "--record" in sys.argv:
         data = json.loads(RECORD.read_text()) if RECORD.exists() else {}
         data[f"sm_{ARCH}"] = record_entry(found)

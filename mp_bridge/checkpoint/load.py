@@ -34,8 +34,8 @@ from torch import nn
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
 from mp_bridge.checkpoint import rng
+from mp_bridge.checkpoint.arguments import check_common, check_prefix
 from mp_bridge.checkpoint.background import finish_pending
-from mp_bridge.checkpoint.ckpt_arguments import check_common, check_prefix
 from mp_bridge.checkpoint.dcp_adapter import PiecesLoadPlanner, PiecesTensor
 from mp_bridge.checkpoint.entries import (
     Entry,

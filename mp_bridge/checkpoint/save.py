@@ -37,13 +37,13 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from mp_bridge.checkpoint import rng
+from mp_bridge.checkpoint.arguments import check_common, check_extra
 from mp_bridge.checkpoint.background import (
     AsyncSave,
     finish_pending,
     release_group,
     writer_group,
 )
-from mp_bridge.checkpoint.ckpt_arguments import check_common, check_extra
 from mp_bridge.checkpoint.dcp_adapter import PiecesSavePlanner
 from mp_bridge.checkpoint.entries import Entry, model_entries, optimizer_class, optimizer_entries
 from mp_bridge.checkpoint.info import FORMAT_VERSION, CheckpointInfo, write_info

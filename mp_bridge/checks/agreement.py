@@ -34,13 +34,16 @@ measured cost. ``always=True`` (the model step) checks whatever the variable say
 Tools that observe collectives (``mp_bridge.testing.CollectiveCounter``) ask
 :func:`in_agreement_check` to tell this check's collectives from the operation's own.
 
-Three exchanges stay outside this mechanism because they carry data the call itself needs,
-not only a verdict: the bridge's per-sample count rows
-(``comm/bridge/execution/sample_counts.py``: every rank of the world needs every replica's
-counts to compare encoder samples with LLM image positions), the ragged FAN_IN header
-(``comm/bridge/execution/ragged.py``: each member's token count sizes the gather's output;
-it carries a code of the row shape and dtype and is that call's only agreement) and the
-image balancer's count rows (``comm/bridge/execution/balancer.py``: the plan is made from
+Four exchanges stay outside this mechanism because they carry data the call itself
+needs, not only a verdict: the bridge's per-sample count rows
+(``comm/bridge/execution/sample_counts.py``: every rank of the world needs every
+replica's counts to compare encoder samples with LLM image positions), the ragged FAN_IN
+header (``comm/bridge/execution/ragged.py``: each member's token count sizes the
+gather's output; it carries a code of the row shape and dtype and is that call's only
+agreement), the pipelined LLM's ragged delivery header
+(``comm/bridge/execution/stage.py``: samples, tokens, row numel and element size per
+rank size the first stage's exchange; that call's only agreement) and the image
+balancer's count rows (``comm/bridge/execution/balancer.py``: the plan is made from
 every replica's counts; the row carries a code of the frozen ``BalanceSpec``, compared
 through ``agree`` when it differs). All raise the same error on every rank, as here.
 

@@ -28,8 +28,8 @@ from mp_bridge.comm.bridge.plans.count_rows import CountRow
 from mp_bridge.comm.bridge.plans.layouts import BridgeDirection
 from mp_bridge.comm.bridge.plans.plan_cache import PlanCache, RouteCache
 from mp_bridge.comm.bridge.plans.plan_groups import format_rank_table
-from mp_bridge.comm.bridge.plans.ragged_plan import RaggedRoute, route_ragged
-from mp_bridge.comm.bridge.plans.route_plan import (
+from mp_bridge.comm.bridge.plans.ragged import RaggedRoute, route_ragged
+from mp_bridge.comm.bridge.plans.route import (
     RankRoute,
     image_token_shards,
     plan_route,

@@ -257,27 +257,45 @@ def test_no_module_imports_a_private_name_of_another():
     assert bad == []
 
 
-def test_one_name_per_thing():
-    # No two modules share a file name (``__init__.py`` aside) and no two classes a name
-    # (e.g. the bridge's CommunicatorSpec, the model's MimoBuildSpec, the layers' ShardSpec
-    # and the partition's PartitionShardSpec were two BuildSpec and two ShardSpec).
+def repeated_file_names(paths: list[str]) -> dict[str, list[str]]:
+    """The module file names (``__init__.py`` aside) that ``paths`` repeat beyond what
+    DESIGN.md allows: one name in two folders, when the folders have different names (the
+    folder names the idea: ``plans/route.py`` beside ``execution/route.py``). Three files
+    of one name, or two in folders of the same name, are reported."""
     files: dict[str, list[str]] = {}
+    for rel in paths:
+        name = rel.rsplit("/", 1)[-1]
+        if name != "__init__.py":
+            files.setdefault(name, []).append(rel)
+    bad = {}
+    for name, where in files.items():
+        folders = {rel.rsplit("/", 2)[-2] for rel in where}
+        if len(where) > 2 or len(folders) < len(where):
+            bad[name] = where
+    return bad
+
+
+def test_one_name_per_thing():
+    # A file name at most twice, in differently named folders (repeated_file_names), and no
+    # two classes a name (e.g. the bridge's CommunicatorSpec, the model's MimoBuildSpec, the
+    # layers' ShardSpec and the partition's PartitionShardSpec were two BuildSpec and two
+    # ShardSpec).
+    paths: list[str] = []
     classes: dict[str, list[str]] = {}
     for f in sorted(ROOT.rglob("*.py")):
         rel = str(f.relative_to(ROOT.parent))
-        if f.name != "__init__.py":
-            files.setdefault(f.name, []).append(rel)
+        paths.append(rel)
         for node in ast.parse(f.read_text()).body:
             if isinstance(node, ast.ClassDef):
                 classes.setdefault(node.name, []).append(rel)
-    assert {n: p for n, p in files.items() if len(p) > 1} == {}
+    assert repeated_file_names(paths) == {}
     assert {n: p for n, p in classes.items() if len(p) > 1} == {}
 
 
 # The checkpoint wing: three floors, each module importing only floors below its own (no
 # sibling import, no back arrow), so save, load and describe (inspect) stand as peers.
 CHECKPOINT_WING: dict[str, int] = {
-    "keys": 0, "locate": 0, "ranks": 0, "dcp_adapter": 0, "rng": 0, "ckpt_arguments": 0,
+    "keys": 0, "locate": 0, "ranks": 0, "dcp_adapter": 0, "rng": 0, "arguments": 0,
     "dtensor_place": 0,
     "entries": 1, "info": 1, "publish": 1, "background": 1, "staging": 1,
     "save": 2, "load": 2, "describe": 2,
@@ -323,3 +341,12 @@ def test_a_sibling_import_in_the_checkpoint_wing_is_caught(tmp_path):
         "mp_bridge.checkpoint.extra has no floor in the wing",
         "mp_bridge.checkpoint.load (floor 2) imports mp_bridge.checkpoint.save",
     ]
+
+
+def test_a_file_name_may_repeat_only_where_the_folder_names_the_idea():
+    ok = ["m/plans/route.py", "m/execution/route.py", "m/a/__init__.py", "m/b/__init__.py"]
+    assert repeated_file_names(ok) == {}
+    same_folder_name = ["m/x/plans/route.py", "m/y/plans/route.py"]
+    assert repeated_file_names(same_folder_name) == {"route.py": same_folder_name}
+    three = ["m/a/engine.py", "m/b/engine.py", "m/c/engine.py"]
+    assert repeated_file_names(three) == {"engine.py": three}

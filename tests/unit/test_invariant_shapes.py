@@ -22,7 +22,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import mp_bridge.layers.loss.engines.torch_ops.torch_invariant as engines
+import mp_bridge.layers.loss.engines.torch_ops.invariant as engines
 from mp_bridge.layers.loss.blocks import (
     BLOCK_GROUP,
     HIDDEN_ALIGN,

@@ -191,8 +191,8 @@ def _options_of(monkeypatch, module, call) -> LossOptions:
     seen = []
     parse = module.parse_loss_options
 
-    def spy(kind, args, *choose):
-        seen.append(parse(kind, args, *choose))
+    def spy(kind, **args):
+        seen.append(parse(kind, **args))
         return seen[-1]
 
     monkeypatch.setattr(module, "parse_loss_options", spy)

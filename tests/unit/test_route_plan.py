@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from mp_bridge.comm.bridge.plans.bridge_plan import plan_bridge
 from mp_bridge.comm.bridge.plans.layouts import BridgeDirection
-from mp_bridge.comm.bridge.plans.route_plan import (
+from mp_bridge.comm.bridge.plans.route import (
     image_token_shards,
     plan_route,
     route_groups,

@@ -5,10 +5,12 @@
    lowers, is valid Triton for the GPU the runbook uses.
 2. The GEMM-like kernels *as launched* (``tests/triton_facts.py``: the wrappers' own
    arguments and options, specialized as the JIT specializes them, at the production shape
-   and at an odd one) compile to what ``bench/gpu/compiled_facts.json`` records: the MMA
-   instructions (which decide the bits: identical in both builds), tensor-core kind,
-   pipelining, spills, shared memory, CTAs per SM. A Triton upgrade that moves any of them
-   fails here, naming the re-record command and the GPU bits check.
+   and at an odd one, for mean CE, ``ce_weight``, every RL option and every CE option, in
+   bf16 and fp32, fp16 in mean CE) compile to what ``bench/gpu/compiled_facts.json``
+   records: the MMA instructions (which decide the bits: identical in every build of a
+   kernel and dtype), tensor-core kind, pipelining, tiles and ``k`` step, spills (none in
+   any build), shared memory, CTAs per SM. A Triton upgrade that moves any of them fails
+   here, naming the re-record command and the GPU bits check.
 3. Nothing outside the code changes a bit: every launch pins ``num_warps``, ``num_stages``
    and ``enable_fp_fusion`` (``False``, which ``TRITON_FORCE_DISABLE_FP_FUSION`` cannot
    override), every ``tl.dot`` names its ``input_precision``, and fp32 builds never touch
@@ -81,15 +83,34 @@ def test_the_record_covers_every_build(facts, recorded):
                        "_block_dweight_kernel"}  # fmt: skip
 
 
-def test_mma_shapes_are_the_same_in_both_builds_and_as_recorded(facts, recorded):
+def test_the_matrix_is_every_build_a_user_can_launch(facts):
+    # written out, not derived from tests.triton_facts: both chunks, every option of the
+    # two option-dependent kernels in bf16 and fp32, the option-free kernels once
+    for dt in ("bf16", "fp32"):
+        for build in ("spec", "odd"):
+            for name in ("_block_stats_kernel", "_block_grad_kernel"):
+                for option in ("", " ce_weight", " rl", " ce"):
+                    assert f"{name} {dt} {build}{option}" in facts
+            for name in ("_dhidden_kernel", "_block_dweight_kernel"):
+                assert f"{name} {dt} {build}" in facts
+    assert len(facts) == 48  # + fp16's 8 mean-CE builds
+
+
+def test_mma_shapes_are_the_same_in_every_build_and_as_recorded(facts, recorded):
     for key, f in _gemm_builds(facts).items():
-        name, dt, build = key.split()
+        name, dt = key.split()[:2]
         assert f["mma"], f"{key}: no tensor-core instruction"
-        other = facts[f"{name} {dt} {'odd' if build == 'spec' else 'spec'}"]
-        assert f["mma"] == other["mma"], f"{name} {dt}: MMA differs between builds"
+        assert f["mma"] == facts[f"{name} {dt} spec"]["mma"], f"{key}: MMA differs from spec's"
         assert f["mma"] == recorded[key]["mma"], (
             f"{key}: MMA {f['mma']} != recorded {recorded[key]['mma']}; {RERECORD}"
         )
+
+
+def test_every_build_records_its_tiles_k_step_registers_and_stages(facts):
+    for key, f in facts.items():
+        assert f["k_step"] in (16, 32, 64, 128), key
+        assert f["tiles"]["TILE_M"] in (32, 64, 128), key
+        assert 0 < f["regs"] <= 255 and f["stages"] >= 1, key
 
 
 def test_every_build_has_its_recorded_facts(facts, recorded):
@@ -101,12 +122,13 @@ def test_every_build_has_its_recorded_facts(facts, recorded):
 
 def test_fp32_builds_never_use_tensor_cores_or_tf32(facts):
     fp32 = _gemm_builds(facts, ("fp32",))
-    assert len(fp32) == 4
+    assert len(fp32) == 20
     for key, f in fp32.items():
         assert f["kind"] == "none" and not f["mma"] and not f["tf32"], key
 
 
 def test_no_spills_and_shared_memory_fits(facts):
+    # every build a user can launch: no LDL / STL in the SASS and a zero stack
     for key, f in facts.items():
         assert f["stack"] == 0 and f["ldl_stl"] == 0, f"{key} spills: {f}"
         assert f["shared"] <= SMEM_LIMIT, f"{key}: {f['shared']} B of shared memory"
@@ -114,7 +136,7 @@ def test_no_spills_and_shared_memory_fits(facts):
 
 def test_the_running_build_is_software_pipelined(facts):
     for key, f in _gemm_builds(facts).items():
-        if key.endswith(" spec"):
+        if key.split()[2] == "spec":
             assert f["stages"] >= 3 and f["cp_async"], f"{key} is not pipelined: {f}"
 
 

@@ -1,7 +1,7 @@
 """A ``DTensor`` weight at the fused loss doors: vocab parallelism only where it is declared.
 
 ``fused_linear_cross_entropy`` / ``fused_linear_logprobs`` call :func:`local_operands`
-first, with their ``locals()``. A plain ``weight`` passes through unchanged. A ``DTensor``
+first, with their arguments by name. A plain ``weight`` passes through unchanged. A ``DTensor``
 weight ``[V, H]`` is vocab-parallel only when it is ``Shard(0)`` over the mesh dim named
 ``"tp"`` (torchtitan's name) or named by the door's ``vocab_mesh_dim=``, and
 ``Replicate`` over every other mesh dim; then:
@@ -167,17 +167,26 @@ def _local_hidden(hidden: DTensor, weight: DTensor, d: int) -> torch.Tensor:
     return hidden.redistribute(hidden.device_mesh, placements).to_local()
 
 
-def local_operands(args: Mapping[str, object]) -> LocalOperands:
+def local_operands(
+    hidden: object,
+    weight: object,
+    *,
+    target: object,
+    temperature: object,
+    tp_group: object,
+    vocab_size: object,
+    vocab_mesh_dim: object,
+    invariant: object,
+    ce_weight: object = None,
+) -> LocalOperands:
     """The door's ``hidden``, ``weight``, ``tp_group``, ``vocab_size`` and ``shard_rows``
-    for its parse (see the module docstring). ``args``: the door's ``locals()`` (``hidden``,
-    ``weight``, ``target``, ``temperature``, ``tp_group``, ``vocab_size``,
-    ``vocab_mesh_dim``, ``invariant``). No collective except a ``DTensor`` ``hidden``'s
-    redistribution, after every check."""
-    hidden, weight, tp_group = args["hidden"], args["weight"], args["tp_group"]
-    vocab_size, mesh_dim = args["vocab_size"], args["vocab_mesh_dim"]
+    for its parse (see the module docstring), from the door's arguments of those names.
+    No collective except a ``DTensor`` ``hidden``'s redistribution, after every check."""
+    mesh_dim = vocab_mesh_dim
+    args = {"target": target, "temperature": temperature, "ce_weight": ce_weight}
     _refuse_plain_only(args, ("target", "temperature", "ce_weight"), "(the loss takes plain ones)")
     if not isinstance(weight, DTensor):
-        _refuse_plain_only(args, ("hidden",), "but weight is not")
+        _refuse_plain_only({"hidden": hidden}, ("hidden",), "but weight is not")
         if mesh_dim is not None:
             raise ValueError(
                 f"vocab_mesh_dim={mesh_dim!r} names the vocab dim of a DTensor weight's "
@@ -205,7 +214,7 @@ def local_operands(args: Mapping[str, object]) -> LocalOperands:
             f"its vocab dim, but Shard(0) of {vocab} rows over {tp} ranks holds {rows} "
             "(torch.chunk); build it with distribute_tensor(weight, mesh, [Shard(0)])"
         )
-    if args["invariant"] is True and tp > 1 and rows[0] % VOCAB_BLOCK:
+    if invariant is True and tp > 1 and rows[0] % VOCAB_BLOCK:
         raise ValueError(
             f"invariant=True needs every vocab shard to start on a {VOCAB_BLOCK}-row block "
             f"(the last may be short), but the DTensor weight's shards hold {rows} rows "

@@ -94,8 +94,15 @@ def fused_linear_cross_entropy(
     dtype, any leading shape; "none" returns ``target``'s shape). "mean" (the default,
     as ``F.cross_entropy``) divides by the number of non-ignored tokens of this call
     (combine across DP/CP with ``masked_mean``); over only ignored tokens it is nan with
-    zero gradients, like torch. Returns fp32. ``chunk_size=None``: the engine's default
-    (torch: about ``DEFAULT_CHUNK_ELEMENTS`` logits per chunk). ``engine``: ``"auto"``
+    zero gradients, like torch. Returns fp32. ``chunk_size``: the number of tokens whose
+    logits exist at once, in every engine and mode (the torch engine and the triton
+    default mode take it as it is; the invariant modes round it up to their token tile:
+    torch 128, triton 64 in fp32 and 128 in bf16 / fp16, capped so a chunk's ``[C,
+    V_local]`` gradient stays under 2**31 elements); ``None``: the engine's default
+    (torch: about ``DEFAULT_CHUNK_ELEMENTS`` logits per chunk; triton default: every
+    token, in weight slabs of about ``SLAB_ELEMENTS`` logits; triton invariant: 1024 x TP).
+    An engine that cannot bound it is a ``ValueError`` by name and never ``"auto"``'s
+    choice when it is given. ``engine``: ``"auto"``
     (``"triton"`` for CUDA tensors it can run when it imports, else ``"torch"``),
     ``"torch"`` or ``"triton"`` (``ImportError`` without ``pip install triton``;
     ``ValueError`` naming the reason for an input it cannot run, e.g. fp64); the same on
@@ -113,8 +120,19 @@ def fused_linear_cross_entropy(
     ``vocab_mesh_dim=``) is vocab parallelism over it, any other is a ``ValueError``
     (``dtensor_weight``).
     """
-    hidden, weight, tp_group, vocab_size, shard_rows = local_operands(locals())
-    options = parse_loss_options("ce", locals(), choose_engine)
+    hidden, weight, tp_group, vocab_size, shard_rows = local_operands(
+        hidden, weight, target=target, temperature=temperature, ce_weight=ce_weight,
+        tp_group=tp_group, vocab_size=vocab_size, vocab_mesh_dim=vocab_mesh_dim,
+        invariant=invariant,
+    )  # fmt: skip
+    options = parse_loss_options(
+        "ce", hidden=hidden, weight=weight, shard_rows=shard_rows, target=target,
+        tp_group=tp_group, vocab_size=vocab_size, ignore_index=ignore_index,
+        label_smoothing=label_smoothing, ce_weight=ce_weight, reduction=reduction,
+        chunk_size=chunk_size, invariant=invariant, temperature=temperature, softcap=softcap,
+        z_loss_weight=z_loss_weight, return_z_loss=return_z_loss,
+        logits_precision=logits_precision, engine=engine, choose_engine=choose_engine,
+    )  # fmt: skip
     out = _fused_loss("fused_linear_cross_entropy", hidden, weight, options)
     if not return_z_loss:
         return out.value
@@ -156,7 +174,17 @@ def fused_linear_logprobs(
     Gradients recompute logits in backward. ``logits_precision``, ``engine``, a ``DTensor``
     ``weight`` and ``vocab_mesh_dim``: as ``fused_linear_cross_entropy``.
     """
-    hidden, weight, tp_group, vocab_size, shard_rows = local_operands(locals())
-    options = parse_loss_options("logprob", locals(), choose_engine)
+    hidden, weight, tp_group, vocab_size, shard_rows = local_operands(
+        hidden, weight, target=target, temperature=temperature, tp_group=tp_group,
+        vocab_size=vocab_size, vocab_mesh_dim=vocab_mesh_dim, invariant=invariant,
+    )  # fmt: skip
+    options = parse_loss_options(
+        "logprob", hidden=hidden, weight=weight, shard_rows=shard_rows, target=target,
+        tp_group=tp_group, vocab_size=vocab_size, temperature=temperature,
+        chunk_size=chunk_size, invariant=invariant, ignore_index=ignore_index, softcap=softcap,
+        return_entropy=return_entropy, return_sum_pi_squared=return_sum_pi_squared,
+        reduction=reduction, logits_precision=logits_precision, engine=engine,
+        choose_engine=choose_engine,
+    )  # fmt: skip
     # per token from the engine, reduced here like every other output
     return options.returned(_fused_loss("fused_linear_logprobs", hidden, weight, options))

@@ -2,7 +2,8 @@
 
 The five loss doors (``vocab_parallel_cross_entropy`` / ``_logprobs`` / ``_entropy`` over
 logits ``[..., V_local]``; ``fused_linear_cross_entropy`` / ``_logprobs`` over ``hidden
-[..., H]`` and ``weight [V_local, H]``) each call ``parse_loss_options(kind, locals())``:
+[..., H]`` and ``weight [V_local, H]``) each call ``parse_loss_options(kind, ...)`` with
+their arguments by name:
 input tensors, then the scalar options, then the shard (``tp_group``, ``vocab_size``),
 ``target [...]``, ``temperature`` and (fused) the engine; each check (``arguments``)
 raises ``TypeError`` / ``ValueError`` naming the argument before any collective. The
@@ -11,11 +12,11 @@ engine receives (``engines/protocol.py``), and it assembles the returned outputs
 
 A new loss option ``foo`` touches the options, the formulas and the kernels, nothing else:
 
-1. here: the doors gain the keyword (they pass ``locals()``), ``parse_loss_options``
+1. here: the doors gain the keyword and pass it by name to ``parse_loss_options``, which
    checks it, and it lands in a field: of ``LossSpec`` (``formulas``) when the math reads
    it, so every engine sees it as ``options.spec.foo``, else of ``LossOptions``. Either way
    :meth:`LossOptions.fields` puts it in the agreement by itself (the spec is one field; a
-   new ``LossOptions`` field is one more of the agreement row's ``MAX_FIELDS`` = 32, of
+   new ``LossOptions`` field is one more of the agreement row's ``MAX_FIELDS`` = 16, of
    which the fused cross-entropy with a per-token temperature uses 15); a new per-token
    output is also one field of ``outputs.TokenOutputs`` and its place in
    :meth:`LossOptions.returned`;
@@ -58,10 +59,12 @@ __all__ = ["KINDS", "PRECISIONS", "EngineChoice", "LossOptions", "parse_loss_opt
 KINDS = ("ce", "logprob", "entropy")
 PRECISIONS = ("fp32", "input")
 
-#: ``(engine=, inputs' (name, shape, dtype), device) -> the engine that runs`` (the fused
-#: doors pass ``engines.protocol.choose_engine``: the options never import an engine).
+#: ``(engine=, inputs' (name, shape, dtype), device, chunk_size) -> the engine that runs``
+#: (the fused doors pass ``engines.protocol.choose_engine``: the options never import an
+#: engine).
 EngineChoice = Callable[
-    [object, tuple[tuple[str, tuple[int, ...], torch.dtype], ...], torch.device], str
+    [object, tuple[tuple[str, tuple[int, ...], torch.dtype], ...], torch.device, int | None],
+    str,
 ]
 
 #: Fields the ranks do not compare by value: ``inputs`` is spelled out per tensor, the
@@ -90,8 +93,8 @@ class LossOptions(FrozenSpec):
     or ``None`` (then the float ``spec.temperature``). ``engine``: the engine that runs,
     ``"torch"`` or ``"triton"`` (chosen at the parse by the fused doors' ``choose_engine``:
     ``"auto"`` resolved, an explicit one checked; always ``"torch"`` on the materialized
-    doors). ``chunk_size`` (``None``: the engine's default) and ``logits_precision`` are the
-    fused doors' options.
+    doors). ``chunk_size`` (tokens whose logits exist at once, in every engine and mode;
+    ``None``: the engine's default) and ``logits_precision`` are the fused doors' options.
     """
 
     kind: str
@@ -177,8 +180,9 @@ def _check_precision(logits_precision: object) -> str:
     )
 
 
-def _spec(kind: str, vocab: int, target, args: Mapping[str, object], scalars) -> LossSpec:
-    """The ``LossSpec`` of a ``kind`` call over ``vocab`` true classes."""
+def _spec(kind: str, vocab: int, target, extras: tuple[bool, bool], scalars) -> LossSpec:
+    """The ``LossSpec`` of a ``kind`` call over ``vocab`` true classes; ``extras``: the
+    log-probs' ``(return_entropy, return_sum_pi_squared)``."""
     softcap, zw, ignore_index, eps, temp, ce_weight = scalars
     if kind == "ce":
         return LossSpec.cross_entropy(
@@ -197,66 +201,86 @@ def _spec(kind: str, vocab: int, target, args: Mapping[str, object], scalars) ->
         # no target: no id is ignored (the engine's placeholder ids own no column)
         ignore_index=None if target is None else ignore_index,
         softcap=softcap,
-        entropy=entropy or bool(args.get("return_entropy", False)),
-        sum_pi_squared=not entropy and bool(args.get("return_sum_pi_squared", False)),
+        entropy=entropy or extras[0],
+        sum_pi_squared=not entropy and extras[1],
     )
 
 
 def parse_loss_options(
-    kind: str, args: Mapping[str, object], choose_engine: EngineChoice | None = None
+    kind: str,
+    *,
+    target: torch.Tensor | None,
+    tp_group: dist.ProcessGroup | None,
+    vocab_size: int | None,
+    reduction: str,
+    ignore_index: int | None,
+    softcap: float | None,
+    temperature: float | torch.Tensor,
+    invariant: bool,
+    logits: torch.Tensor | None = None,
+    hidden: torch.Tensor | None = None,
+    weight: torch.Tensor | None = None,
+    shard_rows: int | None = None,
+    chunk_size: int | None = None,
+    logits_precision: str = "fp32",
+    engine: str = "auto",
+    choose_engine: EngineChoice | None = None,
+    label_smoothing: float = 0.0,
+    ce_weight: torch.Tensor | None = None,
+    z_loss_weight: float = 0.0,
+    return_z_loss: bool = False,
+    return_entropy: bool = False,
+    return_sum_pi_squared: bool = False,
 ) -> LossOptions:
     """Validate one call of a ``kind`` loss (``KINDS``); return its options.
 
-    ``args``: the door's arguments by name (its ``locals()``): either ``logits``, or (fused)
-    ``hidden``, ``weight``, ``chunk_size``, ``logits_precision``, ``engine`` and ``shard_rows``
+    The door's arguments by name: either ``logits``, or (fused) ``hidden``, ``weight``,
+    ``chunk_size``, ``logits_precision``, ``engine`` and ``shard_rows``
     (``dtensor_weight.local_operands``: ``None``, or a ``DTensor`` weight's rows per rank,
-    of which this rank's ``weight`` may hold fewer); ``target``,
-    ``tp_group``, ``vocab_size``, ``reduction``, ``ignore_index``, ``softcap``,
-    ``temperature``, on the cross-entropy ``label_smoothing``, ``z_loss_weight`` and
-    ``ce_weight``; the bool options ``invariant`` and ``return_*``. ``choose_engine`` (the
+    of which this rank's ``weight`` may hold fewer); ``target``, ``tp_group``,
+    ``vocab_size``, ``reduction``, ``ignore_index``, ``softcap``, ``temperature``, on the
+    cross-entropy ``label_smoothing``, ``z_loss_weight`` and ``ce_weight``; the bool
+    options ``invariant`` and ``return_*`` (those the door has). ``choose_engine`` (the
     fused doors pass ``engines.protocol.choose_engine``): ``(engine, inputs, device) -> the
     engine that runs``, called here, so a bad choice, a missing ``triton`` or an input an
     explicit engine cannot run raises before any collective.
     """
-    tp_group, vocab_size = args["tp_group"], args["vocab_size"]
-    fused = "hidden" in args
+    fused = hidden is not None
     if fused:
-        like, weight = args["hidden"], args["weight"]
-        rows = args.get("shard_rows")  # a DTensor weight's rows per rank (dtensor_weight)
-        check_fused_inputs(like, weight, args["chunk_size"], rows)
-        _check_precision(args["logits_precision"])
+        like, rows = hidden, shard_rows  # a DTensor weight's rows per rank (dtensor_weight)
+        check_fused_inputs(like, weight, chunk_size, rows)
+        _check_precision(logits_precision)
         shard = check_shard(weight.shape[0] if rows is None else rows, vocab_size, tp_group)
         inputs = (("hidden", like), ("weight", weight))
         shape_of = f"the leading dims of hidden {tuple(like.shape)}: "
     else:
-        like = args["logits"]
+        like = logits
         shard = check_logits(like, tp_group, vocab_size)
         inputs = (("logits", like),)
         shape_of = f"logits shape {tuple(like.shape)} without the vocab dim "
     tokens = tuple(like.shape[:-1])
-    eps, ce_weight = 0.0, None
+    eps = 0.0
     if kind == "ce":
-        eps = check_float(
-            "label_smoothing", args["label_smoothing"], low=0.0, high=1.0, open_low=False
-        )
-        ce_weight = check_ce_weight(args["ce_weight"], shard.vocab_size, like)
-    flags = {k: v for k, v in args.items() if k == "invariant" or k.startswith("return_")}
-    softcap, zw, ignore_index = check_options(
-        softcap=args["softcap"],
-        z_loss_weight=args.get("z_loss_weight", 0.0),
-        ignore_index=args["ignore_index"],
-        flags=flags,
+        eps = check_float("label_smoothing", label_smoothing, low=0.0, high=1.0, open_low=False)
+        ce_weight = check_ce_weight(ce_weight, shard.vocab_size, like)
+    flags = dict(
+        invariant=invariant,
+        return_z_loss=return_z_loss,
+        return_entropy=return_entropy,
+        return_sum_pi_squared=return_sum_pi_squared,
     )
-    reduction = check_reduction(args["reduction"])
-    target = args["target"]
+    softcap, zw, ignore_index = check_options(
+        softcap=softcap, z_loss_weight=z_loss_weight, ignore_index=ignore_index, flags=flags
+    )
+    reduction = check_reduction(reduction)
     if target is not None:
         target = check_target(target, tokens, shard.vocab_size, ignore_index, shape_of=shape_of)
-    temp = check_temperature(args["temperature"], tokens, like, shape_of=shape_of)
+    temp = check_temperature(temperature, tokens, like, shape_of=shape_of)
     token_temp = None
     if isinstance(temp, torch.Tensor):
-        token_temp = token_temperature_of(temp, like.dtype, fused or bool(flags["invariant"]))
+        token_temp = token_temperature_of(temp, like.dtype, fused or invariant)
     if ce_weight is not None:  # in the dtype the call computes in, like the temperature
-        ce_weight = token_temperature_of(ce_weight, like.dtype, fused or bool(flags["invariant"]))
+        ce_weight = token_temperature_of(ce_weight, like.dtype, fused or invariant)
         if reduction == "mean" and target is not None:
             ce_weight = mean_scaled(ce_weight, target, ignore_index)
         inputs = (*inputs, ("ce_weight", ce_weight))
@@ -265,22 +289,23 @@ def parse_loss_options(
     if fused:  # the shard's rows, the same on every rank (a DTensor's may be short or empty)
         rows = (shard.size, weight.shape[1])
         described = tuple((n, rows if n == "weight" else s, d) for n, s, d in described)
-    engine = "torch"
-    if fused:
+    if not fused:
+        engine = "torch"
+    else:
         assert choose_engine is not None, "the fused doors pass engines.protocol.choose_engine"
-        engine = choose_engine(args["engine"], described, like.device)
+        engine = choose_engine(engine, described, like.device, chunk_size)
     return LossOptions(
         kind,
-        _spec(kind, shard.vocab_size, target, args, scalars),
+        _spec(kind, shard.vocab_size, target, (return_entropy, return_sum_pi_squared), scalars),
         described,
         shard,
         target,
         token_temp,
         reduction,
-        invariant=bool(flags["invariant"]),
-        return_z_loss=bool(flags.get("return_z_loss", False)),
+        invariant=invariant,
+        return_z_loss=return_z_loss,
         tp_group=tp_group,
         engine=engine,
-        chunk_size=args["chunk_size"] if fused else None,
-        logits_precision=args["logits_precision"] if fused else "fp32",
+        chunk_size=chunk_size if fused else None,
+        logits_precision=logits_precision if fused else "fp32",
     )

@@ -115,7 +115,12 @@ def vocab_parallel_cross_entropy(
     soft-cap the weight multiplies each token's cross-entropy term of ``z``; the z-loss is
     not weighted ("mean" divides it by the number of counted tokens, as Liger-Kernel).
     """
-    options = parse_loss_options("ce", locals())
+    options = parse_loss_options(
+        "ce", logits=logits, target=target, tp_group=tp_group, vocab_size=vocab_size,
+        ignore_index=ignore_index, label_smoothing=label_smoothing, ce_weight=ce_weight,
+        invariant=invariant, temperature=temperature, softcap=softcap,
+        z_loss_weight=z_loss_weight, return_z_loss=return_z_loss, reduction=reduction,
+    )  # fmt: skip
     return _run("vocab_parallel_cross_entropy", logits, options)
 
 
@@ -151,7 +156,12 @@ def vocab_parallel_logprobs(
     logits is ``g * (onehot - softmax) / T`` (times the soft-cap derivative).
     ``invariant=True``: bitwise TP-invariant, one forward all-gather.
     """
-    options = parse_loss_options("logprob", locals())
+    options = parse_loss_options(
+        "logprob", logits=logits, target=target, tp_group=tp_group, vocab_size=vocab_size,
+        temperature=temperature, invariant=invariant, ignore_index=ignore_index,
+        softcap=softcap, return_entropy=return_entropy,
+        return_sum_pi_squared=return_sum_pi_squared, reduction=reduction,
+    )  # fmt: skip
     return _run("vocab_parallel_logprobs", logits, options)
 
 
@@ -179,5 +189,9 @@ def vocab_parallel_entropy(
     ``invariant=True``: the entropy of ``vocab_parallel_logprobs(..., invariant=True,
     return_entropy=True)`` (one all-gather, bitwise TP-invariant).
     """
-    options = parse_loss_options("entropy", locals())
+    options = parse_loss_options(
+        "entropy", logits=logits, target=target, tp_group=tp_group, vocab_size=vocab_size,
+        temperature=temperature, softcap=softcap, ignore_index=ignore_index,
+        invariant=invariant, reduction=reduction,
+    )  # fmt: skip
     return _run("vocab_parallel_entropy", logits, options)

@@ -35,6 +35,7 @@ from megatron.core.hyper_comm_grid import HyperCommGrid
 
 from mp_bridge.checks import FrozenSpec, agreed, check_group
 from mp_bridge.comm import Bridge, ColocatedBridgeCommunicator, LocalBridge, group_size, plan_bridge
+from mp_bridge.deprecations import warn_deprecated
 from mp_bridge.grid import MISSING_PG_ERRORS, GridLayout, destroy_grid
 
 __all__ = [
@@ -55,6 +56,9 @@ LLM_AXES = {"llm_tp": ("tp",), "llm_cp": ("cp",), "llm_dp_cp": ("dp", "cp")}
 #: The pipeline group, made only when the LLM grid has ``pp > 1``.
 PP_AXES = {"llm_pp": ("pp",)}
 
+#: The deprecation row of a bridge object that is not a ``Bridge`` (:class:`StandInBridge`).
+_STAND_IN = "mp_bridge.models.MimoGroups(bridge=<an object that is not a Bridge>)"
+
 #: Where a caller finds each group on its grids.
 _WHERE = {
     "encoder_tp": "encoder_grid.get_pg('tp')",
@@ -67,10 +71,14 @@ _WHERE = {
 
 
 class StandInBridge:
-    """A user's single-process bridge (an object with the calls its flow makes, e.g.
-    ``communicate``, as the deprecated constructor form accepted) as a
-    :class:`~mp_bridge.comm.Bridge` of one process: no plan, group or grid; every call
-    goes to the object. :class:`MimoGroups` wraps any bridge that is not a ``Bridge``."""
+    """A user's single-process bridge object that is not a :class:`~mp_bridge.comm.Bridge`
+    (one with some of the row moves, e.g. only ``communicate``, as the deprecated
+    constructor form of ``ColocatedMimoModel`` accepted) as a one-process ``Bridge``: no
+    plan, group or grid; each row move goes to the object, and one it lacks is an
+    ``AttributeError`` naming the fix. Deprecated with that form (``mp_bridge.deprecations``,
+    removed in 0.3.0): pass a :class:`~mp_bridge.comm.Bridge` (``LocalBridge`` for one
+    process). Only the ``Bridge`` protocol's calls are forwarded (no ``__getattr__``), so
+    a model can never reach past the protocol into the user's object."""
 
     plan = None
     world_group = None
@@ -80,17 +88,41 @@ class StandInBridge:
     def __init__(self, bridge: object):
         self.inner = bridge
 
-    def __getattr__(self, name: str):
-        return getattr(self.inner, name)
+    def _call(self, name: str):
+        fn = getattr(self.inner, name, None)
+        if fn is None:
+            raise AttributeError(
+                f"the bridge {self.inner!r} has no {name}(), which this model's flow calls; "
+                "pass a mp_bridge.comm.Bridge (LocalBridge() for one process, "
+                "ColocatedBridgeCommunicator on grids)"
+            )
+        return fn
+
+    def communicate(self, x):
+        return self._call("communicate")(x)
+
+    def communicate_ragged(self, x, tokens_per_sample):
+        return self._call("communicate_ragged")(x, tokens_per_sample)
+
+    def route(self, x, **kwargs):
+        return self._call("route")(x, **kwargs)
+
+    def destroy(self) -> None:
+        destroy = getattr(self.inner, "destroy", None)
+        if destroy is not None:
+            destroy()
 
     def __repr__(self) -> str:
         return f"StandInBridge({self.inner!r})"
 
 
 def as_bridge(bridge: object) -> Bridge:
-    """``bridge`` itself when it is a :class:`~mp_bridge.comm.Bridge`, else a
-    :class:`StandInBridge` around it."""
-    return bridge if isinstance(bridge, (Bridge, StandInBridge)) else StandInBridge(bridge)
+    """``bridge`` itself when it is a :class:`~mp_bridge.comm.Bridge`, else (deprecated,
+    warns) a :class:`StandInBridge` around it."""
+    if isinstance(bridge, (Bridge, StandInBridge)):
+        return bridge
+    warn_deprecated(_STAND_IN, stacklevel=4)
+    return StandInBridge(bridge)
 
 
 def grid_group(grid: Any, axes: Sequence[str], *, create: bool = False):

@@ -3,7 +3,7 @@
 ``communicator``: :class:`ColocatedBridgeCommunicator`, the one door (one entry guard and
 one agreement per public call); ``bridge_groups``: the groups it makes; ``dense``,
 ``ragged``, ``route``, ``balanced_route``, ``stage``: one execution per plan;
-``row_moves``: the one row move they run (``all_to_all_single`` in one place, ragged's
+``row_move``: the one row move they run (``all_to_all_single`` in one place, ragged's
 counted byte message aside) and its two autograd Functions, one per kind of adjoint;
 ``headers``: the fixed-size header all-gather; ``sample_counts``: the per-sample count check over
 every rank; ``balancer``: :class:`ImageBalancer`, which moves whole images between encoder

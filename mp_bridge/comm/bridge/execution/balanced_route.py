@@ -13,7 +13,7 @@ Replica ``e`` holds a union of image ranges of ``g``, ascending (the balance pla
 kept and received images in (source replica, source index) order, which is ``g`` order);
 every TP rank of ``e`` holds the same ranges. Because an image may be encoded outside the
 LLM DP replica that consumes it, the route group is **every rank of the grids** (the
-bridge's world group). :func:`~mp_bridge.comm.bridge.plans.route_plan.plan_route`
+bridge's world group). :func:`~mp_bridge.comm.bridge.plans.route.plan_route`
 makes the plan from the held
 ranges and each shard's needed ``g`` with the usual choices (receiver ``q`` takes ``g``
 from holder ``p(q) mod |holders|``; backward every holder gets every gradient, so the TP
@@ -38,7 +38,7 @@ from mp_bridge.comm.bridge.execution.sample_counts import check_sample_counts
 from mp_bridge.comm.bridge.plans.balance_plan import BalancePlan
 from mp_bridge.comm.bridge.plans.bridge_plan import BridgePlan
 from mp_bridge.comm.bridge.plans.plan_cache import PlanCache
-from mp_bridge.comm.bridge.plans.route_plan import (
+from mp_bridge.comm.bridge.plans.route import (
     RankRoute,
     image_token_shards,
     plan_route,

@@ -25,7 +25,7 @@ One rank's :meth:`ImageBalancer.balance` (the plan is
 Adjoint: moving rows by the plan is a permutation of rows across ranks, so its adjoint is
 the inverse move: :meth:`BalancePlan.row_move` is a
 :class:`~mp_bridge.comm.bridge.plans.row_move.RowMove` whose backward is its forward
-reversed, run by :func:`~mp_bridge.comm.bridge.execution.row_moves.adjoint_move` (backward
+reversed, run by :func:`~mp_bridge.comm.bridge.execution.row_move.adjoint_move` (backward
 applies the inverse move: the same ``all_to_all_single`` with the splits swapped, rows put
 back in source order), so ``backward(create_graph=True)`` records the collective too.
 :meth:`ImageBalancer.restore` is the inverse move of any per-row result (e.g. the encoded
@@ -53,7 +53,7 @@ from mp_bridge.checks import (
     fingerprint,
 )
 from mp_bridge.comm.bridge.execution.headers import gather_headers
-from mp_bridge.comm.bridge.execution.row_moves import adjoint_move
+from mp_bridge.comm.bridge.execution.row_move import adjoint_move
 from mp_bridge.comm.bridge.plans.balance_plan import BalancePlan, image_costs, plan_balance
 from mp_bridge.comm.bridge.plans.plan_cache import PlanCache
 from mp_bridge.comm.collectives.primitives import group_rank, group_size

@@ -30,7 +30,7 @@ from typing import Any
 import torch.distributed as dist
 
 from mp_bridge.comm.bridge.plans.bridge_plan import BridgePlan
-from mp_bridge.comm.bridge.plans.route_plan import route_groups
+from mp_bridge.comm.bridge.plans.route import route_groups
 from mp_bridge.grid import MISSING_PG_ERRORS
 
 __all__ = ["BridgeGroups", "make_bridge_groups", "make_route_group", "make_world_group"]

@@ -41,7 +41,7 @@ from mp_bridge.comm.bridge.plans.balance_plan import BalancePlan
 from mp_bridge.comm.bridge.plans.bridge_plan import BridgePlan, plan_bridge
 from mp_bridge.comm.bridge.plans.layouts import BridgeDirection
 from mp_bridge.comm.bridge.plans.plan_cache import PlanCache
-from mp_bridge.comm.bridge.plans.stage_plan import StageDelivery, plan_stage_delivery
+from mp_bridge.comm.bridge.plans.stage import StageDelivery, plan_stage_delivery
 from mp_bridge.comm.bridge.plans.token_counts import check_tokens_per_sample
 from mp_bridge.comm.sequence.padding import PaddedLayout
 from mp_bridge.comm.sequence.partition import PartitionAdapter

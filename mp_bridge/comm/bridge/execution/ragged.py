@@ -1,6 +1,6 @@
 """Ragged bridge execution: exact-bytes token exchange and its autograd Functions.
 
-``bridge_ragged`` runs one rank's :class:`~mp_bridge.comm.bridge.plans.ragged_plan.RaggedRoute`:
+``bridge_ragged`` runs one rank's :class:`~mp_bridge.comm.bridge.plans.ragged.RaggedRoute`:
 
 =========  ==============================================  ===================================
 direction  forward                                         backward (adjoint)
@@ -29,7 +29,7 @@ The CP all-reduce (dest CP > 1) is ``copy_to_group`` applied after the direction
 backward sums the incoming gradient over the dest CP group first (see ``dense.py``).
 The gather and the narrow are one :class:`~mp_bridge.comm.bridge.plans.row_move.RowMove`
 and its inverse (:func:`~mp_bridge.comm.bridge.plans.row_move.gather_move`), run by
-:func:`~mp_bridge.comm.bridge.execution.row_moves.adjoint_move`, whose backward applies
+:func:`~mp_bridge.comm.bridge.execution.row_move.adjoint_move`, whose backward applies
 the inverse move, so ``backward(create_graph=True)`` records the backward collective too.
 FAN_IN's forward keeps its own Function (``_GatherCounted``) only because it carries the
 counts in the byte message: folding them into the row move would cost a second
@@ -48,10 +48,10 @@ import torch.distributed as dist
 
 from mp_bridge.checks import FrozenSpec, agree, agreed
 from mp_bridge.comm.bridge.execution.headers import differing_field, gather_headers, show_field
-from mp_bridge.comm.bridge.execution.row_moves import adjoint_move, run_leg
+from mp_bridge.comm.bridge.execution.row_move import adjoint_move, run_leg
 from mp_bridge.comm.bridge.plans.bridge_plan import BridgePlan
 from mp_bridge.comm.bridge.plans.layouts import BridgeDirection
-from mp_bridge.comm.bridge.plans.ragged_plan import check_member_headers, route_ragged_trusted
+from mp_bridge.comm.bridge.plans.ragged import check_member_headers, route_ragged_trusted
 from mp_bridge.comm.bridge.plans.row_move import gather_move
 from mp_bridge.comm.collectives.primitives import copy_to_group, group_rank, group_size
 
@@ -110,7 +110,7 @@ def exchange_rows_trusted(
     k = len(slot_rows)
     if k == 1:  # a single process (group None or of size 1): nothing to exchange
         return x.clone(), None if counts is None else counts.reshape(1, -1).clone()
-    if counts is None:  # the plain gather: a RowMove, run by row_moves
+    if counts is None:  # the plain gather: a RowMove, run by row_move
         return run_leg(x, gather_move(slot_rows, group_rank(group)).forward, group), None
     rest = tuple(x.shape[1:])
     y = x.new_empty((sum(slot_rows), *rest))

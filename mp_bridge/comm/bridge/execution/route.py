@@ -1,6 +1,6 @@
 """``route``: each image token from the encoder rank holding it to the LLM shard using it.
 
-One rank's step (the plan is :mod:`mp_bridge.comm.bridge.plans.route_plan`):
+One rank's step (the plan is :mod:`mp_bridge.comm.bridge.plans.route`):
 
 1. Local validation (``ValueError`` before any collective).
 2. Metadata, forward. FAN_IN and EQUAL: **one** all-gather over the bridge's world group
@@ -29,7 +29,7 @@ One rank's step (the plan is :mod:`mp_bridge.comm.bridge.plans.route_plan`):
 
 The route's rows are a :class:`~mp_bridge.comm.bridge.plans.row_move.RowMove`
 (:meth:`RankRoute.move`), run by
-:func:`~mp_bridge.comm.bridge.execution.row_moves.one_way_move`.
+:func:`~mp_bridge.comm.bridge.execution.row_move.one_way_move`.
 
 The plan depends only on each member's token total, the shard ids of the LLM batches and
 the SP pieces: the communicator keeps the last 8 plans (:class:`PlanCache`), so steps
@@ -43,12 +43,12 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from mp_bridge.comm.bridge.execution.row_moves import one_way_move
+from mp_bridge.comm.bridge.execution.row_move import one_way_move
 from mp_bridge.comm.bridge.execution.sample_counts import check_sample_counts
 from mp_bridge.comm.bridge.plans.bridge_plan import BridgePlan
 from mp_bridge.comm.bridge.plans.layouts import BridgeDirection
 from mp_bridge.comm.bridge.plans.plan_cache import PlanCache
-from mp_bridge.comm.bridge.plans.route_plan import (
+from mp_bridge.comm.bridge.plans.route import (
     RankRoute,
     image_token_shards,
     plan_route,

@@ -1,6 +1,6 @@
 """Delivery of encoder rows to the LLM's first pipeline stage: exact bytes, one exchange.
 
-Executes :func:`~mp_bridge.comm.bridge.plans.stage_plan.plan_stage_delivery` (LLM PP > 1) for
+Executes :func:`~mp_bridge.comm.bridge.plans.stage.plan_stage_delivery` (LLM PP > 1) for
 ``communicate`` (dense rows: one row per sample) and ``communicate_ragged`` (tokens per
 sample). One rank's step, on row-major ``x`` ``[rows, *rest]`` of its encoder batch:
 
@@ -26,7 +26,7 @@ rank; every rank raises the same ``ValueError`` on a mismatch) and, when any pie
 (FAN_IN), one ``all_to_all_single`` of the moved pieces' per-sample counts before the rows.
 
 Each rank's rows are a :class:`~mp_bridge.comm.bridge.plans.row_move.RowMove`
-(:meth:`StageDelivery.row_move`), run by :mod:`~mp_bridge.comm.bridge.execution.row_moves`
+(:meth:`StageDelivery.row_move`), run by :mod:`~mp_bridge.comm.bridge.execution.row_move`
 (``one_way_move``: double backward refused).
 """
 
@@ -39,9 +39,9 @@ import torch
 import torch.distributed as dist
 
 from mp_bridge.comm.bridge.execution.headers import differing_field, gather_headers, show_field
-from mp_bridge.comm.bridge.execution.row_moves import one_way_move, run_leg
+from mp_bridge.comm.bridge.execution.row_move import one_way_move, run_leg
 from mp_bridge.comm.bridge.plans.row_move import RowMove
-from mp_bridge.comm.bridge.plans.stage_plan import StageDelivery
+from mp_bridge.comm.bridge.plans.stage import StageDelivery
 
 __all__ = ["deliver_rows", "ragged_dest_counts"]
 

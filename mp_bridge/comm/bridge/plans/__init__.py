@@ -4,8 +4,8 @@ No module here imports ``torch.distributed`` (``tests/unit/test_architecture.py`
 it): every plan is a frozen value computed from coordinates, unit-testable with no process
 group. ``layouts``: whether two layouts bridge (direction, DP ratio, nesting);
 ``bridge_plan``: :class:`BridgePlan` and :func:`plan_bridge`; ``plan_groups``: the base
-plan's gather and CP groups and its readable table; ``ragged_plan``, ``token_counts``: the
-ragged step and its per-sample counts; ``route_plan``: the routed rows; ``stage_plan``:
+plan's gather and CP groups and its readable table; ``ragged``, ``token_counts``: the
+ragged step and its per-sample counts; ``route``: the routed rows; ``stage``:
 delivery to a pipelined LLM's first stage; ``balance_plan``: the encoder image balance;
 ``count_rows``: the per-sample count rows every rank compares; ``plan_cache``: the LRU of
 route and balance plans; ``row_move``: :class:`RowMove`, which rows go where forward and
@@ -25,8 +25,8 @@ from .count_rows import (
 from .layouts import BridgeDirection
 from .plan_cache import PlanCache, RouteCache
 from .plan_groups import format_rank_table
-from .ragged_plan import RaggedRoute, check_member_headers, route_ragged
-from .route_plan import (
+from .ragged import RaggedRoute, check_member_headers, route_ragged
+from .route import (
     RankRoute,
     image_token_shards,
     plan_route,
@@ -34,7 +34,7 @@ from .route_plan import (
     route_needs,
 )
 from .row_move import MoveLeg, RowMove, gather_move
-from .stage_plan import Piece, StageDelivery, Transfer, plan_stage_delivery
+from .stage import Piece, StageDelivery, Transfer, plan_stage_delivery
 from .token_counts import check_tokens_per_sample
 
 __all__ = [

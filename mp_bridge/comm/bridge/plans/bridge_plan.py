@@ -12,7 +12,7 @@ FAN_IN with scale 2; rank 0 (src dp 0) and rank 2 (src dp 1) both feed LLM repli
 
 With LLM PP > 1 (``pipeline=True``; the encoder keeps PP = 1 over all ranks) only the
 LLM's first stage consumes encoder rows; the gather groups and nesting rule are unchanged
-(an LLM DP replica now spans its stages), and :mod:`~.stage_plan` says which holder sends
+(an LLM DP replica now spans its stages), and :mod:`~.stage` says which holder sends
 each piece to each first-stage consumer, so later stages receive nothing.
 
 The layouts' checks and direction are :mod:`~mp_bridge.comm.bridge.plans.layouts`; the
@@ -156,7 +156,7 @@ def plan_bridge(
     first offending rank with both coordinate sets.
 
     ``pipeline=True`` admits dest PP > 1: the caller then delivers to the first stage only
-    (:func:`~mp_bridge.comm.bridge.plans.stage_plan.plan_stage_delivery`). Without it dest PP > 1
+    (:func:`~mp_bridge.comm.bridge.plans.stage.plan_stage_delivery`). Without it dest PP > 1
     is a ``ValueError``: the all-gather bridge would hand every stage encoder rows and
     give a later stage's encoder replica no gradient.
     """

@@ -35,7 +35,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from mp_bridge.comm.bridge.plans.bridge_plan import BridgePlan
-from mp_bridge.comm.bridge.plans.route_plan import route_groups
+from mp_bridge.comm.bridge.plans.route import route_groups
 
 __all__ = [
     "ROW_SIZE",

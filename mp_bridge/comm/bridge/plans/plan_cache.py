@@ -1,6 +1,6 @@
 """A small LRU of pure plans: a repeated layout (or image count list) is not planned again.
 
-The communicator keeps its ``route`` plans (:class:`~.route_plan.RankRoute`, keyed by the
+The communicator keeps its ``route`` plans (:class:`~.route.RankRoute`, keyed by the
 token totals, the shard ids and the SP pieces) in one, and :class:`ImageBalancer` its
 balance plans (:class:`~.balance_plan.BalancePlan`, keyed by the counts and costs): a
 plan is a pure value of its key, so a hit returns it unchanged. ``RouteCache`` is the

@@ -2,10 +2,10 @@
 
 Route, stage (PP delivery), the image balancer and ragged each move rows between the
 members of a group by a plan and move them back in backward. Their plans
-(:class:`~.route_plan.RankRoute`, :class:`~.stage_plan.StageDelivery`,
+(:class:`~.route.RankRoute`, :class:`~.stage.StageDelivery`,
 :class:`~.balance_plan.BalancePlan`, the ragged gather) each produce one rank's
 :class:`RowMove`, and one execution
-(:mod:`~mp_bridge.comm.bridge.execution.row_moves`) runs any of them: a
+(:mod:`~mp_bridge.comm.bridge.execution.row_move`) runs any of them: a
 :class:`MoveLeg` is one direction (``dst[keep_dst] = src[keep_src]``; ``src[send[m]]`` to
 member ``m``; ``dst[recv[m]]`` filled from ``m``'s message, in message order, one
 ``all_to_all_single`` when ``exchange``), a :class:`RowMove` its forward and backward.

@@ -7,8 +7,8 @@
   dtypes, needed packages, where ``"auto"`` picks it), ``ENGINES`` (the choices of
   ``engine=``) and ``AUTO_ORDER``;
 - ``torch_ops/``: the ``"torch"`` engine (chunked torch matmuls; the CPU path and the
-  reference): ``torch_engine`` and the runners of its two modes, ``torch_default`` and
-  ``torch_invariant``, under the chunk driver ``driver``;
+  reference): ``engine`` and the runners of its two modes, ``default`` and
+  ``invariant``, under the chunk driver ``driver``;
 - ``triton_ops/``: the ``"triton"`` engine (GPU kernels; CPU tensors under
   ``TRITON_INTERPRET=1``), imported only when asked for or picked: ``triton_engine`` and
   the runners ``triton_default`` and ``triton_invariant``, over one kernel per file.

@@ -58,8 +58,11 @@ class FusedLossEngine(Protocol):
       ``LossSpec`` of ``formulas``: every option the math reads, the per-token outputs it
       asks for among them; the math is in its docstring),
       ``options.shard`` (``VocabShard``), ``options.tp_group``,
-      ``options.engine_reduction``, ``options.invariant``, ``options.chunk_size``
-      (``None``: the engine's default) and ``options.logits_precision``.
+      ``options.engine_reduction``, ``options.invariant``, ``options.chunk_size`` and
+      ``options.logits_precision``. ``chunk_size`` has one meaning in every engine and
+      mode: the number of tokens whose logits exist at once (``None``: the engine's
+      default); an engine that rounds or caps it says how in its docstring, and one that
+      cannot bound it declares so (``registry.EngineCaps.chunk_size``).
 
     It returns the per-token ``outputs.TokenOutputs`` (``lse`` ``None``): every field fp32
     on ``hidden``'s device, 0 at ``spec.ignore_index``; per token ``[N]``
@@ -107,26 +110,31 @@ def choose_engine(
     asked: object,
     inputs: tuple[tuple[str, tuple[int, ...], torch.dtype], ...],
     device: torch.device,
+    chunk_size: int | None = None,
 ) -> str:
     """The engine that runs a call: ``asked`` itself, or the choice of ``"auto"``.
 
-    ``inputs``: ``(name, shape, dtype)`` of ``hidden`` and ``weight``; ``device``: theirs.
-    Called by the parse (``options.parse_loss_options``), before any collective.
+    ``inputs``: ``(name, shape, dtype)`` of ``hidden`` and ``weight``; ``device``: theirs;
+    ``chunk_size``: the call's (tokens whose logits exist at once; ``None``: the engine's
+    default). Called by the parse (``options.parse_loss_options``), before any collective.
 
     - not one of ``ENGINES``: ``ValueError``;
     - explicit: it runs or raises, never falls back. A missing module is an
       ``ImportError`` (``registry.engine_module``); an input it cannot run (its
-      ``ENGINE_CAPS``: device, dtype; or its ``unsupported`` shape check) a
-      ``ValueError`` naming the reason;
+      ``ENGINE_CAPS``: device, dtype, a ``chunk_size`` it does not honour; or its
+      ``unsupported`` shape check) a ``ValueError`` naming the reason;
     - ``"auto"``: the first of ``AUTO_ORDER`` whose ``auto_on`` holds the device type and
-      that can run the call; ``"torch"`` runs every call. A CUDA machine whose
-      ``"triton"`` does not import warns (once per process under the default filter).
+      that can run the call (a given ``chunk_size`` included); ``"torch"`` runs every
+      call. A CUDA machine whose ``"triton"`` does not import warns (once per process
+      under the default filter).
     """
     name = check_choice("engine", asked, ENGINES, fix="'auto': 'triton' on CUDA")
     dtypes = tuple(dtype for _, _, dtype in inputs)
     if name != "auto":
         engine = engine_module(name).ENGINE
         reason = ENGINE_CAPS[name].unsupported(device, dtypes) or engine.unsupported(inputs)
+        if reason is None and chunk_size is not None and not ENGINE_CAPS[name].chunk_size:
+            reason = f"chunk_size={chunk_size} (it does not bound the tokens it holds logits of)"
         if reason is not None:
             raise ValueError(
                 f"engine={name!r} cannot run this call: {reason}; pass engine='auto' (it "
@@ -138,6 +146,8 @@ def choose_engine(
         if caps.auto_on is not None and device.type not in caps.auto_on:
             continue
         if caps.unsupported(device, dtypes) is not None:
+            continue
+        if chunk_size is not None and not caps.chunk_size:
             continue
         try:
             engine = engine_module(name).ENGINE

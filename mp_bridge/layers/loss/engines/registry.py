@@ -30,7 +30,10 @@ class EngineCaps:
     device type it also runs while the environment variable is ``"1"`` (an interpreter).
     ``dtypes``: the floating dtypes of ``hidden`` / ``weight`` it takes (``None``: any).
     ``auto_on``: the device types on which ``"auto"`` picks it (``AUTO_ORDER``; ``None``:
-    any).
+    any). ``chunk_size``: whether it honours ``chunk_size=`` (at most that many tokens,
+    up to the rounding its docstring states, have logits at once); one that does not is a
+    ``ValueError`` when asked by name with a ``chunk_size``, and ``"auto"`` never picks it
+    then.
     Shape limits (e.g. int32 offsets) are not here: they are a check on each call
     (``FusedLossEngine.unsupported``).
     """
@@ -42,6 +45,7 @@ class EngineCaps:
     interpreted: tuple[str, str] | None = None
     dtypes: tuple[torch.dtype, ...] | None = None
     auto_on: tuple[str, ...] | None = None
+    chunk_size: bool = True
 
     def unsupported(self, device: torch.device, dtypes: tuple[torch.dtype, ...]) -> str | None:
         """Why this engine cannot run tensors of ``device`` and ``dtypes``, or ``None``."""

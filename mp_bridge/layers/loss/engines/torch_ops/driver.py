@@ -42,7 +42,7 @@ class ChunkState(NamedTuple):
 
 class ChunkRunner(Protocol):
     """What the chunk driver (``FusedLinearLoss``) needs from the runner of a mode
-    (``torch_default.TorchDefaultRunner``, ``torch_invariant.TorchInvariantRunner``).
+    (``default.TorchDefaultRunner``, ``invariant.TorchInvariantRunner``).
 
     A runner turns one token chunk ``h [C, H]`` of the TP-replicated hidden states and
     the local weight shard ``W [V_local, H]`` into per-token outputs (``forward_chunk``),

@@ -19,6 +19,7 @@ import triton.language as tl
 from mp_bridge.layers.loss.blocks import VOCAB_BLOCK
 from mp_bridge.layers.loss.engines.triton_ops.block_stats import (
     NUM_WARPS,
+    aligned,
     row_tile,
     stats_build,
 )
@@ -35,20 +36,17 @@ from mp_bridge.layers.loss.formulas import LossSpec
 __all__ = ["NARROW_M", "WIDE_M", "block_grad"]
 
 #: Token rows per program (bf16 / fp16) where the JIT's build has 16-divisible shapes and
-#: pointers (vectorized ``cp.async`` loads): two ``[128, 128]`` accumulators, ``wgmma
-#: m64n128k16`` as at ``NARROW_M = 64`` rows, epilogue one half at a time. Without that
-#: divisibility the unvectorized loads spill at 128 rows, so the tile is ``NARROW_M``; the
-#: row tile moves no bit (each row is its own dot, ``k`` in order). The ``k`` step and the
+#: pointers (vectorized ``cp.async`` loads) and the call has no option flag: two ``[128,
+#: 128]`` accumulators, ``wgmma m64n128k16`` as at ``NARROW_M = 64`` rows, epilogue one half
+#: at a time. Without that divisibility the unvectorized loads spill at 128 rows, and with
+#: a flag (soft-cap, z-loss, entropy, class weights) the epilogue beside the second
+#: accumulator spills (8 to 400 B), so the tile is ``NARROW_M`` (twice the weight tile
+#: loads per token, predicted); the row tile moves no bit (each row is its own dot, ``k``
+#: in order). The ``k`` step and the
 #: pipelining depth are ``block_stats.stats_build``'s (bf16 / fp16: 16, 5 stages): the
 #: recomputed logits are the forward's, bit for bit, on a GPU and under the interpreter.
 WIDE_M = 128
 NARROW_M = 64
-
-
-def _aligned(*args) -> bool:
-    """Whether every tensor's address and every integer is a multiple of 16 (the JIT's
-    divisibility specialization)."""
-    return all((a.data_ptr() if hasattr(a, "data_ptr") else a) % 16 == 0 for a in args)
 
 
 @triton.jit
@@ -132,10 +130,11 @@ def block_grad(
         return out
     args, flags = grad_params(spec, w, w_ent, ent, colw, wab)
     tm = row_tile(h.dtype)
-    build, stages = stats_build(h.dtype)  # block_stats' k step: the same logits bits
+    is_aligned = aligned(h, weight, out, n, hd, weight.shape[0], h.stride(0), weight.stride(0))
+    # block_stats' k step (the same logits bits) and its pipelining depth
+    build, stages = stats_build(h.dtype, is_aligned)
     if h.dtype != torch.float32:
-        aligned = _aligned(h, weight, out, n, hd, weight.shape[0], h.stride(0), weight.stride(0))
-        tm = WIDE_M if aligned else NARROW_M
+        tm = WIDE_M if is_aligned and not any(flags.values()) else NARROW_M
     _block_grad_kernel[(triton.cdiv(n, tm), n_blocks)](
         h, h.stride(0), weight, weight.stride(0), out, out.stride(0), n, hd, weight.shape[0],
         num_valid, temp, tcol, lse, *args, **flags, TILE_M=tm, BLOCK=VOCAB_BLOCK,

@@ -175,7 +175,9 @@ def tile_grad(
     if HAS_ENT:
         k -= w_ent * ent
     if HAS_CW:
-        g = p * k[:, None] + tl.where(valid, (w * coef_c)[:, None] * cw[None, :], 0.0)
+        # no mask on the c term: cw is 0 past the true columns (and masked rows are never
+        # stored), and adding the target term's +0 there turns a -0 into +0: the same bits
+        g = p * k[:, None] + (w * coef_c)[:, None] * cw[None, :]
         g += tl.where(is_target, ent[:, None], 0.0)
     else:
         g = p * k[:, None] + tl.where(valid, (w * coef_c)[:, None], 0.0)

@@ -14,8 +14,11 @@ The shard's weight rows are cut into slabs of ``Vs`` rows (``slab_rows``: about
   rounding, no fp32 ``[Vs, H]`` product and copy), ``d h += g @ W_s`` in fp32
   (``addmm_f32_``); one all-reduce of ``d h``. 3 GEMMs.
 
-``chunk_size`` does not apply (the slab, not a token chunk, bounds the logits held). So
-4 GEMMs of ``N x V_local x H`` per call, no ``[N, V_local]`` buffer, no fp32 copy of
+``chunk_size`` (tokens whose logits exist at once; ``None``: all ``N``): the tokens go in
+chunks of that many, each chunk through every slab, with one statistics all-gather and
+one ``d h`` all-reduce per call whatever the chunking; ``d W`` then sums the chunks in an
+fp32 buffer (``TritonDefaultRunner``). Without chunks, 4 GEMMs of ``N x V_local x H`` per
+call, no ``[N, V_local]`` buffer, no fp32 copy of
 the weight and no fp32 ``d W`` accumulator. Extra memory at ``N x H x V = 8192 x 4096 x
 131072`` bf16, TP 1 (``Vs = 2048``), during the slab loop of backward: ``d W`` 1 GiB (bf16,
 the gradient itself), ``d h``'s fp32 accumulator 128 MiB, and at ``row_grad`` (the peak)
@@ -226,17 +229,30 @@ def slab_rows(n: int, v_local: int) -> int:
 
 @dataclass(frozen=True, eq=False)
 class TritonDefaultRunner:
-    """The default runner: ``stats`` (forward) and ``grads`` (backward) of one call."""
+    """The default runner: ``stats`` (forward) and ``grads`` (backward) of one call.
+
+    ``chunk``: tokens whose logits exist at once (``chunk_size``), or ``None``: all of
+    them. With ``N > chunk`` the tokens go in chunks of ``chunk`` (the last shorter), each
+    through every slab (``slab_rows`` of the chunk); forward merges the chunks' local
+    statistics and makes the one all-gather after the last, backward accumulates ``d W``
+    in an fp32 ``[V_local, H]`` buffer (one rounding at the end; +4 bytes per weight
+    element) and makes the one ``d h`` all-reduce after the last chunk."""
 
     weight: torch.Tensor  # [V_local, H], this rank's shard
     tp_group: dist.ProcessGroup | None
     shard: VocabShard
     spec: LossSpec
+    chunk: int | None = None
 
     def columns(self, target: torch.Tensor) -> torch.Tensor:
         """Local column of each target in this shard, else -1 (``int64 [N]``)."""
         inside = (target >= self.shard.start) & (target < self.shard.stop)
         return torch.where(inside, target - self.shard.start, -1).contiguous()
+
+    def _chunks(self, n: int):
+        step = n if self.chunk is None else self.chunk
+        for s in range(0, n, max(step, 1)):
+            yield slice(s, min(s + step, n))
 
     def _slabs(self, n: int):
         v, rows = self.weight.shape[0], slab_rows(n, self.weight.shape[0])
@@ -245,17 +261,22 @@ class TritonDefaultRunner:
 
     def stats(self, h: torch.Tensor, tcol: torch.Tensor, temp: torch.Tensor) -> torch.Tensor:
         """Global ``[S, N]`` statistics (one all-gather over ``tp_group``)."""
-        stats = h.new_empty((self.spec.num_stats, h.shape[0]), dtype=torch.float32)
+        n = h.shape[0]
+        stats = h.new_empty((self.spec.num_stats, n), dtype=torch.float32)
         if not self.weight.shape[0]:  # an empty shard (a DTensor's last): the merge identity
             stats.zero_()[0] = float("-inf")
         colw = kernel_column_weights(self.spec, self.shard.start, self.shard.num_real)
-        for i, (v0, w_s) in enumerate(self._slabs(h.shape[0])):
-            z = mm_f32(h, w_s.t())  # (N, H) @ (H, Vs)
-            row_stats_(
-                z, stats, temp, tcol, num_valid=self.shard.num_real, col0=v0,
-                spec=self.spec, first=i == 0, colw=colw,
-            )  # fmt: skip
-            del z
+        for rows in self._chunks(n) if self.weight.shape[0] else ():
+            part = stats if rows.stop - rows.start == n else torch.empty_like(stats[:, rows])
+            for i, (v0, w_s) in enumerate(self._slabs(rows.stop - rows.start)):
+                z = mm_f32(h[rows], w_s.t())  # (C, H) @ (H, Vs)
+                row_stats_(
+                    z, part, temp[rows], tcol[rows], num_valid=self.shard.num_real, col0=v0,
+                    spec=self.spec, first=i == 0, colw=colw,
+                )  # fmt: skip
+                del z
+            if part is not stats:
+                stats[:, rows] = part
         return gather_merge_stats(stats, self.tp_group, self.spec.merge)
 
     def grads(self, h, tcol, temp, lse, w, w_ent, ent, want_gw: bool, wab=None):
@@ -265,17 +286,34 @@ class TritonDefaultRunner:
         colw = None  # with wab only (class_weights: the rest runs unweighted)
         if wab is not None:
             colw = kernel_column_weights(self.spec, self.shard.start, self.shard.num_real)
+        n = h.shape[0]
         gh = torch.zeros(h.shape, dtype=torch.float32, device=h.device)
-        gw = torch.empty_like(self.weight) if want_gw else None
-        for v0, w_s in self._slabs(h.shape[0]):
-            z = mm_f32(h, w_s.t())
-            g = z if h.dtype == torch.float32 else torch.empty_like(z, dtype=h.dtype)
-            row_grad(
-                z, g, temp, tcol, lse, w, w_ent, ent, num_valid=self.shard.num_real,
-                col0=v0, spec=self.spec, colw=colw, wab=wab,
-            )  # fmt: skip
-            del z
-            if gw is not None:
-                mm_into_(gw[v0 : v0 + w_s.shape[0]], g.t(), h)  # (Vs, N) @ (N, H): complete
-            addmm_f32_(gh, g, w_s)  # (N, Vs) @ (Vs, H)
+        one = self.chunk is None or n <= self.chunk  # d W_s complete from one GEMM
+        gw = acc = None
+        if want_gw:
+            gw = torch.empty_like(self.weight) if one else None
+            acc = None if one else torch.zeros(self.weight.shape, dtype=torch.float32,
+                                               device=h.device)  # fmt: skip
+        for rows in self._chunks(n):
+            hc = h[rows]
+            w_ent_c = None if w_ent is None else w_ent[rows]
+            ent_c = None if ent is None else ent[rows]
+            wab_c = None if wab is None else (wab[0][rows], wab[1][rows])
+            for v0, w_s in self._slabs(rows.stop - rows.start):
+                z = mm_f32(hc, w_s.t())
+                g = z if h.dtype == torch.float32 else torch.empty_like(z, dtype=h.dtype)
+                row_grad(
+                    z, g, temp[rows], tcol[rows], lse[rows], w[rows], w_ent_c, ent_c,
+                    num_valid=self.shard.num_real, col0=v0, spec=self.spec, colw=colw,
+                    wab=wab_c,
+                )  # fmt: skip
+                del z
+                at = slice(v0, v0 + w_s.shape[0])
+                if gw is not None:
+                    mm_into_(gw[at], g.t(), hc)  # (Vs, N) @ (N, H): complete
+                elif acc is not None:
+                    addmm_f32_(acc[at], g.t(), hc)  # (Vs, C) @ (C, H), summed over chunks
+                addmm_f32_(gh[rows], g, w_s)  # (C, Vs) @ (Vs, H)
+        if acc is not None:
+            gw = acc.to(self.weight.dtype)  # one rounding of the fp32 sum
         return all_reduce_sum_(gh, self.tp_group), gw

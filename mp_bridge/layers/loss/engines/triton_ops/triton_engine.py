@@ -115,7 +115,9 @@ class TritonEngine:
                 w, options.tp_group, options.shard, spec, options.chunk_size
             )
         else:
-            runner = TritonDefaultRunner(w, options.tp_group, options.shard, spec)
+            runner = TritonDefaultRunner(
+                w, options.tp_group, options.shard, spec, chunk=options.chunk_size
+            )
         out = TokenOutputs(*_TritonLinearLoss.apply(h, w, target, temp, runner))
         reduction = options.engine_reduction
         if reduction == "none":

@@ -17,7 +17,7 @@ Choices (deterministic, the same on every rank; positions in ascending-rank list
   it from consumer number ``pos(e among holders) mod |consumers|``. Every encoder TP
   replica thus ends with the piece's full gradient. (Gather flow with dest CP > 1: the
   consumers first all-reduce the piece gradient over the first stage's CP group, as the
-  PP = 1 bridge does; the routed flow sends per-shard rows instead, see ``route_plan``.)
+  PP = 1 bridge does; the routed flow sends per-shard rows instead, see ``route``.)
 
 So a first-stage rank receives exactly the pieces it consumes and does not hold, each
 once (the byte bound). Example, encoder ``tp=2,dp=4`` -> LLM ``tp=2,pp=2,dp=2`` (FAN_IN

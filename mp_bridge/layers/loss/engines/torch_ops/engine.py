@@ -1,7 +1,9 @@
 """The ``"torch"`` engine: chunked torch matmuls, the CPU path and the reference engine.
 
-Tokens are processed in chunks of ``chunk_size`` rows by the runner of the mode
-(``torch_default.TorchDefaultRunner``, ``torch_invariant.TorchInvariantRunner`` with
+Tokens are processed in chunks of ``chunk_size`` rows (the tokens whose logits exist at
+once; ``None``: about ``DEFAULT_CHUNK_ELEMENTS`` logits, at least 128 rows) by the runner
+of the mode
+(``default.TorchDefaultRunner``, ``invariant.TorchInvariantRunner`` with
 ``options.invariant``) under one autograd Function (``driver.FusedLinearLoss``); at most one
 chunk's fp32 logits ``[chunk, V_local]`` exist at a time and the weight is never gathered.
 bf16 / fp16 inputs are upcast once per call with ``logits_precision="fp32"`` (one fp32 copy
@@ -26,9 +28,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from mp_bridge.layers.loss.blocks import TOKEN_TILE, BlockLayout, pad_single_shard
+from mp_bridge.layers.loss.engines.torch_ops.default import TorchDefaultRunner
 from mp_bridge.layers.loss.engines.torch_ops.driver import ChunkRunner, FusedLinearLoss
-from mp_bridge.layers.loss.engines.torch_ops.torch_default import TorchDefaultRunner
-from mp_bridge.layers.loss.engines.torch_ops.torch_invariant import TorchInvariantRunner
+from mp_bridge.layers.loss.engines.torch_ops.invariant import TorchInvariantRunner
 from mp_bridge.layers.loss.outputs import TokenOutputs
 
 if TYPE_CHECKING:
