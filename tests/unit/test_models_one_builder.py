@@ -13,16 +13,17 @@ from mp_bridge.models import ColocatedMimoModel, MimoConfig, ReferenceMimo, buil
 from mp_bridge.models.colocated import MimoGroups, MimoOptions
 from mp_bridge.models.colocated.build import MimoBuildSpec
 
-SEVEN = (
+OPTIONS = (
     "sequence_parallel", "fused_loss", "device", "flow", "microbatches", "schedule", "balance",
+    "cp_comm",
 )  # fmt: skip
 
 
 def test_the_options_are_written_once():
-    assert tuple(f.name for f in dataclasses.fields(MimoOptions)) == SEVEN
+    assert tuple(f.name for f in dataclasses.fields(MimoOptions)) == OPTIONS
     for door in (build_colocated_mimo, ColocatedMimoModel.from_groups):
         params = inspect.signature(door).parameters
-        assert not set(SEVEN) & set(params), door  # no second copy of the keywords
+        assert not set(OPTIONS) & set(params), door  # no second copy of the keywords
         assert any(p.kind is p.VAR_KEYWORD for p in params.values()), door
 
 
@@ -40,7 +41,7 @@ def test_from_groups_takes_the_options_and_names_an_unknown_one():
 def test_the_agreed_options_are_validated_and_named():
     opts = MimoOptions(flow="routed", microbatches=2)
     spec = MimoBuildSpec(grids=None, options=opts.agreed())
-    assert list(spec.fields()) == ["grids", *(n for n in SEVEN if n != "device")]
+    assert list(spec.fields()) == ["grids", *(n for n in OPTIONS if n != "device")]
     assert spec.fields()["flow"] == "routed"
     with pytest.raises(ValueError, match=r"microbatches"):
         MimoOptions(microbatches=0).agreed()

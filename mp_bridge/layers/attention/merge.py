@@ -92,7 +92,8 @@ class LseMerge:
 
     def mark(self, q0: int, q1: int, rows: torch.Tensor) -> None:
         if self.poison is None:
-            self.poison = torch.zeros_like(self.lse, dtype=torch.bool)
+            b, h, s, _ = self.shape
+            self.poison = torch.zeros(b, h, s, dtype=torch.bool, device=self.device)
         self.poison[:, :, q0:q1] |= rows
 
     def output(self) -> torch.Tensor:

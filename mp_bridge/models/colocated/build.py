@@ -57,7 +57,8 @@ def build_colocated_mimo(
     ``checkpoint.load`` fills them.
 
     ``options``: the build options of :class:`~.mimo_options.MimoOptions` (``sequence_parallel``,
-    ``fused_loss``, ``device``, ``flow``, ``microbatches``, ``schedule``, ``balance``).
+    ``fused_loss``, ``device``, ``flow``, ``microbatches``, ``schedule``, ``balance``,
+    ``cp_comm``).
     Every group comes from ``make_mimo_groups(encoder_grid, llm_grid)`` (groups the grids
     lack are created on them; one bridge). Release them with :func:`destroy_colocated_mimo`.
     ``flow``: ``"gather"`` or ``"routed"``; ``balance``: see :class:`ColocatedMimoModel`. The grids'
