@@ -83,7 +83,7 @@ def _kernel(kernels, key: str, share: float = 1.0) -> list[tuple]:
 
 
 def default_schedule(s, kernels, c: int) -> list[tuple]:
-    """``triton_default``: the kernels in call order, its two collectives plain (waited
+    """``triton_ops.default``: the kernels in call order, its two collectives plain (waited
     for at once): the forward statistics all-gather, the backward ``d h`` all-reduce."""
     coll = collectives(s, c)["default"]
     fwd = [k for k in kernels if k.name.startswith("fwd")]
@@ -96,7 +96,7 @@ def default_schedule(s, kernels, c: int) -> list[tuple]:
 
 
 def invariant_schedule(s, kernels, c: int) -> list[tuple]:
-    """``triton_invariant`` as the code runs it. Forward: ``block_stats``, the raw block
+    """``triton_ops.invariant`` as the code runs it. Forward: ``block_stats``, the raw block
     statistics all-gather (plain), ``fold_stats``. Backward (``grads``): the accumulator's
     zero-fill; the weight-shard all-gather started (``async_op``), first waited for before
     the first ``dhidden``; per chunk ``block_grad``, the ``g`` token-row all-to-all started,

@@ -13,7 +13,7 @@ Parts (``--parts``; each writes its table to ``--out`` the moment it ends):
   against ``bench/gpu/invariant_bits.txt``) is known to be that variant's: whatever ``k``
   step the tree builds (the 64-step variant where the tree has it) is compared with the
   recorded bits.
-- ``cublas``: the default mode's four slab GEMMs (``triton_default``'s own ``mm_f32`` /
+- ``cublas``: the default mode's four slab GEMMs (``triton_ops.default``'s own ``mm_f32`` /
   ``mm_into_`` / ``addmm_f32_``) at ``--n`` tokens and ``Vs`` weight rows per slab
   (``roofline.slab_rows``), each against its predicted time.
 - ``nccl``: with two or more GPUs, a 256 MiB all-gather (the output; NCCL, every GPU one
@@ -95,7 +95,7 @@ def kernels_part(args, dev: torch.device) -> str:
     from mp_bridge.layers.loss.engines.triton_ops.block_grad import block_grad
     from mp_bridge.layers.loss.engines.triton_ops.dhidden import dhidden
     from mp_bridge.layers.loss.engines.triton_ops.fold_stats import fold_stats
-    from mp_bridge.layers.loss.engines.triton_ops.triton_invariant import TritonInvariantRunner
+    from mp_bridge.layers.loss.engines.triton_ops.invariant import TritonInvariantRunner
     from mp_bridge.layers.loss.formulas import LossSpec
     from mp_bridge.layers.vocab_shards import VocabShard
 
@@ -147,7 +147,7 @@ def block_stats(bs, h, w, temp, tcol, k, nv, spec, colw):
 
 
 def cublas_part(args, dev: torch.device) -> str:
-    from mp_bridge.layers.loss.engines.triton_ops.triton_default import (
+    from mp_bridge.layers.loss.engines.triton_ops.default import (
         addmm_f32_,
         mm_f32,
         mm_into_,

@@ -3,7 +3,7 @@ the tensors one call holds at each phase of forward + backward, from the code's 
 
 Extra memory is what ``bench/gpu/speed.py`` measures: ``max_memory_allocated`` during the
 call minus ``memory_allocated`` before it, gradients included (``d W`` and ``d h`` in the
-input dtype are the floor of any method). Phases of ``triton_default.TritonDefaultRunner``
+input dtype are the floor of any method). Phases of ``triton_ops.default.TritonDefaultRunner``
 (``Vs`` weight rows per slab, ``slab_rows``):
 
 - forward, per slab: the fp32 logits ``z [N, Vs]`` (the ``[S, N]`` statistics are small);
@@ -15,7 +15,7 @@ input dtype are the floor of any method). Phases of ``triton_default.TritonDefau
 - ``d h += g W_s``: ``g`` (+ an fp32 ``[N, H]`` product where ``addmm`` lacks ``out_dtype``);
 - the end: ``d W``, the fp32 ``d h`` and its copy in the input dtype.
 
-Invariant mode (``triton_invariant.TritonInvariantRunner``, chunks of ``C`` tokens):
+Invariant mode (``triton_ops.invariant.TritonInvariantRunner``, chunks of ``C`` tokens):
 
 - forward: the ``[S, K, G]`` fp32 block statistics of a fold group of ``G`` tokens (at
   TP > 1 the gathered ``[S, K_total, G]`` as well);
@@ -40,7 +40,7 @@ GIB = 2**30
 #: megatron-core's materialized path 6.0).
 DEFAULT_GIB = 1.25
 INVARIANT_GIB = 4.5
-#: The invariant mode's sizes (``triton_invariant``): chunk tokens, fold group, statistics
+#: The invariant mode's sizes (``triton_ops.invariant``): chunk tokens, fold group, statistics
 #: of a mean cross-entropy, vocab block.
 CHUNK, FOLD_TOKENS, STATS, VOCAB_BLOCK = 1024, 8192, 4, 256
 

@@ -77,7 +77,7 @@ LOGPROB_LIMIT = 1.5  # log-probs with a per-token upstream gradient
 DEFAULT_MS = 52.0
 #: The default mode's and the invariant mode's tiles (the code's constants; the facts
 #: file is keyed by kernel name).
-SLAB_ELEMENTS = 1 << 24  # triton_default.SLAB_ELEMENTS
+SLAB_ELEMENTS = 1 << 24  # triton_ops.default.SLAB_ELEMENTS
 VOCAB_BLOCK = 256  # blocks.VOCAB_BLOCK
 TILE_M = 128  # block_stats.TILE_M
 TILE_M_FP32 = 32  # block_stats.TILE_M_FP32: every fp32 row tile (row_tile)
@@ -85,8 +85,8 @@ TILE_M_FP32 = 32  # block_stats.TILE_M_FP32: every fp32 row tile (row_tile)
 ROW_TILE = {"_block_stats_kernel": TILE_M, "_block_grad_kernel": 128}  # block_grad.WIDE_M
 BVW, BHW, TILE_K, GROUP_V = 128, 256, 64, 8  # block_dweight.BVW, .BH (bf16 / fp16), .TILE_K
 BVW_FP32 = BHW_FP32 = 64  # block_dweight.BVW_FP32, .BH_FP32
-CHUNK = 1024  # triton_invariant.DEFAULT_CHUNK_TOKENS: times max(TP, 8) (``chunk``)
-FOLD_TOKENS = 8192  # triton_invariant.FOLD_TOKENS: tokens folded at once (whole chunks)
+CHUNK = 1024  # triton_ops.invariant.DEFAULT_CHUNK_TOKENS: times max(TP, 8) (``chunk``)
+FOLD_TOKENS = 8192  # triton_ops.invariant.FOLD_TOKENS: tokens folded at once (whole chunks)
 STATS = 4  # S: (m, s, target, sum z) for plain cross-entropy
 LINK_BPS_TEXT = "350 GB/s (comm_model.LINK_BPS)"
 
@@ -164,7 +164,7 @@ def fits(touched: float) -> bool:
     return touched <= L2_BYTES
 
 
-# --- default mode: triton_default (cuBLAS over slabs of Vs rows; row_stats / row_grad) -------
+# --- default mode: triton_ops.default (cuBLAS over slabs of Vs rows; row_stats / row_grad) -------
 
 
 def slab_rows(n: int, v_local: int) -> int:
@@ -210,7 +210,7 @@ def default_mode(s: Shape, facts) -> list[Kernel]:
     ]
 
 
-# --- invariant mode: triton_invariant (fixed Triton tiles over 256-row blocks, chunks of C) -----
+# --- invariant mode: triton_ops.invariant (fixed Triton tiles over 256-row blocks, chunks of C)
 
 
 def _window(f: dict) -> int:
@@ -323,7 +323,7 @@ def fold_stats_pass(s: Shape) -> Kernel:
 
 
 def chunk(s: Shape) -> int:
-    """Tokens per chunk of the invariant mode (``triton_invariant.default_chunk``)."""
+    """Tokens per chunk of the invariant mode (``triton_ops.invariant.default_chunk``)."""
     return min(CHUNK * max(s.tp, 8), s.n)
 
 

@@ -337,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{d} {_version(d)}"
         for d in ("torch", "triton", "megatron-core", "liger-kernel", "cut-cross-entropy")
     )
-    from mp_bridge.layers.loss.engines.triton_ops.triton_default import addmm_path
+    from mp_bridge.layers.loss.engines.triton_ops.default import addmm_path
 
     head = (
         "### LM-head loss: speed and memory (stage d)\n\n"

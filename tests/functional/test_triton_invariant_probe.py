@@ -19,7 +19,7 @@ import functools
 
 import torch
 
-from mp_bridge.layers.loss.engines.triton_ops import triton_invariant
+from mp_bridge.layers.loss.engines.triton_ops import invariant as triton_invariant
 from mp_bridge.testing import DistributedWorld
 from tests.loss_refs import Checks
 from tests.oracles import tp_member

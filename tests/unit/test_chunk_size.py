@@ -28,10 +28,8 @@ from mp_bridge.layers import fused_linear_cross_entropy  # noqa: E402
 from mp_bridge.layers.loss.engines.protocol import choose_engine  # noqa: E402
 from mp_bridge.layers.loss.engines.registry import ENGINE_CAPS  # noqa: E402
 from mp_bridge.layers.loss.engines.torch_ops import default, invariant  # noqa: E402
-from mp_bridge.layers.loss.engines.triton_ops import (  # noqa: E402
-    triton_default,
-    triton_invariant,
-)
+from mp_bridge.layers.loss.engines.triton_ops import default as triton_default  # noqa: E402
+from mp_bridge.layers.loss.engines.triton_ops import invariant as triton_invariant  # noqa: E402
 
 N, H, V = 13, 8, 300
 TOL = dict(rtol=1e-5, atol=1e-5)

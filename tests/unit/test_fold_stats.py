@@ -107,7 +107,7 @@ def test_the_tree_is_the_canonical_one_in_bits(k):
 
 @pytest.mark.parametrize("vocab", [1000, 3 * VOCAB_BLOCK, 37 * VOCAB_BLOCK - 5])
 def test_the_gathered_layout_of_every_tp_gives_the_flat_bits(vocab):
-    from mp_bridge.layers.loss.engines.triton_ops.triton_invariant import TritonInvariantRunner
+    from mp_bridge.layers.loss.engines.triton_ops.invariant import TritonInvariantRunner
 
     spec = SPECS[5]
     k = -(-vocab // VOCAB_BLOCK)

@@ -21,7 +21,7 @@ import torch
 
 from tests.triton_engine import DEVICE  # noqa: F401 - TRITON_INTERPRET, importorskip
 
-from mp_bridge.layers.loss.engines.triton_ops import triton_default  # noqa: E402  # isort: skip
+from mp_bridge.layers.loss.engines.triton_ops import default as triton_default  # noqa: E402  # isort: skip
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -65,7 +65,7 @@ def test_exact_fp32_turns_tf32_off_inside_and_restores_the_users_setting():
     # in a fresh process: the user's setting is process-global
     code = f"""
 import torch
-from mp_bridge.layers.loss.engines.triton_ops.triton_default import exact_fp32
+from mp_bridge.layers.loss.engines.triton_ops.default import exact_fp32
 mm = torch.backends.cuda.matmul
 for user in {_USER!r}:
     exec(user)
@@ -86,7 +86,7 @@ print("ok")
 def test_exact_reduction_turns_reduced_precision_off_inside_and_restores_the_users():
     code = """
 import torch
-from mp_bridge.layers.loss.engines.triton_ops.triton_default import exact_reduction
+from mp_bridge.layers.loss.engines.triton_ops.default import exact_reduction
 mm = torch.backends.cuda.matmul
 for user in ((True, True), (False, False), (False, True)):
     mm.allow_bf16_reduced_precision_reduction = user

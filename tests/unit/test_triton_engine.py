@@ -249,7 +249,7 @@ def test_token_row_owners_split_like_tensor_split():
 
 
 def test_invariant_chunks_keep_g_under_int32_offsets_and_scale_with_tp():
-    from mp_bridge.layers.loss.engines.triton_ops.triton_invariant import TritonInvariantRunner
+    from mp_bridge.layers.loss.engines.triton_ops.invariant import TritonInvariantRunner
     from mp_bridge.layers.vocab_shards import VocabShard
 
     spec = None  # build only stores it
@@ -269,7 +269,7 @@ def test_invariant_chunks_keep_hidden_rows_under_int32_offsets():
     """The chunk's ``h`` and ``d h`` rows ``[C, H]`` are read and written with int32
     offsets too (``rows * h_stride``): where ``H`` is wider than the chunk's ``g`` (few
     local vocab blocks) it caps the chunk as well."""
-    from mp_bridge.layers.loss.engines.triton_ops.triton_invariant import TritonInvariantRunner
+    from mp_bridge.layers.loss.engines.triton_ops.invariant import TritonInvariantRunner
     from mp_bridge.layers.vocab_shards import VocabShard
 
     # V = 32768 at TP 8: K = 16 local blocks, g [C, 4096]; H = 8192
@@ -288,7 +288,7 @@ def test_invariant_chunk_cap_is_the_same_on_every_rank():
     cap is set by the most real blocks a rank holds, not this rank's. Llama 3's vocab
     (128256) at TP 8: ranks 0-6 hold 63 real blocks, rank 7 holds 60 (was: 133120 tokens
     per chunk on ranks 0-6, 139008 on rank 7, so mismatched collectives past 133120)."""
-    from mp_bridge.layers.loss.engines.triton_ops.triton_invariant import TritonInvariantRunner
+    from mp_bridge.layers.loss.engines.triton_ops.invariant import TritonInvariantRunner
     from mp_bridge.layers.vocab_shards import VocabShard
 
     w = torch.empty((16128, 8), dtype=torch.bfloat16, device="meta")

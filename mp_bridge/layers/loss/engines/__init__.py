@@ -10,8 +10,8 @@
   reference): ``engine`` and the runners of its two modes, ``default`` and
   ``invariant``, under the chunk driver ``driver``;
 - ``triton_ops/``: the ``"triton"`` engine (GPU kernels; CPU tensors under
-  ``TRITON_INTERPRET=1``), imported only when asked for or picked: ``triton_engine`` and
-  the runners ``triton_default`` and ``triton_invariant``, over one kernel per file.
+  ``TRITON_INTERPRET=1``), imported only when asked for or picked: ``triton_ops.engine`` and
+  the runners ``triton_ops.default`` and ``triton_ops.invariant``, over one kernel per file.
 
 The packages are not named ``torch`` / ``triton``: a tool that puts ``engines/`` on the
 path would take them for the libraries.

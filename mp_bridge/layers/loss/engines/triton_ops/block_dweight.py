@@ -46,7 +46,7 @@ __all__ = [
 ]
 
 #: Tokens per product step (``K`` of each ``dot_acc``; fixed: part of the bits, and a
-#: divisor of the chunk: ``triton_invariant`` rounds chunks to whole multiples of it and
+#: divisor of the chunk: ``triton_ops.invariant`` rounds chunks to whole multiples of it and
 #: of ``block_stats.TILE_M``).
 TILE_K = 64
 #: Output tile ``[BVW, BH]`` per program, fixed per dtype (each element is one program's

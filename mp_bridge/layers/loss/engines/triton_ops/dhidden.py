@@ -18,7 +18,7 @@ and the all-gathered ``[TP, piece, Hg]`` weight are read where they land, with n
 
 - TP = 1: ``g [C, K * 256]`` (``block_grad``'s output) and the weight shard ``[V_local,
   H]``, one piece; weight rows past ``V_local`` (``w_rows``) load as zeros.
-- TP > 1 (``triton_invariant.TritonInvariantRunner.grads``): rank ``r`` owns the chunk's
+- TP > 1 (``triton_ops.invariant.TritonInvariantRunner.grads``): rank ``r`` owns the chunk's
   token rows ``rows_r`` (``torch.tensor_split(range(C), TP)[r]``, maybe empty). Once per
   call an all-gather gives it the whole weight as ``[TP, Kmax * 256, Hg]`` per column
   group (rank ``s``'s shard rows, zero-padded to the most real blocks ``Kmax`` a rank

@@ -2,7 +2,7 @@
 into the running ones (one program per ``ROWS`` tokens, no atomics).
 
 ``z [N, Vs]``: the raw fp32 logits of weight rows ``[col0, col0 + Vs)`` of this shard
-(a cuBLAS product, ``triton_default``). Each program walks its rows' slab in ``COLS``-wide
+(a cuBLAS product, ``triton_ops.default``). Each program walks its rows' slab in ``COLS``-wide
 tiles: ``transform`` (soft-cap, ``1 / T`` per row), ``tile_stats`` over the true columns
 (local id ``< num_valid``), the online merge ``merge_stats2``; then, unless ``first``,
 merges the statistics already in ``stats`` (the slabs before, in vocab order) and stores

@@ -37,8 +37,8 @@ import torch
 
 from mp_bridge.layers.loss.arguments import forbid_double_backward
 from mp_bridge.layers.loss.class_weights import target_weights, token_coefficients
-from mp_bridge.layers.loss.engines.triton_ops.triton_default import TritonDefaultRunner
-from mp_bridge.layers.loss.engines.triton_ops.triton_invariant import TritonInvariantRunner
+from mp_bridge.layers.loss.engines.triton_ops.default import TritonDefaultRunner
+from mp_bridge.layers.loss.engines.triton_ops.invariant import TritonInvariantRunner
 from mp_bridge.layers.loss.formulas import stats_values
 from mp_bridge.layers.loss.outputs import TokenOutputs, counted_tokens, reduce_tokens
 
