@@ -26,6 +26,7 @@ from mp_bridge.models.data.images import RaggedImages
 from mp_bridge.models.parallel.block_options import BlockOptions
 from mp_bridge.models.parallel.sharding import FullStateMixin
 from mp_bridge.models.parallel.tp_blocks import TPMLP, make_blocks, make_norm, parallel_config
+from mp_bridge.models.reference.transformer import vision_stem
 
 __all__ = ["TPEncoder", "TPProjection", "bidirectional_attention"]
 
@@ -86,14 +87,7 @@ class TPEncoder(FullStateMixin, nn.Module):
         """``[n, P, patch_dim] -> [n, image_placeholders, h]``: class token, positions,
         pre-norm, blocks (one image per batch row: attention stays inside it), select."""
         cfg = self.cfg
-        x = self.patch_embed(images)
-        if cfg.enc_class_token:
-            x = torch.cat([self.class_token.expand(x.shape[0], 1, -1), x], dim=1)
-        if cfg.enc_positions:
-            x = x + self.position_embedding
-        if cfg.enc_pre_norm:
-            x = self.pre_norm(x)
-        x = x.transpose(0, 1)  # blocks are sequence-first
+        x = vision_stem(self, self.patch_embed(images)).transpose(0, 1)  # sequence-first
         for block in self.blocks:
             x = block(x)
         x = (self.norm(x) if cfg.enc_final_norm else x).transpose(0, 1)

@@ -27,7 +27,13 @@ from mp_bridge.models.data.inputs import (
     parse_step_inputs,
 )
 from mp_bridge.models.data.placement import place_images
-from mp_bridge.models.reference.transformer import RefAttention, RefBlock, RefMLP, ref_norm
+from mp_bridge.models.reference.transformer import (
+    RefAttention,
+    RefBlock,
+    RefMLP,
+    ref_norm,
+    vision_stem,
+)
 
 __all__ = [
     "ReferenceEncoder",
@@ -100,14 +106,7 @@ class ReferenceEncoder(nn.Module):
             x = self.patch_embed(images.tokens).unsqueeze(0)
             x = _run_blocks(self.blocks, x, images.lengths())
             return (self.norm(x) if cfg.enc_final_norm else x).squeeze(0)
-        x = self.patch_embed(images)  # [b, P, h]
-        if cfg.enc_class_token:
-            x = torch.cat([self.class_token.expand(x.shape[0], 1, -1), x], dim=1)
-        if cfg.enc_positions:
-            x = x + self.position_embedding
-        if cfg.enc_pre_norm:
-            x = self.pre_norm(x)
-        x = _run_blocks(self.blocks, x)
+        x = _run_blocks(self.blocks, vision_stem(self, self.patch_embed(images)))  # [b, P, h]
         if cfg.enc_final_norm:
             x = self.norm(x)
         return x[:, 1:] if cfg.enc_feature_select == "default" else x

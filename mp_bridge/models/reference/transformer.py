@@ -20,7 +20,20 @@ from torch import nn
 
 from mp_bridge.layers import activation, apply_rotary, image_attention
 
-__all__ = ["RefAttention", "RefBlock", "RefMLP", "ref_norm"]
+__all__ = ["RefAttention", "RefBlock", "RefMLP", "ref_norm", "vision_stem"]
+
+
+def vision_stem(tower: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``[n, P, h]`` patch embeddings -> the tower's block input ``[n, P (+1), h]``: the
+    class token first, learned positions, pre-norm, each as ``tower.cfg`` says (CLIP /
+    SigLIP). The one stem of the reference and the TP towers (both hold the parameters
+    ``class_token``, ``position_embedding``, ``pre_norm`` replicated)."""
+    cfg = tower.cfg
+    if cfg.enc_class_token:
+        x = torch.cat([tower.class_token.expand(x.shape[0], 1, -1), x], dim=1)
+    if cfg.enc_positions:
+        x = x + tower.position_embedding
+    return tower.pre_norm(x) if cfg.enc_pre_norm else x
 
 
 def ref_norm(kind: str, hidden: int, eps: float) -> nn.Module:
