@@ -16,7 +16,7 @@ import torch
 from mp_bridge.checks import forbid_double_backward
 from mp_bridge.layers.attention.block_kernels import block_backward
 from mp_bridge.layers.attention.merge import LseMerge, PositionMask, pieces_backward, pieces_forward
-from mp_bridge.layers.attention.pieces import CAUSAL, MASKED, BlockPair
+from mp_bridge.layers.attention.pieces import CAUSAL, MASKED, BlockPair, covered_once
 
 __all__ = ["heads_first", "local_attention"]
 
@@ -31,11 +31,13 @@ class _LocalAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, pieces, scale, masks):
         qh, kh, vh = heads_first(q), heads_first(k), heads_first(v)
         b, hq, s, d = qh.shape
-        merge = LseMerge(b, hq, s, d, q.device)
+        rows_once, keys_once = covered_once(pieces, s, k.shape[1])
+        merge = LseMerge(b, hq, s, d, q.device, q.dtype if rows_once else torch.float32)
         pieces_forward(merge, qh, kh, vh, pieces, scale=scale, masks=masks)
         out = merge.output().to(q.dtype)  # [b, hq, s, d]
         ctx.save_for_backward(q, k, v, out, merge.lse)
         ctx.pieces, ctx.scale, ctx.masks = pieces, scale, masks
+        ctx.once = rows_once, keys_once
         return out.transpose(1, 2)
 
     @staticmethod
@@ -56,8 +58,11 @@ class _LocalAttention(torch.autograd.Function):
                     scale=ctx.scale,
                 )  # fmt: skip
                 return heads_first(dq), heads_first(dk), heads_first(dv), None, None, None
+        # fp32 sums, or the input dtype where every row is in one pair (0 + x is exact)
+        once = (ctx.once[0], ctx.once[1], ctx.once[1])
         grads = tuple(
-            torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in (qh, kh, vh)
+            torch.zeros(t.shape, dtype=t.dtype if one else torch.float32, device=t.device)
+            for t, one in zip((qh, kh, vh), once)
         )
         pieces_backward(
             heads_first(grad_out), qh, kh, vh, out, lse, ctx.pieces, grads,

@@ -58,8 +58,9 @@ def _finite_rows(t: torch.Tensor) -> torch.Tensor:
 class LseMerge:
     """The running fp32 output ``[b, h, s, d]`` and LSE ``[b, h, s]`` of one query set."""
 
-    def __init__(self, b: int, h: int, s: int, d: int, device: torch.device):
-        self.shape, self.device = (b, h, s, d), device
+    def __init__(self, b: int, h: int, s: int, d: int, device: torch.device, dtype=torch.float32):
+        """``dtype``: the output buffer's, fp32 unless no row is ever merged (covered_once)."""
+        self.shape, self.device, self.dtype = (b, h, s, d), device, dtype
         self.acc: torch.Tensor | None = None  # allocated by the first piece
         self.lse: torch.Tensor | None = None
         self.fresh = np.ones(s, dtype=bool)  # host: rows no piece has written yet
@@ -72,15 +73,15 @@ class LseMerge:
             self.fresh[:] = False
             return
         if self.acc is None:
-            self.acc = torch.zeros(b, h, s, d, dtype=torch.float32, device=self.device)
+            self.acc = torch.zeros(b, h, s, d, dtype=self.dtype, device=self.device)
             self.lse = torch.full((b, h, s), float("-inf"), dtype=torch.float32, device=self.device)
-        elif self.acc.dtype != torch.float32:  # a second piece: merge in fp32 from here
-            self.acc = self.acc.float()
         if self.fresh[q0:q1].all():  # first piece of these rows: a copy, no merge
             self.acc[:, :, q0:q1] = out
             self.lse[:, :, q0:q1] = lse
             self.fresh[q0:q1] = False
             return
+        if self.acc.dtype != torch.float32:  # rows seen twice: merge in fp32 from here
+            self.acc = self.acc.float()
         self.fresh[q0:q1] = False
         old = self.lse[:, :, q0:q1]
         new = torch.logaddexp(old, lse)

@@ -19,9 +19,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from mp_bridge.layers.attention.runs import Run
 
-__all__ = ["CAUSAL", "FULL", "MASKED", "BlockPair", "masked_pieces", "run_pieces"]
+__all__ = ["CAUSAL", "FULL", "MASKED", "BlockPair", "covered_once", "masked_pieces", "run_pieces"]
 
 FULL, CAUSAL, MASKED = "full", "causal", "masked"
 
@@ -66,6 +68,17 @@ def run_pieces(q_runs: tuple[Run, ...], k_runs: tuple[Run, ...], causal: bool) -
                     BlockPair(q.offset, q.offset + q.length, k.offset, k.offset + k.length, FULL)
                 )
     return pieces
+
+
+def covered_once(pieces: list[BlockPair], s_q: int, s_k: int) -> tuple[bool, bool]:
+    """Whether every query row, and every key row, is in at most one pair: then nothing is
+    ever merged or summed there, and the buffers may stay in the input dtype (packed
+    documents in one process: one diagonal pair each)."""
+    rows, keys = np.zeros(s_q, dtype=np.int64), np.zeros(s_k, dtype=np.int64)
+    for p in pieces:
+        rows[p.q0 : p.q1] += 1
+        keys[p.k0 : p.k1] += 1
+    return bool(rows.max(initial=0) <= 1), bool(keys.max(initial=0) <= 1)
 
 
 def masked_pieces(s_q: int, s_k: int, block: int, k_base: int = 0) -> list[BlockPair]:
