@@ -213,6 +213,6 @@ def test_double_backward_and_bad_modes_raise_before_any_collective():
             )  # fmt: skip
         with pytest.raises(ValueError, match=r"comm='ring2' is not one of"):
             context_parallel_attention(q, q, q, cp_group=group, position_ids=pos, comm="ring2")
-        with pytest.raises(ValueError, match=r"kv_block=0 must be a positive int"):
+        with pytest.raises(ValueError, match=r"kv_block=0 must be an int >= 1"):
             context_parallel_attention(q, q, q, cp_group=group, position_ids=pos, kv_block=0)
     assert counter.counts() == {}

@@ -50,6 +50,7 @@ from mp_bridge.checks import (
     agreed,
     check_bool,
     check_group,
+    check_int,
     check_positive_float,
     check_tensor,
 )
@@ -143,9 +144,7 @@ def _check_comm(comm: object, hq: int, hk: int, n: int) -> str:
 def _check_kv_block(kv_block: object) -> int:
     if kv_block is None:
         return DEFAULT_KV_BLOCK
-    if isinstance(kv_block, bool) or not isinstance(kv_block, int) or kv_block < 1:
-        raise ValueError(f"kv_block={kv_block!r} must be a positive int (tokens per key block)")
-    return kv_block
+    return check_int("kv_block", kv_block, low=1, fix="tokens per key block; None = default")
 
 
 def _parse_layout(layout, cu_seqlens, n: int, b: int, s: int) -> PaddedLayout | None:
