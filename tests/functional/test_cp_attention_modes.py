@@ -52,6 +52,18 @@ def _sum_over(t: torch.Tensor, group) -> torch.Tensor:
     return out
 
 
+def _check_grads(full, ref_grads, group, tol, where):
+    """dq, dk, dv: each rank's full-tensor gradient (zero off its tokens) summed over CP
+    against the oracle's."""
+    for name, t, g in zip("qkv", full, ref_grads):
+        torch.testing.assert_close(
+            _sum_over(t.grad, group).double(),
+            g.double(),
+            **tol,
+            msg=lambda m, n=name: f"d{n} {where}: {m}",
+        )
+
+
 def _check(cp, mode, *, packed, causal, dtype=torch.float32, tol=TOL32):
     group, r = _cp_group(cp)
     if r is None:
@@ -81,13 +93,7 @@ def _check(cp, mode, *, packed, causal, dtype=torch.float32, tol=TOL32):
     torch.testing.assert_close(got.double(), ref, **tol, msg=lambda m: f"{where}: {m}")
     out_grad = adapter.shard(grad_out, cu_seqlens=cu).embeddings
     (out * out_grad).sum().backward()
-    for name, t, g in zip("qkv", full, ref_grads):
-        torch.testing.assert_close(
-            _sum_over(t.grad, group).double(),
-            g.double(),
-            **tol,
-            msg=lambda m, n=name: f"d{n} {where}: {m}",
-        )
+    _check_grads(full, ref_grads, group, tol, where)
 
 
 @world.case
@@ -129,13 +135,7 @@ def _arbitrary_positions(cp, mode, *, per_row):
         out.double(), ref.index_select(1, mine), **TOL32, msg=lambda m: f"{where}: {m}"
     )
     out.square().sum().backward()
-    for name, t, gr in zip("qkv", full, ref_grads):
-        torch.testing.assert_close(
-            _sum_over(t.grad, group).double(),
-            gr.double(),
-            **TOL32,
-            msg=lambda m, n=name: f"d{n} {where}: {m}",
-        )
+    _check_grads(full, ref_grads, group, TOL32, where)
 
 
 @world.case
