@@ -21,7 +21,7 @@ from mp_bridge.layers.param_shards import (
     shard_spec,
 )
 from mp_bridge.layers.reductions import masked_count, masked_mean, masked_sum
-from mp_bridge.layers.rotary import apply_rotary
+from mp_bridge.layers.rotary import apply_rotary, document_positions, rotary_positions
 from mp_bridge.layers.vocab_shards import (
     VocabShard,
     padded_vocab_size,
@@ -57,6 +57,8 @@ __all__ = [
     "COMM_MODES",
     "image_attention",
     "apply_rotary",
+    "document_positions",
+    "rotary_positions",
     "ACTIVATIONS",
     "activation",
 ]

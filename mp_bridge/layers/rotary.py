@@ -8,13 +8,22 @@ Positions are the *original* ones (restarting per packed document, the CP cut's
 non-contiguous runs), so a sharded sequence gets the rotation its tokens had whole.
 Applied to q and k before the attention core (so a head-sharding all-to-all sees rotated
 heads). Pure and local: no collectives; the adjoint is the inverse rotation (autograd).
+
+Packed input gives attention positions along the packed stream (``[0, T)``, each document
+a range of ``cu_seqlens``); :func:`rotary_positions` turns a packed layout's into
+positions within their document, restarting at 0, as a document run alone has them.
+Attention within a document only sees position *differences*, so the restart changes no
+score in exact arithmetic; it keeps the fp32 angles those of the unpacked document (far
+into a long packed stream, ``position · θ^(-2i/d)`` loses bits to the offset).
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["apply_rotary"]
+from mp_bridge.comm.sequence.padding import PaddedLayout
+
+__all__ = ["apply_rotary", "document_positions", "rotary_positions"]
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -41,3 +50,26 @@ def apply_rotary(x: torch.Tensor, position_ids: torch.Tensor, theta: float) -> t
     emb = torch.cat((freqs, freqs), dim=-1)[:, :, None, :]  # [b, s, 1, d]
     cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
     return x * cos + _rotate_half(x) * sin
+
+
+def document_positions(position_ids: torch.Tensor, bounds) -> torch.Tensor:
+    """``position_ids`` (any shape) minus the start of the document of ``bounds`` holding
+    each (``[0, l0, l0+l1, ...]``, a sequence or LongTensor in the coordinates of the
+    positions). Example: bounds ``[0, 3, 8]``, positions ``[2, 3, 4, 7]`` -> ``[2, 0, 1, 4]``."""
+    device = position_ids.device
+    bounds = torch.as_tensor(bounds, dtype=torch.long, device=device)
+    doc = torch.searchsorted(bounds, position_ids.to(torch.long), right=True) - 1
+    starts = bounds[doc.clamp(0, bounds.numel() - 2)]
+    return position_ids - starts.to(position_ids.dtype)
+
+
+def rotary_positions(position_ids: torch.Tensor, cu_seqlens=None) -> torch.Tensor:
+    """The positions RoPE rotates by: ``position_ids`` themselves (plain input, or packed
+    input given by its raw bounds), or, for a packed :class:`PaddedLayout`
+    (``ShardedBatch.layout``, whose ``position_ids`` are the *original* positions along the
+    packed stream), their positions within their document: :func:`document_positions`
+    over the layout's original ``bounds``. A padding token (its document's positions
+    continued past its end) gets some position >= 0: no real query sees it."""
+    if not isinstance(cu_seqlens, PaddedLayout) or not cu_seqlens.packed:
+        return position_ids
+    return document_positions(position_ids, cu_seqlens.bounds)

@@ -239,3 +239,29 @@ def test_packed_documents_under_cp_match_hf_rows():
     want = hf(input_ids=ids, pixel_values=pixels, attention_mask=mask, labels=labels).loss
     assert abs(got.item() - want.item()) <= LOSS_RTOL * abs(want.item()), (got, want)
     return {"loss": got.item()}
+
+
+@world.parametrize("layout", ["llm_pp2", "tp4_sp"])
+def test_save_hf_at_the_layout_gives_back_the_hf_tensors_bitwise(layout):
+    """``load_hf`` then ``save_hf`` on 8 ranks (TP shards gathered; at PP 2 the second
+    stage's tensors sent to rank 0) writes what transformers' ``save_pretrained`` wrote."""
+    from safetensors.torch import load_file
+
+    from mp_bridge.models.hf import save_hf
+
+    enc, llm, options = LAYOUTS[layout]
+    hf, cfg, model, grids, _, _ = _setup("llama", "clip", False, (1, 1, 1, 1), enc, llm, options)
+    out = [tempfile.mkdtemp(prefix="hf-out-") if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(out, src=0)
+    try:
+        save_hf(f"{out[0]}/model", model)
+    finally:
+        destroy_colocated_mimo(model, *grids)
+    if dist.get_rank() != 0:
+        return None
+    after = load_file(f"{out[0]}/model/model.safetensors")
+    want = {k: t.detach() for k, t in hf.state_dict().items()}
+    got = {disk_to_module(k): t for k, t in after.items()}
+    assert sorted(got) == sorted(want)
+    assert all(torch.equal(got[k], want[k]) and got[k].dtype == want[k].dtype for k in want)
+    return {"tensors": len(got)}

@@ -117,7 +117,7 @@ def pipelined_step(
     loss = pipeline.step(
         microbatches,
         position_ids=[mb.shard.position_ids for mb in mbs],
-        cu_seqlens=[mb.shard.cu_seqlens for mb in mbs] if inputs.packed else None,
+        cu_seqlens=[mb.shard.layout for mb in mbs] if inputs.packed else None,
         inputs=flow.stage_inputs(parts, StageFeed(mbs, rows, counts)) if stage.is_first else None,
         labels=[mb.shard.labels for mb in mbs] if stage.is_last else None,
         loss_mask=[mb.shard.loss_mask for mb in mbs] if stage.is_last else None,

@@ -1,11 +1,13 @@
 """``save_hf(path, model)``: write a LLaVA ``save_pretrained`` directory from a model.
 
-Collective over the model's groups: for each parameter in name-map order, its shards are
+Collective over every rank: for each parameter in name-map order, its shards are
 gathered into the full tensor (:func:`gather_shard`: one all-gather over its TP group,
-nothing for a replicated one), cut into its HF tensors by the same runs :func:`load_hf`
-reads (:mod:`.name_map`), and streamed by global rank 0 into ``model.safetensors``
-(header first: every name, dtype and shape is known up front), so no rank holds more
-than one full tensor beyond its own shards. The untrained tensors (``model.hf_untrained``)
+nothing for a replicated one); a pipelined LLM's parameter that global rank 0 does not
+hold is then sent to it by the lowest rank of its stage (one ``send`` / ``recv`` of the
+full tensor; owners and dtypes found by one ``all_gather_object`` first). Rank 0 cuts it
+into its HF tensors by the same runs :func:`load_hf` reads (:mod:`.name_map`) and streams
+them into ``model.safetensors`` (header first: every name, dtype and shape is known up
+front), so no rank holds more than one full tensor beyond its own shards. The untrained tensors (``model.hf_untrained``)
 follow. ``config.json`` is the config :func:`load_hf` read (``model.hf_config``) or the
 ``config=`` given. The directory is written beside ``path`` and published by rename
 (the checkpoint wing's :func:`publish`), so ``path`` holds a whole model or the old one.
@@ -41,6 +43,39 @@ def hf_tensors(m: HFMapping, full: torch.Tensor) -> list[torch.Tensor]:
     return out
 
 
+def _owners(params: dict, n_mappings: int) -> dict[str, tuple[int, torch.dtype]] | None:
+    """Our name -> (the lowest global rank holding it, its dtype) when some rank holds
+    fewer than all ``n_mappings`` parameters (a pipelined LLM), else ``None``. Collective
+    (one ``all_gather_object``) whenever a process group is initialized."""
+    if not dist.is_initialized():
+        return None
+    held = [None] * dist.get_world_size()
+    dist.all_gather_object(held, {n: p.dtype for n, p in params.items()})
+    if all(len(h) == n_mappings for h in held):
+        return None
+    owners: dict[str, tuple[int, torch.dtype]] = {}
+    for rank, names in enumerate(held):
+        for name, dtype in names.items():
+            owners.setdefault(name, (rank, dtype))
+    return owners
+
+
+def _to_writer(full, m: HFMapping, owner: tuple[int, torch.dtype], device) -> torch.Tensor | None:
+    """``full`` sent by its owner rank to global rank 0 (``send`` / ``recv``); rank 0 gets
+    the tensor, the others ``None``."""
+    src, dtype = owner
+    rank = dist.get_rank()
+    if rank == src:
+        dist.send(full.contiguous(), dst=0)
+    if rank != 0:
+        return None
+    rows = m.reshape[0] if m.reshape is not None else sum(r[3] for r in m.runs)
+    shape = m.reshape or (rows, *m.hf_shapes[0][1:])
+    out = torch.empty(shape, dtype=dtype, device=device)
+    dist.recv(out, src=src)
+    return out
+
+
 def _writer_rank() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
 
@@ -69,23 +104,23 @@ def save_hf(path: str, model: nn.Module, *, config: dict | None = None) -> None:
     _check_target(path)
     mappings = hf_mappings(cfg)
     params = model_parameters(model, mappings)
-    if len(params) != len(mappings):
-        raise ValueError(
-            "save_hf writes from global rank 0, which must hold every parameter's shards: "
-            "a pipelined LLM (pp > 1) is not supported yet; save at pp = 1 or use "
-            "mp_bridge.checkpoint.save"
-        )
+    owners = _owners(params, len(mappings))
+    dtypes = {m.ours: params[m.ours].dtype if m.ours in params else owners[m.ours][1]
+              for m in mappings}  # fmt: skip
     extra = dict(sorted(getattr(model, "hf_untrained", {}).items()))
-    entries = [(k, params[m.ours].dtype, s) for m in mappings for k, s in zip(m.hf, m.hf_shapes)]
+    entries = [(k, dtypes[m.ours], s) for m in mappings for k, s in zip(m.hf, m.hf_shapes)]
     entries += [(k, t.dtype, tuple(t.shape)) for k, t in extra.items()]
     writer = _writer_rank()
     staging = staging_dir(path, uuid.uuid4().hex) if writer else None
     if writer:
         os.makedirs(staging)
         stream = StreamingSafetensorsWriter(os.path.join(staging, SINGLE_FILE), entries)
+    device = next(iter(params.values())).device
     for m in mappings:
-        param = params[m.ours]
-        full = gather_shard(param.detach(), shard_spec(param))  # collective over TP
+        param = params.get(m.ours)
+        full = None if param is None else gather_shard(param.detach(), shard_spec(param))
+        if owners is not None and owners[m.ours][0] != 0:  # another stage's: to rank 0
+            full = _to_writer(full, m, owners[m.ours], device)
         if writer:
             for key, tensor in zip(m.hf, hf_tensors(m, full)):
                 stream.write(key, tensor)

@@ -41,6 +41,7 @@ from mp_bridge.layers import (
     VocabParallelLMHead,
     context_parallel_attention,
     fused_linear_cross_entropy,
+    rotary_positions,
     vocab_parallel_cross_entropy,
 )
 from mp_bridge.models.data.config import MimoConfig
@@ -121,13 +122,16 @@ class TPLLM(FullStateMixin, nn.Module):
 
         ``cu_seqlens``: packed, ``b = 1``: ``ShardedBatch.layout`` (used as is), or the
         adapter's padded global bounds, parsed here once for every layer."""
+        rotary = rotary_positions(position_ids, cu_seqlens)
         if cu_seqlens is not None and not isinstance(cu_seqlens, PaddedLayout):
             cp = group_size(self.cp_group)
             bounds = normalize_cu_seqlens(cu_seqlens, seq_len_divisor(cp))
             cu_seqlens = PaddedLayout.of_documents(bounds, cp)
         x = embeddings.transpose(0, 1)  # [s_local, b, h]: megatron's SP splits dim 0
         for block in self.blocks:
-            x = block(x, position_ids=position_ids, cu_seqlens=cu_seqlens)
+            x = block(
+                x, position_ids=position_ids, cu_seqlens=cu_seqlens, rotary_positions=rotary
+            )
         return self.norm(x).transpose(0, 1)
 
     def token_loss(

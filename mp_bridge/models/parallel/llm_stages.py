@@ -32,6 +32,7 @@ from mp_bridge.layers import (
     VocabParallelEmbedding,
     VocabParallelLMHead,
     context_parallel_attention,
+    rotary_positions,
     vocab_parallel_cross_entropy,
 )
 from mp_bridge.models.data.config import MimoConfig
@@ -159,9 +160,13 @@ class TPLLMStage(FullStateMixin, nn.Module):
         """This stage's blocks on sequence-first ``[s_local(/tp with SP), b, h]``.
 
         ``position_ids``: the original positions ``[b, s_local]`` (CP-local, not SP-split);
-        ``cu_seqlens``: packed, ``b = 1``, the partition's padded global bounds."""
+        ``cu_seqlens``: packed, ``b = 1``, ``ShardedBatch.layout`` (rotary positions then
+        restart per document) or the partition's padded global bounds."""
+        rotary = rotary_positions(position_ids, cu_seqlens)
         for block in self.blocks.values():
-            x = block(x, position_ids=position_ids, cu_seqlens=cu_seqlens)
+            x = block(
+                x, position_ids=position_ids, cu_seqlens=cu_seqlens, rotary_positions=rotary
+            )
         return x
 
     def token_loss(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -210,7 +210,9 @@ class TPAttention(nn.Module):
     (``g = heads / kv_heads``), so the TP split holds whole groups (``hk`` divides by TP):
     ``q [b, s, heads/tp, d]`` and ``k, v [b, s, kv_heads/tp, d]`` go to ``core`` as they
     are (it takes grouped heads; nothing repeats K/V). With ``rope_theta`` q and k are
-    rotated by ``core_kwargs["position_ids"]`` (the tokens' original positions) first.
+    rotated by ``core_kwargs["rotary_positions"]`` first (default ``position_ids``, the
+    tokens' original positions; the LLM gives packed tokens their positions within their
+    document, :func:`~mp_bridge.layers.document_positions`, computed once per forward).
     """
 
     def __init__(
@@ -248,8 +250,9 @@ class TPAttention(nn.Module):
         qkv = qkv.view(s, b, self.kv_local, g + 2, d).transpose(0, 1)
         q = qkv[:, :, :, :g].reshape(b, s, self.heads_local, d)
         k, v = qkv[:, :, :, g], qkv[:, :, :, g + 1]  # [b, s, hk/tp, d]
+        rotary = core_kwargs.pop("rotary_positions", None)  # the core takes no such key
         if self.rope_theta is not None:
-            positions = core_kwargs["position_ids"]
+            positions = core_kwargs["position_ids"] if rotary is None else rotary
             q = apply_rotary(q, positions, self.rope_theta)
             k = apply_rotary(k, positions, self.rope_theta)
         out = self.core(q, k, v, **core_kwargs)  # [b, s, heads/tp, d]
