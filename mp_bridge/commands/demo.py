@@ -17,6 +17,7 @@ prints each rank's encoder forward+backward time before and after balancing.
 
 An LLM layout with a ``pp`` axis (``--llm tp=2,pp=2,dp=2 --microbatches 4``) runs the LLM
 in pipeline stages over ``--microbatches`` microbatches (``ColocatedMimoModel.train_step``).
+``--hf DIR`` trains a transformers LLaVA instead, against transformers (:mod:`.demo_hf`).
 """
 
 from __future__ import annotations
