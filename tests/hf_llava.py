@@ -7,28 +7,14 @@ import torch
 
 from mp_bridge.models.hf import disk_to_module, hf_mappings
 from mp_bridge.models.hf.hf_save import hf_tensors
+from mp_bridge.models.hf.hf_synthetic import llava_inputs as hf_llava_inputs
 
-IMAGE = 63  # tiny_llava's image token (its vocab's last id)
 
-
-def llava_inputs(placeholders: int, images_per_sample=(1, 2, 0), seq=16, pad=(0, 0, 4), seed=0):
-    """HF's ``input_ids [B, S]`` (text around runs of ``placeholders`` image tokens),
-    ``pixel_values [n, 3, 8, 8]``, ``attention_mask`` right-padded by ``pad[i]`` and
-    ``labels`` (-100 at images and padding)."""
-    g = torch.Generator().manual_seed(seed)
-    b = len(images_per_sample)
-    ids = torch.randint(0, IMAGE, (b, seq), generator=g)
-    for i, n in enumerate(images_per_sample):
-        for j in range(n):
-            start = 1 + j * (placeholders + 1)
-            ids[i, start : start + placeholders] = IMAGE
-    mask = torch.ones(b, seq, dtype=torch.long)
-    for i, p in enumerate(pad):
-        if p:
-            mask[i, seq - p :] = 0
-    pixels = torch.randn(sum(images_per_sample), 3, 8, 8, generator=g)
-    labels = ids.masked_fill((ids == IMAGE) | (mask == 0), -100)
-    return ids, pixels, mask, labels
+def llava_inputs(cfg, images_per_sample=(1, 2, 0), seq=16, pad=(0, 0, 4), seed=0):
+    """HF's ``input_ids [B, S]``, ``pixel_values``, ``attention_mask`` right-padded by
+    ``pad[i]`` and ``labels`` (:func:`mp_bridge.models.hf.hf_synthetic.llava_inputs`)."""
+    pad = tuple(pad)[: len(images_per_sample)]
+    return hf_llava_inputs(cfg, images_per_sample, seq_len=seq, pad=pad, seed=seed)
 
 
 def grad_errors(ours: torch.nn.Module, hf: torch.nn.Module, cfg, full_grads=None) -> dict:

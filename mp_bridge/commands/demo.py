@@ -17,6 +17,7 @@ prints each rank's encoder forward+backward time before and after balancing.
 
 An LLM layout with a ``pp`` axis (``--llm tp=2,pp=2,dp=2 --microbatches 4``) runs the LLM
 in pipeline stages over ``--microbatches`` microbatches (``ColocatedMimoModel.train_step``).
+``--hf DIR`` trains a transformers LLaVA instead, against transformers (:mod:`.demo_hf`).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import time
 from mp_bridge.checks import check_int, check_positive_float
 from mp_bridge.comm import plan_bridge, seq_len_divisor
 from mp_bridge.commands.demo_checkpoint import add_checkpoint_arguments, prepare_checkpoints
+from mp_bridge.commands.demo_hf import add_hf_argument, run_hf
 from mp_bridge.commands.demo_plot import check_plot_target, plot_losses
 from mp_bridge.commands.layout_flag import layout_from_flag
 from mp_bridge.grid import GridLayout
@@ -67,14 +69,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=1,
         help="microbatches per step of a pipelined LLM (an --llm with pp > 1); default 1",
     )
-    parser.add_argument("--steps", type=int, default=20, help="Adam steps (default 20)")
+    parser.add_argument("--steps", type=int, help="Adam steps (default 20; --hf: 5)")
     parser.add_argument(
         "--batch-size",
         type=int,
         help="global batch (default: 8, or the next multiple of the DP sizes and of the "
         "LLM dp times --microbatches)",
     )
-    parser.add_argument("--lr", type=float, default=1e-2, help="Adam learning rate (1e-2)")
+    parser.add_argument("--lr", type=float, help="Adam learning rate (1e-2; --hf: 1e-3)")
     parser.add_argument(
         "--sequence-parallel", action="store_true", help="sequence parallelism in the LLM"
     )
@@ -107,6 +109,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--plot", metavar="PATH", help="write a PNG of both loss curves")
     add_checkpoint_arguments(parser)
+    add_hf_argument(parser)
     parser.set_defaults(run=run)
 
 
@@ -267,7 +270,7 @@ def _worker(enc: GridLayout, llm: GridLayout, opts: dict):
     )  # fmt: skip
 
 
-def _run_in_torchrun(args, enc, llm, opts):
+def _run_in_torchrun(args, enc, llm, opts, worker=None):
     import torch
     import torch.distributed as dist
 
@@ -279,36 +282,21 @@ def _run_in_torchrun(args, enc, llm, opts):
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     if not dist.is_initialized():
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=300))
-    return _worker(enc, llm, opts), dist.get_rank() == 0
+    return (worker or _worker)(enc, llm, opts), dist.get_rank() == 0
 
 
 def format_parity_table(report, *, weight_atol: float = 0.0) -> str:
     """Distributed vs single-process: max abs / rel difference and the tolerance used."""
-    steps = len(report.ref_losses)
+    steps, grad_tol = len(report.ref_losses), report.grad_tolerance(GRAD_RTOL, WEIGHT_RTOL)
     rows = [
         (f"loss ({steps} steps)", report.loss_max_abs, report.loss_max_rel, LOSS_RTOL, 0.0),
-        (
-            f"param grads (step {report.first_step + 1})",
-            report.param_grad_max_abs,
-            report.param_grad_max_rel,
-            report.grad_tolerance(GRAD_RTOL, WEIGHT_RTOL),
-            0.0,
-        ),
-        (
-            "encoder input grad",
-            report.input_grad_max_abs,
-            report.input_grad_max_rel,
-            WEIGHT_RTOL,
-            0.0,
-        ),
-        (
-            "weights (gathered)",
-            report.weight_max_abs,
-            report.weight_max_rel,
-            WEIGHT_RTOL,
-            weight_atol,
-        ),
-    ]
+        (f"param grads (step {report.first_step + 1})", report.param_grad_max_abs,
+         report.param_grad_max_rel, grad_tol, 0.0),
+        ("encoder input grad", report.input_grad_max_abs, report.input_grad_max_rel,
+         WEIGHT_RTOL, 0.0),
+        ("weights (gathered)", report.weight_max_abs, report.weight_max_rel, WEIGHT_RTOL,
+         weight_atol),
+    ]  # fmt: skip
     cells = [("quantity", "max abs", "max rel", "tolerance", "ok")]
     for name, a, r, rtol, atol in rows:
         tol = f"rel {rtol:.0e}" + (f" or abs {atol:.0e}" if atol else "")
@@ -334,6 +322,10 @@ def _batches(args: argparse.Namespace) -> str:
 def run(args: argparse.Namespace) -> int:
     from mp_bridge.models import parse_flow
 
+    if getattr(args, "hf", None):
+        return run_hf(args, _validate, _run_in_torchrun)
+    args.steps = 20 if args.steps is None else args.steps
+    args.lr = 1e-2 if args.lr is None else args.lr
     (enc, llm), hooks = prepare_checkpoints(args, _validate)
     opts = {
         "seed": getattr(args, "seed", 0),

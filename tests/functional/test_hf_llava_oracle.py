@@ -77,7 +77,7 @@ def _setup(text, vision, tie, images, enc, llm, options):
         hf.save_pretrained(path)
     dist.barrier()
     cfg = config_from_hf(path, seq_len=16)
-    ids, pixels, mask, labels = llava_inputs(cfg.placeholders_per_image, images, pad=(0, 3, 0, 5))
+    ids, pixels, mask, labels = llava_inputs(cfg, images, pad=(0, 3, 0, 5))
     batch = hf_batch(cfg, ids, pixels, labels, mask)
     grids = _grids(enc, llm)
     torch.manual_seed(123)  # a random reference: load_hf must overwrite every weight
@@ -199,7 +199,7 @@ def test_a_model_built_from_a_config_holds_only_its_shards_and_loads_hf():
         assert held == _tp4_shard_elements(), (held, _tp4_shard_elements())
         assert all(p.dtype == torch.float32 for p in model.parameters())  # 4 bytes each
         load_hf(path[0], model)
-        ids, pixels, mask, labels = llava_inputs(cfg.placeholders_per_image, (1, 1, 1, 1))
+        ids, pixels, mask, labels = llava_inputs(cfg, (1, 1, 1, 1))
         batch = hf_batch(cfg, ids, pixels, labels, mask)
         rank = dist.get_rank()
         enc_dp, llm_dp = (GridLayout.from_grid(g).coords(rank)["dp"] for g in grids)

@@ -52,7 +52,7 @@ def test_loss_and_every_gradient_match_transformers(
 ):
     hf, path = _saved(tmp_path, text, vision, tie, attn, **overrides)
     cfg, ours = _loaded(path)
-    ids, pixels, mask, labels = llava_inputs(cfg.placeholders_per_image, images)
+    ids, pixels, mask, labels = llava_inputs(cfg, images)
     want = hf(input_ids=ids, pixel_values=pixels, attention_mask=mask, labels=labels).loss
     want.backward()
     batch = hf_batch(cfg, ids, pixels, labels, mask)
@@ -69,7 +69,7 @@ def test_packed_documents_restart_rotary_positions_as_separate_hf_rows(tmp_path)
     """Two right-padded HF rows == one packed row of their real tokens (cu_seqlens)."""
     hf, path = _saved(tmp_path, "qwen2", "clip")
     cfg, ours = _loaded(path, seq_len=32)
-    ids, pixels, mask, labels = llava_inputs(cfg.placeholders_per_image, (1, 1), pad=(0, 5))
+    ids, pixels, mask, labels = llava_inputs(cfg, (1, 1), pad=(0, 5))
     want = hf(input_ids=ids, pixel_values=pixels, attention_mask=mask, labels=labels).loss
     batch = hf_batch(cfg, ids, pixels, labels, mask)
     keep = mask.bool().flatten()

@@ -134,7 +134,7 @@ def test_save_hf_needs_the_hf_config_and_refuses_to_replace_a_non_model(tmp_path
 
 def test_hf_batch_refuses_left_padding_labels_on_padding_and_wrong_placeholder_counts(saved):
     cfg = config_from_hf(saved, seq_len=16)
-    ids, pixels, mask, labels = llava_inputs(cfg.placeholders_per_image, (1, 1, 1))
+    ids, pixels, mask, labels = llava_inputs(cfg, (1, 1, 1))
     left = mask.clone()
     left[0, :2] = 0
     with pytest.raises(ValueError, match="right padding only"):
@@ -151,7 +151,7 @@ def test_hf_batch_refuses_left_padding_labels_on_padding_and_wrong_placeholder_c
 
 def test_hf_batch_labels_default_and_shift(saved):
     cfg = config_from_hf(saved, seq_len=16)
-    ids, pixels, mask, labels = llava_inputs(cfg.placeholders_per_image, (1, 1, 1))
+    ids, pixels, mask, labels = llava_inputs(cfg, (1, 1, 1))
     batch = hf_batch(cfg, ids, pixels, attention_mask=mask)
     assert torch.equal(batch.labels[:, :-1], labels[:, 1:])  # labels=None: ids, -100 at images/pad
     assert (batch.labels[:, -1] == -100).all()
