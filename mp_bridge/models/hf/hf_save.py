@@ -4,29 +4,26 @@ Collective over the model's groups: for each parameter in name-map order, its sh
 gathered into the full tensor (:func:`gather_shard`: one all-gather over its TP group,
 nothing for a replicated one), cut into its HF tensors by the same runs :func:`load_hf`
 reads (:mod:`.name_map`), and streamed by global rank 0 into ``model.safetensors``
-(header first: every name, dtype and shape is known up front), so no rank holds more
-than one full tensor beyond its own shards. The untrained tensors (``model.hf_untrained``)
-follow. ``config.json`` is the config :func:`load_hf` read (``model.hf_config``) or the
-``config=`` given. The directory is written beside ``path`` and published by rename
-(the checkpoint wing's :func:`publish`), so ``path`` holds a whole model or the old one.
-``LlavaForConditionalGeneration.from_pretrained(path)`` then loads the same bits.
+(:func:`write_hf_directory`: header first, so no rank holds more than one full tensor
+beyond its own shards). The untrained tensors (``model.hf_untrained``) follow.
+``config.json`` is the config :func:`load_hf` read (``model.hf_config``) or the
+``config=`` given. The directory is published by rename, so ``path`` holds a whole model
+or the old one. ``LlavaForConditionalGeneration.from_pretrained(path)`` then loads the
+same bits.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import uuid
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from mp_bridge.checkpoint.publish import publish, staging_dir
 from mp_bridge.layers import gather_shard, shard_spec
+from mp_bridge.models.hf.hf_directory import check_hf_target, hf_header, write_hf_directory
 from mp_bridge.models.hf.hf_load import model_config, model_parameters
 from mp_bridge.models.hf.name_map import HFMapping, hf_mappings
-from mp_bridge.models.hf.safetensors_files import SINGLE_FILE, StreamingSafetensorsWriter
 
 __all__ = ["hf_tensors", "save_hf"]
 
@@ -41,19 +38,14 @@ def hf_tensors(m: HFMapping, full: torch.Tensor) -> list[torch.Tensor]:
     return out
 
 
-def _writer_rank() -> bool:
-    return not dist.is_initialized() or dist.get_rank() == 0
-
-
-def _check_target(path: str) -> None:
-    if os.path.exists(path) and not (
-        os.path.isdir(path)
-        and (not os.listdir(path) or os.path.isfile(os.path.join(path, "config.json")))
-    ):
-        raise ValueError(
-            f"save_hf will not replace {path!r}: it is a file or a directory "
-            "without config.json; pass a new path or an HF model directory"
-        )
+def _gathered(mappings, params, extra) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every HF tensor in write order; collective (one gather per sharded parameter)."""
+    for m in mappings:
+        param = params[m.ours]
+        full = gather_shard(param.detach(), shard_spec(param))  # collective over TP
+        yield from zip(m.hf, hf_tensors(m, full))
+        del full
+    yield from sorted(extra.items())
 
 
 @torch.no_grad()
@@ -66,7 +58,7 @@ def save_hf(path: str, model: nn.Module, *, config: dict | None = None) -> None:
             "save_hf needs the HF config: load the model with load_hf, or pass "
             "config= (a LlavaConfig's to_dict())"
         )
-    _check_target(path)
+    check_hf_target(path, "save_hf")
     mappings = hf_mappings(cfg)
     params = model_parameters(model, mappings)
     if len(params) != len(mappings):
@@ -75,27 +67,17 @@ def save_hf(path: str, model: nn.Module, *, config: dict | None = None) -> None:
             "a pipelined LLM (pp > 1) is not supported yet; save at pp = 1 or use "
             "mp_bridge.checkpoint.save"
         )
-    extra = dict(sorted(getattr(model, "hf_untrained", {}).items()))
-    entries = [(k, params[m.ours].dtype, s) for m in mappings for k, s in zip(m.hf, m.hf_shapes)]
-    entries += [(k, t.dtype, tuple(t.shape)) for k, t in extra.items()]
-    writer = _writer_rank()
-    staging = staging_dir(path, uuid.uuid4().hex) if writer else None
-    if writer:
-        os.makedirs(staging)
-        stream = StreamingSafetensorsWriter(os.path.join(staging, SINGLE_FILE), entries)
-    for m in mappings:
-        param = params[m.ours]
-        full = gather_shard(param.detach(), shard_spec(param))  # collective over TP
-        if writer:
-            for key, tensor in zip(m.hf, hf_tensors(m, full)):
-                stream.write(key, tensor)
-        del full
-    if writer:
-        with stream:  # an error above leaves an unpublished staging directory only
-            for key, tensor in extra.items():
-                stream.write(key, tensor)
-        with open(os.path.join(staging, "config.json"), "w", encoding="utf-8") as f:
-            json.dump(config, f, indent=2, sort_keys=True)
-        publish(staging, path, uuid.uuid4().hex)
+    extra = dict(getattr(model, "hf_untrained", {}))
+    header = hf_header(
+        mappings,
+        {n: p.dtype for n, p in params.items()},
+        {k: (t.dtype, tuple(t.shape)) for k, t in extra.items()},
+    )
+    tensors = _gathered(mappings, params, extra)
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        write_hf_directory(path, config, header, tensors)
+    else:
+        for _ in tensors:  # the gathers, collective with the writer's
+            pass
     if dist.is_initialized():
         dist.barrier()  # every rank returns once the directory is published
