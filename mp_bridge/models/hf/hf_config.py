@@ -162,10 +162,10 @@ def _vision_fields(v, feature_layer: object, strategy: str) -> dict:
 
 def config_from_hf(path_or_config: object, *, seq_len: int | None = None) -> MimoConfig:
     """The :class:`MimoConfig` of a LLaVA checkpoint (directory, ``config.json``, a
-    ``LlavaConfig`` or its ``to_dict()``); ``seq_len`` (default: the text model's ``max_position_embeddings``)
-    is the sequence length our synthetic batches use. Placeholders per image come from the
-    vision config (``(image_size / patch_size)²``, +1 for CLIP's class token, −1 for
-    ``"default"``), never from ``image_seq_length``."""
+    ``LlavaConfig`` or its ``to_dict()``); ``seq_len`` (default: the text model's
+    ``max_position_embeddings``) is the sequence length our synthetic batches use.
+    Placeholders per image come from the vision config (``(image_size / patch_size)²``,
+    +1 for CLIP's class token, −1 for ``"default"``), never from ``image_seq_length``."""
     config = llava_config(path_or_config)
     if config.projector_hidden_act != "gelu":
         _refuse("projector_hidden_act", config.projector_hidden_act, "the projector uses 'gelu'")
