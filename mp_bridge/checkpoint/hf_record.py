@@ -28,20 +28,24 @@ __all__ = ["hf_record", "hf_targets", "restore_hf"]
 
 
 def hf_record(model: nn.Module) -> tuple[dict | None, dict[str, torch.Tensor]]:
-    """``(config, {hf_untrained.<key>: tensor})`` of ``model`` (``(None, {})`` for a model
-    not loaded with ``load_hf``); ``ValueError``/``TypeError`` naming a bad attribute."""
+    """``(config as JSON gives it back, {hf_untrained.<key>: tensor})`` of ``model``
+    (``(None, {})`` for a model not loaded with ``load_hf``); ``ValueError``/``TypeError``
+    naming a bad attribute."""
     config: Any = getattr(model, "hf_config", None)
     untrained: Any = getattr(model, "hf_untrained", None) or {}
     if config is None:
         return None, {}
-    try:
-        same = isinstance(config, dict) and json.loads(json.dumps(config)) == config
+    try:  # as JSON (what mp_bridge.json and config.json hold: int keys become str)
+        config = (
+            json.loads(json.dumps(config, allow_nan=False)) if isinstance(config, dict) else None
+        )
     except (TypeError, ValueError):
-        same = False
-    if not same:
+        config = None
+    if config is None:
         raise ValueError(
-            f"model.hf_config must be a JSON dict (what load_hf sets: LlavaConfig.to_dict()), "
-            f"got {type(config).__name__}; set it with load_hf or delete the attribute"
+            f"model.hf_config must be a dict of JSON values (what load_hf sets: "
+            f"LlavaConfig.to_dict()), got {type(model.hf_config).__name__}: "
+            f"{str(model.hf_config)[:60]}; set it with load_hf or delete the attribute"
         )
     if not isinstance(untrained, dict) or not all(
         isinstance(k, str) and isinstance(t, torch.Tensor) for k, t in untrained.items()
