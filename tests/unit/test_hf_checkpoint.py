@@ -42,6 +42,8 @@ def test_cli_import_then_export_gives_back_every_hf_tensor_bitwise(tmp_path, cap
     text, vision, tie, dtype = case
     path, ckpt, out = _hf_dir(tmp_path, text, vision, tie, dtype), tmp_path / "ck", tmp_path / "o"
     assert main(["hf", "import", path, str(ckpt)]) == 0
+    assert main(["checkpoint", "inspect", str(ckpt)]) == 0
+    assert f"hf: llava ({text} + {vision}_vision_model)" in capsys.readouterr().out
     assert main(["checkpoint", "export-hf", str(ckpt), str(out)]) == 0
     assert "wrote" in capsys.readouterr().out
     assert assert_same_hf_dirs(path, str(out)) > 0
