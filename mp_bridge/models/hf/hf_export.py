@@ -37,12 +37,6 @@ from mp_bridge.models.hf.name_map import HFMapping, hf_mappings
 __all__ = ["export_hf"]
 
 
-def _full_shape(m: HFMapping) -> tuple[int, ...]:
-    if m.reshape is not None:
-        return tuple(m.reshape)
-    return (sum(n for _, _, _, n in m.runs), *m.hf_shapes[0][1:])
-
-
 def _saved(metadata: Metadata) -> dict[str, TensorStorageMetadata]:
     return {
         k: md
@@ -54,11 +48,11 @@ def _saved(metadata: Metadata) -> dict[str, TensorStorageMetadata]:
 def _check_keys(path: str, mappings: list[HFMapping], saved: dict) -> None:
     for m in mappings:
         md = saved.get(model_key(m.ours))
-        if md is None or tuple(md.size) != _full_shape(m):
+        if md is None or tuple(md.size) != m.full_shape:
             got = "nothing" if md is None else tuple(md.size)
             raise ValueError(
                 f"checkpoint at {path!r} does not fit its HF config: {model_key(m.ours)} "
-                f"saved {got}, the name map expects {_full_shape(m)}; export a checkpoint "
+                f"saved {got}, the name map expects {m.full_shape}; export a checkpoint "
                 "of the model load_hf filled"
             )
     known = {model_key(m.ours) for m in mappings}
