@@ -1,6 +1,7 @@
 """``mp-bridge`` command line: ``plan`` (rank tables), ``demo`` (train + oracle parity) and
-``checkpoint inspect`` (a checkpoint's layout and keys) and ``hf tiny`` (a small random
-LLaVA written by transformers)."""
+``checkpoint inspect`` (a checkpoint's layout and keys), ``checkpoint export-hf`` (a
+checkpoint as an HF LLaVA directory), ``hf tiny`` (a small random LLaVA written by
+transformers) and ``hf import`` (an HF LLaVA directory as a checkpoint)."""
 
 from __future__ import annotations
 
@@ -20,8 +21,8 @@ def _build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     plan.add_arguments(sub.add_parser("plan", help="print every rank's coordinates and groups"))
     demo.add_arguments(sub.add_parser("demo", help="train the tiny MIMO model + oracle parity"))
-    checkpoint.add_arguments(sub.add_parser("checkpoint", help="inspect a saved checkpoint"))
-    hf.add_arguments(sub.add_parser("hf", help="Hugging Face LLaVA models (tiny)"))
+    checkpoint.add_arguments(sub.add_parser("checkpoint", help="inspect or export-hf a checkpoint"))
+    hf.add_arguments(sub.add_parser("hf", help="Hugging Face LLaVA models (tiny, import)"))
     return parser
 
 

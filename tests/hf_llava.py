@@ -41,3 +41,23 @@ def grad_errors(ours: torch.nn.Module, hf: torch.nn.Module, cfg, full_grads=None
         if p.grad is not None and name not in elsewhere:
             out[name] = (mapped[name] - p.grad).abs().max().item()
     return out
+
+
+def assert_same_hf_dirs(want_dir: str, got_dir: str) -> int:
+    """``got_dir``'s safetensors hold exactly ``want_dir``'s keys, each bitwise equal (same
+    dtype), and ``LlavaForConditionalGeneration.from_pretrained`` gives every parameter
+    bitwise back; returns the number of tensors compared."""
+    import os
+
+    from safetensors.torch import load_file
+    from transformers import LlavaForConditionalGeneration
+
+    want = load_file(os.path.join(want_dir, "model.safetensors"))
+    got = load_file(os.path.join(got_dir, "model.safetensors"))
+    assert sorted(want) == sorted(got), sorted(set(want) ^ set(got))
+    bad = [k for k in want if want[k].dtype != got[k].dtype or not torch.equal(want[k], got[k])]
+    assert not bad, bad[:5]
+    a = LlavaForConditionalGeneration.from_pretrained(want_dir).state_dict()
+    b = LlavaForConditionalGeneration.from_pretrained(got_dir).state_dict()
+    assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
+    return len(want)

@@ -7,8 +7,8 @@ checkpoint loads at any layout the model accepts.
 The wing stands on three floors (held by ``tests/unit/test_architecture.py``): names and
 leaf helpers (:mod:`.keys`, :mod:`.locate`, :mod:`.ranks`, :mod:`.dcp_adapter`,
 :mod:`.rng`, :mod:`.arguments`); the shared layer (:mod:`.entries`, :mod:`.info`,
-:mod:`.publish`, :mod:`.background`, :mod:`.staging`); and three peers that import
-only below them: :mod:`.save`, :mod:`.load` and :mod:`.describe` (``inspect``).
+:mod:`.publish`, :mod:`.background`, :mod:`.staging`, :mod:`.hf_record`); and three
+peers that import only below them: :mod:`.save`, :mod:`.load` and :mod:`.describe` (``inspect``).
 
 A model declares its grids for ``mp_bridge.json`` with a ``checkpoint_grids()`` method
 returning ``{part: HyperCommGrid | None}`` (the colocated MIMO model declares

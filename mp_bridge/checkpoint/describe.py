@@ -6,6 +6,7 @@ Example::
     checkpoint ckpt/run: format version 1, step 2, saved by 8 ranks
     extra: {"pair": "A"}
     encoder grid: tp=2, dp=4   llm grid: tp=2, cp=2, pp=1, dp=2
+    hf: llava (llama + clip_vision_model); mp-bridge checkpoint export-hf writes it as ...
     key                        global shape  dtype          group
     -------------------------  ------------  -------------  -----
     model.llm.embed.weight     (61, 16)      torch.float32  2
@@ -53,6 +54,13 @@ def describe(path: str) -> str:
     ]
     if info.grids:
         lines.append("   ".join(f"{part} grid: {_grid(g)}" for part, g in info.grids.items()))
+    if info.hf_config is not None:  # saved from a model loaded with load_hf
+        parts = [info.hf_config.get(p, {}) for p in ("text_config", "vision_config")]
+        kinds = " + ".join(str(c.get("model_type")) for c in parts if isinstance(c, dict))
+        lines.append(
+            f"hf: {info.hf_config.get('model_type')} ({kinds}); "
+            f"mp-bridge checkpoint export-hf writes it as an HF directory"
+        )
     shapes = {k: getattr(md, "size", None) for k, md in metadata.state_dict_metadata.items()}
     rows = [("key", "global shape", "dtype", "group")]
     for key in sorted(metadata.state_dict_metadata):

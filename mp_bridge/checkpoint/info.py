@@ -3,7 +3,8 @@
 The file is written last, by the coordinator, once every rank's data and DCP's
 ``.metadata`` are on disk: a directory without it is not a checkpoint. It holds the
 format version, the step, the user's ``extra`` (JSON), the layout the checkpoint was
-saved from, and the size of every file (a load refuses a file of another size: a
+saved from, the Hugging Face config of a model loaded from one (``hf_config``, only
+then), and the size of every file (a load refuses a file of another size: a
 truncated or replaced file). :func:`read_checkpoint` also reads DCP's metadata (what
 ``load`` and ``inspect`` start from). No collective.
 """
@@ -43,8 +44,9 @@ class CheckpointInfo:
     ``grids``: for a colocated MIMO model, ``{"encoder": {...}, "llm": {...}}`` with each
     grid's ``shape``, ``axis_names`` and ``rank_offset`` (else ``{}``); ``has_optimizer``:
     whether optimizer state was saved; ``optimizer``: its class, ``module.QualName`` (``""``
-    without one, and in checkpoints saved before it was recorded); ``path``: where it was
-    read from.
+    without one, and in checkpoints saved before it was recorded); ``hf_config``: the
+    ``LlavaConfig.to_dict()`` of a model loaded with ``load_hf`` (its ``model.hf_config``;
+    ``None`` otherwise, and then absent from the file); ``path``: where it was read from.
     """
 
     step: int
@@ -55,10 +57,13 @@ class CheckpointInfo:
     grids: dict[str, dict] = field(default_factory=dict)
     has_optimizer: bool = False
     optimizer: str = ""
+    hf_config: dict | None = None
     path: str = ""
 
     def to_json(self) -> dict:
+        hf = {} if self.hf_config is None else {"hf_config": self.hf_config}
         return {
+            **hf,
             "format_version": self.format_version,
             "step": self.step,
             "extra": self.extra,
@@ -108,7 +113,8 @@ def read_info(directory: str) -> CheckpointInfo:
             step=int(raw["step"]), extra=raw["extra"], format_version=version,
             world_size=int(raw["world_size"]), group_sizes=dict(raw["group_sizes"]),
             grids=dict(raw["grids"]), has_optimizer=bool(raw["has_optimizer"]),
-            optimizer=str(raw.get("optimizer", "")), path=directory,
+            optimizer=str(raw.get("optimizer", "")), hf_config=raw.get("hf_config"),
+            path=directory,
         )  # fmt: skip
         files = dict(raw["files"])
     except (ValueError, KeyError, TypeError) as exc:

@@ -7,7 +7,9 @@ The checkpoint's namespace (single-process parameter names; see :mod:`.entries`)
   ``step``, ``momentum_buffer``; a state name has no dot);
 - ``optim_group.<name>``: the hyper-parameters of the parameter's group (an object);
 - ``rng.<rank>``: a rank's random-number generator states (an object);
-- ``stateful.<key>.<rank>``: a rank's ``state_dict()`` of ``stateful[key]`` (an object).
+- ``stateful.<key>.<rank>``: a rank's ``state_dict()`` of ``stateful[key]`` (an object);
+- ``hf_untrained.<disk key>``: a tensor of the Hugging Face checkpoint the model was loaded
+  from that no parameter holds (``model.hf_untrained``; replicated, its own name on disk).
 
 Example: ``optim_key("llm.embed.weight", "exp_avg") == "optim.llm.embed.weight.exp_avg"``.
 No collective, no I/O.
@@ -16,9 +18,11 @@ No collective, no I/O.
 from __future__ import annotations
 
 __all__ = [
+    "HF_UNTRAINED",
     "MODEL",
     "OPTIM",
     "OPTIM_GROUP",
+    "hf_untrained_key",
     "model_key",
     "optim_group_key",
     "optim_key",
@@ -29,11 +33,17 @@ __all__ = [
 ]
 
 MODEL, OPTIM, OPTIM_GROUP = "model.", "optim.", "optim_group."
+HF_UNTRAINED = "hf_untrained."
 
 
 def model_key(name: str) -> str:
     """``model.<name>``."""
     return MODEL + name
+
+
+def hf_untrained_key(disk_key: str) -> str:
+    """``hf_untrained.<disk key>``."""
+    return HF_UNTRAINED + disk_key
 
 
 def optim_key(name: str, state: str) -> str:

@@ -18,7 +18,9 @@ Collective over every rank of the world. Steps, each a function:
 4. apply (:func:`_apply`): the stateful objects first (one that raises leaves the rest
    as it was), then the parameters, the optimizer through its own
    ``Optimizer.load_state_dict`` (state and each group's saved hyper-parameters), then
-   the RNG states (same rank in the saved world; whole-model loads only).
+   the RNG states (same rank in the saved world; whole-model loads only), and a model
+   loaded from HF gets its HF config and untrained tensors back (:mod:`.hf_record`;
+   whole-model loads only).
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ from mp_bridge.checkpoint.entries import (
     param_name,
     param_names,
 )
+from mp_bridge.checkpoint.hf_record import hf_targets, restore_hf
 from mp_bridge.checkpoint.info import CheckpointInfo, read_checkpoint
 from mp_bridge.checkpoint.keys import (
     MODEL,
@@ -178,6 +181,8 @@ def _targets(job: _Load, model, optimizer, stateful) -> None:
     saved = job.metadata.state_dict_metadata
     if not job.prefix and rng_key(job.rank) in saved:
         job.objects[rng_key(job.rank)] = None
+    if not job.prefix and job.info.hf_config is not None:
+        job.entries.update({k: Entry(k, t, None) for k, t in hf_targets(job.metadata).items()})
     for key in stateful or {}:
         found = [k for k in (stateful_key(key, job.rank), stateful_key(key, 0)) if k in saved]
         if not found:
@@ -246,6 +251,8 @@ def _apply(job: _Load, model, optimizer, stateful, read: dict) -> None:
         optimizer.load_state_dict(_optimizer_state_dict(job, optimizer, model, read))
     if read.get(rng_key(job.rank)) is not None:
         rng.restore(read[rng_key(job.rank)])
+    if not job.prefix:
+        restore_hf(model, job.info.hf_config, read)
 
 
 def load(

@@ -46,6 +46,7 @@ from mp_bridge.checkpoint.background import (
 )
 from mp_bridge.checkpoint.dcp_adapter import PiecesSavePlanner
 from mp_bridge.checkpoint.entries import Entry, model_entries, optimizer_class, optimizer_entries
+from mp_bridge.checkpoint.hf_record import hf_record
 from mp_bridge.checkpoint.info import FORMAT_VERSION, CheckpointInfo, write_info
 from mp_bridge.checkpoint.keys import MODEL, rng_key, stateful_key
 from mp_bridge.checkpoint.locate import staging_dir
@@ -85,8 +86,11 @@ def _declared_grids(model: nn.Module) -> dict[str, dict]:
 
 
 def _collect(model, optimizer, stateful, rank: int) -> tuple[dict[str, Entry], dict[str, Any]]:
-    """This rank's tensor entries and objects (RNG, optimizer groups, stateful states)."""
+    """This rank's tensor entries (the model's, its HF untrained tensors, the optimizer's)
+    and objects (RNG, optimizer groups, stateful states)."""
     entries = model_entries(model)
+    _, untrained = hf_record(model)
+    entries.update({k: Entry(k, t, None) for k, t in untrained.items()})
     objects: dict[str, Any] = {rng_key(rank): rng.capture()}
     if optimizer is not None:
         opt_entries, opt_objects = optimizer_entries(optimizer, model)
@@ -111,6 +115,7 @@ def _describe(model, optimizer, entries, step, extra, group) -> CheckpointInfo:
         world_size=group_size(group), group_sizes=dict(sorted(sizes.items())),
         grids=_declared_grids(model), has_optimizer=optimizer is not None,
         optimizer="" if optimizer is None else optimizer_class(optimizer),
+        hf_config=hf_record(model)[0],
     )  # fmt: skip
 
 
@@ -194,8 +199,9 @@ def save(
     ``optim.<name>.<state>``), so :func:`~mp_bridge.checkpoint.load` reshards it to any
     layout. ``extra``: JSON values kept in the checkpoint; ``stateful``: ``{name: obj}``
     whose ``obj.state_dict()`` is saved per rank (an LR scheduler, a grad scaler); every
-    rank's RNG states are saved too. A checkpoint already at ``path`` is replaced
-    atomically: it stays whole until the new one is published.
+    rank's RNG states are saved too. A model loaded with ``load_hf`` keeps its HF config
+    and untrained tensors in the checkpoint (:mod:`.hf_record`). A checkpoint already at
+    ``path`` is replaced atomically: it stays whole until the new one is published.
 
     Returns ``None`` once published, or with ``async_save=True`` an
     :class:`~mp_bridge.checkpoint.AsyncSave` whose ``wait()`` returns once published

@@ -297,7 +297,7 @@ def test_one_name_per_thing():
 CHECKPOINT_WING: dict[str, int] = {
     "keys": 0, "locate": 0, "ranks": 0, "dcp_adapter": 0, "rng": 0, "arguments": 0,
     "dtensor_place": 0,
-    "entries": 1, "info": 1, "publish": 1, "background": 1, "staging": 1,
+    "entries": 1, "info": 1, "publish": 1, "background": 1, "staging": 1, "hf_record": 1,
     "save": 2, "load": 2, "describe": 2,
 }  # fmt: skip
 

@@ -22,11 +22,20 @@ TEXT_TYPES = ("llama", "qwen2", "mistral")
 
 
 def llava_config(path_or_config: object):
-    """A ``LlavaConfig`` from a directory / ``config.json`` path or a config object."""
-    from transformers import AutoConfig, PretrainedConfig
+    """A ``LlavaConfig`` from a directory / ``config.json`` path, a config object or its
+    ``to_dict()`` (what a checkpoint records)."""
+    from transformers import AutoConfig, LlavaConfig, PretrainedConfig
 
     if isinstance(path_or_config, PretrainedConfig):
         config = path_or_config
+    elif isinstance(path_or_config, dict):
+        kind = path_or_config.get("model_type")
+        if kind != "llava":
+            raise ValueError(
+                f"model_type={kind!r} is not supported; config_from_hf reads LLaVA "
+                "(model_type 'llava') configs only"
+            )
+        config = LlavaConfig.from_dict(path_or_config)
     elif isinstance(path_or_config, (str, os.PathLike)):
         path = os.fspath(path_or_config)
         if not os.path.exists(path):
@@ -42,7 +51,8 @@ def llava_config(path_or_config: object):
         config = AutoConfig.from_pretrained(directory)
     else:
         raise TypeError(
-            "config_from_hf takes a directory, a config.json path or a transformers config, "
+            "config_from_hf takes a directory, a config.json path, a transformers config or "
+            "its to_dict(), "
             f"got {type(path_or_config).__name__}"
         )
     if getattr(config, "model_type", None) != "llava":
@@ -151,11 +161,11 @@ def _vision_fields(v, feature_layer: object, strategy: str) -> dict:
 
 
 def config_from_hf(path_or_config: object, *, seq_len: int | None = None) -> MimoConfig:
-    """The :class:`MimoConfig` of a LLaVA checkpoint (directory, ``config.json`` or a
-    ``LlavaConfig``); ``seq_len`` (default: the text model's ``max_position_embeddings``)
-    is the sequence length our synthetic batches use. Placeholders per image come from the
-    vision config (``(image_size / patch_size)²``, +1 for CLIP's class token, −1 for
-    ``"default"``), never from ``image_seq_length``."""
+    """The :class:`MimoConfig` of a LLaVA checkpoint (directory, ``config.json``, a
+    ``LlavaConfig`` or its ``to_dict()``); ``seq_len`` (default: the text model's
+    ``max_position_embeddings``) is the sequence length our synthetic batches use.
+    Placeholders per image come from the vision config (``(image_size / patch_size)²``,
+    +1 for CLIP's class token, −1 for ``"default"``), never from ``image_seq_length``."""
     config = llava_config(path_or_config)
     if config.projector_hidden_act != "gelu":
         _refuse("projector_hidden_act", config.projector_hidden_act, "the projector uses 'gelu'")

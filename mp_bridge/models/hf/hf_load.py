@@ -119,8 +119,7 @@ def read_full_rows(files: HFFiles, m: HFMapping, dim: int, start: int, stop: int
 def _local_tensor(files: HFFiles, m: HFMapping, param: torch.Tensor) -> torch.Tensor:
     spec = shard_spec(param)
     if spec is None:
-        full_rows = m.reshape[0] if m.reshape is not None else sum(r[3] for r in m.runs)
-        return read_full_rows(files, m, 0, 0, full_rows)
+        return read_full_rows(files, m, 0, 0, m.full_shape[0])
     local = torch.zeros(param.shape, dtype=param.dtype)  # padding rows stay zero
     for piece in spec.local_pieces(param.shape[spec.dim]):
         rows = read_full_rows(files, m, spec.dim, piece.full_start, piece.full_start + piece.length)

@@ -3,32 +3,29 @@
 Collective over every rank: for each parameter in name-map order, its shards are
 gathered into the full tensor (:func:`gather_shard`: one all-gather over its TP group,
 nothing for a replicated one); a pipelined LLM's parameter that global rank 0 does not
-hold is then sent to it by the lowest rank of its stage (one ``send`` / ``recv`` of the
+hold is then sent to it by the lowest rank holding it (one ``send`` / ``recv`` of the
 full tensor; owners and dtypes found by one ``all_gather_object`` first). Rank 0 cuts it
 into its HF tensors by the same runs :func:`load_hf` reads (:mod:`.name_map`) and streams
-them into ``model.safetensors`` (header first: every name, dtype and shape is known up
-front), so no rank holds more than one full tensor beyond its own shards. The untrained tensors (``model.hf_untrained``)
-follow. ``config.json`` is the config :func:`load_hf` read (``model.hf_config``) or the
-``config=`` given. The directory is written beside ``path`` and published by rename
-(the checkpoint wing's :func:`publish`), so ``path`` holds a whole model or the old one.
+them into ``model.safetensors`` (:func:`write_hf_directory`: header first, so no rank
+holds more than one full tensor beyond its own shards). The untrained tensors
+(``model.hf_untrained``) follow. ``config.json`` is the config :func:`load_hf` read
+(``model.hf_config``) or the ``config=`` given. The directory is published by rename, so
+``path`` holds a whole model or the old one.
 ``LlavaForConditionalGeneration.from_pretrained(path)`` then loads the same bits.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import uuid
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from mp_bridge.checkpoint.publish import publish, staging_dir
 from mp_bridge.layers import gather_shard, shard_spec
+from mp_bridge.models.hf.hf_directory import check_hf_target, hf_header, write_hf_directory
 from mp_bridge.models.hf.hf_load import model_config, model_parameters
 from mp_bridge.models.hf.name_map import HFMapping, hf_mappings
-from mp_bridge.models.hf.safetensors_files import SINGLE_FILE, StreamingSafetensorsWriter
 
 __all__ = ["hf_tensors", "save_hf"]
 
@@ -69,26 +66,25 @@ def _to_writer(full, m: HFMapping, owner: tuple[int, torch.dtype], device) -> to
         dist.send(full.contiguous(), dst=0)
     if rank != 0:
         return None
-    rows = m.reshape[0] if m.reshape is not None else sum(r[3] for r in m.runs)
-    shape = m.reshape or (rows, *m.hf_shapes[0][1:])
-    out = torch.empty(shape, dtype=dtype, device=device)
+    out = torch.empty(m.full_shape, dtype=dtype, device=device)
     dist.recv(out, src=src)
     return out
 
 
-def _writer_rank() -> bool:
-    return not dist.is_initialized() or dist.get_rank() == 0
-
-
-def _check_target(path: str) -> None:
-    if os.path.exists(path) and not (
-        os.path.isdir(path)
-        and (not os.listdir(path) or os.path.isfile(os.path.join(path, "config.json")))
-    ):
-        raise ValueError(
-            f"save_hf will not replace {path!r}: it is a file or a directory "
-            "without config.json; pass a new path or an HF model directory"
-        )
+def _gathered(mappings, params, extra, owners, writer) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every HF tensor in write order on the ``writer``, nothing elsewhere; collective
+    (one gather per sharded parameter, one send per parameter rank 0 does not hold)."""
+    device = next(iter(params.values())).device
+    for m in mappings:
+        param = params.get(m.ours)
+        full = None if param is None else gather_shard(param.detach(), shard_spec(param))
+        if owners is not None and owners[m.ours][0] != 0:  # another stage's: to rank 0
+            full = _to_writer(full, m, owners[m.ours], device)
+        if writer:
+            yield from zip(m.hf, hf_tensors(m, full))
+        del full
+    if writer:
+        yield from sorted(extra.items())
 
 
 @torch.no_grad()
@@ -101,36 +97,20 @@ def save_hf(path: str, model: nn.Module, *, config: dict | None = None) -> None:
             "save_hf needs the HF config: load the model with load_hf, or pass "
             "config= (a LlavaConfig's to_dict())"
         )
-    _check_target(path)
+    check_hf_target(path, "save_hf")
     mappings = hf_mappings(cfg)
     params = model_parameters(model, mappings)
     owners = _owners(params, len(mappings))
-    dtypes = {m.ours: params[m.ours].dtype if m.ours in params else owners[m.ours][1]
-              for m in mappings}  # fmt: skip
-    extra = dict(sorted(getattr(model, "hf_untrained", {}).items()))
-    entries = [(k, dtypes[m.ours], s) for m in mappings for k, s in zip(m.hf, m.hf_shapes)]
-    entries += [(k, t.dtype, tuple(t.shape)) for k, t in extra.items()]
-    writer = _writer_rank()
-    staging = staging_dir(path, uuid.uuid4().hex) if writer else None
+    dtypes = {n: d for n, (_, d) in (owners or {}).items()}
+    dtypes.update((n, p.dtype) for n, p in params.items())
+    extra = dict(getattr(model, "hf_untrained", {}))
+    header = hf_header(mappings, dtypes, {k: (t.dtype, tuple(t.shape)) for k, t in extra.items()})
+    writer = not dist.is_initialized() or dist.get_rank() == 0
+    tensors = _gathered(mappings, params, extra, owners, writer)
     if writer:
-        os.makedirs(staging)
-        stream = StreamingSafetensorsWriter(os.path.join(staging, SINGLE_FILE), entries)
-    device = next(iter(params.values())).device
-    for m in mappings:
-        param = params.get(m.ours)
-        full = None if param is None else gather_shard(param.detach(), shard_spec(param))
-        if owners is not None and owners[m.ours][0] != 0:  # another stage's: to rank 0
-            full = _to_writer(full, m, owners[m.ours], device)
-        if writer:
-            for key, tensor in zip(m.hf, hf_tensors(m, full)):
-                stream.write(key, tensor)
-        del full
-    if writer:
-        with stream:  # an error above leaves an unpublished staging directory only
-            for key, tensor in extra.items():
-                stream.write(key, tensor)
-        with open(os.path.join(staging, "config.json"), "w", encoding="utf-8") as f:
-            json.dump(config, f, indent=2, sort_keys=True)
-        publish(staging, path, uuid.uuid4().hex)
+        write_hf_directory(path, config, header, tensors)
+    else:
+        for _ in tensors:  # the gathers, collective with the writer's
+            pass
     if dist.is_initialized():
         dist.barrier()  # every rank returns once the directory is published

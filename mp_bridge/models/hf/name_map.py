@@ -70,6 +70,13 @@ class HFMapping:
     runs: tuple[tuple[int, int, int, int], ...]
     reshape: tuple[int, ...] | None = None
 
+    @property
+    def full_shape(self) -> tuple[int, ...]:
+        """Our full (unpadded, single-process) tensor's shape."""
+        if self.reshape is not None:
+            return tuple(self.reshape)
+        return (sum(n for _, _, _, n in self.runs), *self.hf_shapes[0][1:])
+
     def runs_in(self, start: int, stop: int) -> list[tuple[int, int, int, int]]:
         """The runs cut to our rows ``[start, stop)``: ``(our_row, hf_index, hf_row, n)``."""
         out = []

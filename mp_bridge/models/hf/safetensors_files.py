@@ -66,6 +66,14 @@ class HFFiles:
     def shape(self, key: str) -> tuple[int, ...]:
         return tuple(self._handles[self.file_of[key]].get_slice(key).get_shape())
 
+    def dtype(self, key: str) -> torch.dtype:
+        """The stored dtype of ``key`` (``ValueError`` for one without a torch name here)."""
+        name = self._handles[self.file_of[key]].get_slice(key).get_dtype()
+        found = [d for d, n in _DTYPES.items() if n == name]
+        if not found:
+            raise ValueError(f"{key} is stored as {name}; use one of {sorted(_DTYPES.values())}")
+        return found[0]
+
     def read(self, key: str, dim: int | None = None, start: int = 0, stop: int = 0):
         """The tensor ``key``, or its rows / columns ``[start, stop)`` along ``dim`` (0/1)."""
         sl = self._handles[self.file_of[key]].get_slice(key)

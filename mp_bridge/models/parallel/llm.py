@@ -129,9 +129,7 @@ class TPLLM(FullStateMixin, nn.Module):
             cu_seqlens = PaddedLayout.of_documents(bounds, cp)
         x = embeddings.transpose(0, 1)  # [s_local, b, h]: megatron's SP splits dim 0
         for block in self.blocks:
-            x = block(
-                x, position_ids=position_ids, cu_seqlens=cu_seqlens, rotary_positions=rotary
-            )
+            x = block(x, position_ids=position_ids, cu_seqlens=cu_seqlens, rotary_positions=rotary)
         return self.norm(x).transpose(0, 1)
 
     def token_loss(

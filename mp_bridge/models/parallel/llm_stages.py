@@ -164,9 +164,7 @@ class TPLLMStage(FullStateMixin, nn.Module):
         restart per document) or the partition's padded global bounds."""
         rotary = rotary_positions(position_ids, cu_seqlens)
         for block in self.blocks.values():
-            x = block(
-                x, position_ids=position_ids, cu_seqlens=cu_seqlens, rotary_positions=rotary
-            )
+            x = block(x, position_ids=position_ids, cu_seqlens=cu_seqlens, rotary_positions=rotary)
         return x
 
     def token_loss(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
