@@ -4,12 +4,14 @@ Writes one LLaVA (CLIP + Llama, ~60M parameters, fp32, random, built offline by
 transformers) with ``save_pretrained``, then alternates, run by run:
 
 - ``from_pretrained``: ``LlavaForConditionalGeneration.from_pretrained(dir)`` in one
-  process;
+  process (1 thread), alone and then reading every weight once (transformers may leave
+  weights as views of the memory-mapped file until first use);
 - ``load_hf tp=N``: ``N`` gloo ranks, encoder TP N / LLM TP N, each building its shards
   from the config (``build_colocated_mimo(cfg, ...)``) and then timing ``load_hf``.
 
 Memory is each process's peak RSS during the call minus its RSS before it (Linux: the peak
-is reset through ``/proc/self/clear_refs`` first); time is wall time of the call. Figures
+is reset through ``/proc/self/clear_refs`` first; it counts the file's mapped pages that
+safetensors reads, not only copies); time is wall time of the call. Figures
 are the median over ``--repeats`` runs, with the spread (max - min). CPU only; no assert.
 
     PYTHONPATH=. .venv/bin/python bench/hf_load.py [--repeats 3]
@@ -77,10 +79,21 @@ def write_model(path: str) -> None:
     LlavaForConditionalGeneration(config).save_pretrained(path)
 
 
-def _from_pretrained(path: str) -> tuple[float, float]:
+def _from_pretrained(path: str, read: bool) -> tuple[float, float]:
+    """In its own process (one rank), like each ``load_hf`` rank. ``read``: also touch
+    every weight (``from_pretrained`` may leave them as views of the mapped file, read
+    on first use; ``load_hf`` copies into parameters allocated before the call)."""
     from transformers import LlavaForConditionalGeneration
 
-    return _measure(lambda: LlavaForConditionalGeneration.from_pretrained(path))
+    torch.set_num_threads(1)
+
+    def load():
+        model = LlavaForConditionalGeneration.from_pretrained(path)
+        if read:
+            for p in model.parameters():
+                float(p.detach().sum())
+
+    return _measure(load)
 
 
 def _load_rank(path: str) -> tuple[float, float]:
@@ -115,7 +128,8 @@ def main() -> None:
     size = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path)) / 2**20
     runs: dict[str, list[tuple[float, float]]] = {}
     for _ in range(args.repeats):  # methods alternate run by run
-        runs.setdefault("from_pretrained (1 process)", []).append(_from_pretrained(path))
+        for read, name in ((False, "from_pretrained"), (True, "from_pretrained + read all")):
+            runs.setdefault(name, []).append(run_distributed(_from_pretrained, 1, path, read)[0])
         for tp in (1, 2, 4):
             per_rank = run_distributed(_load_rank, tp, path)
             worst = (max(t for t, _ in per_rank), max(m for _, m in per_rank))

@@ -125,3 +125,22 @@ def test_cli_hf_tiny_writes_a_model_transformers_loads(tmp_path, capsys):
     cfg = config_from_hf(path, seq_len=16)
     assert cfg.llm_qkv_bias and cfg.tie_embeddings and not cfg.enc_class_token
     assert "wrote qwen2 + siglip LLaVA" in capsys.readouterr().out
+
+
+def test_a_vocab_shard_gets_its_rows_and_zero_padding_rows(tmp_path):
+    # One process, a vocab-parallel shard padded past the vocab (64 real rows of 66), its
+    # padding rows filled with NaN first: load_hf's fill writes the HF rows and zeros.
+    from mp_bridge.layers import mark_sharded
+    from mp_bridge.models.hf import hf_mappings
+    from mp_bridge.models.hf.hf_load import _fill
+    from mp_bridge.models.hf.safetensors_files import HFFiles
+
+    hf, path = _saved(tmp_path)
+    cfg = config_from_hf(path, seq_len=16)
+    m = next(m for m in hf_mappings(cfg) if m.ours == "llm.embed.weight")
+    param = torch.full((cfg.vocab_size + 2, cfg.llm_hidden), float("nan"))
+    mark_sharded(param, dim=0, group=None, full_size=cfg.vocab_size)
+    _fill(HFFiles(path), m, param)
+    want = hf.state_dict()["model.language_model.embed_tokens.weight"]
+    assert torch.equal(param[: cfg.vocab_size], want)
+    assert torch.equal(param[cfg.vocab_size :], torch.zeros(2, cfg.llm_hidden))

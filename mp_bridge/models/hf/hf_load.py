@@ -116,15 +116,19 @@ def read_full_rows(files: HFFiles, m: HFMapping, dim: int, start: int, stop: int
     return torch.cat(parts, dim=0)
 
 
-def _local_tensor(files: HFFiles, m: HFMapping, param: torch.Tensor) -> torch.Tensor:
+def _fill(files: HFFiles, m: HFMapping, param: torch.Tensor) -> None:
+    """Copy this rank's rows of ``m`` into ``param``, one piece (one slice read) at a time,
+    so the only transient is the piece itself; vocab padding rows are zero."""
     spec = shard_spec(param)
     if spec is None:
-        return read_full_rows(files, m, 0, 0, m.full_shape[0])
-    local = torch.zeros(param.shape, dtype=param.dtype)  # padding rows stay zero
-    for piece in spec.local_pieces(param.shape[spec.dim]):
+        param.copy_(read_full_rows(files, m, 0, 0, m.full_shape[0]))
+        return
+    pieces = spec.local_pieces(param.shape[spec.dim])
+    if sum(piece.length for piece in pieces) < param.shape[spec.dim]:
+        param.zero_()  # padding rows (the vocab's)
+    for piece in pieces:
         rows = read_full_rows(files, m, spec.dim, piece.full_start, piece.full_start + piece.length)
-        local.narrow(spec.dim, piece.local_start, piece.length).copy_(rows)
-    return local
+        param.narrow(spec.dim, piece.local_start, piece.length).copy_(rows)
 
 
 @torch.no_grad()
@@ -142,6 +146,6 @@ def load_hf(path: str, model: nn.Module) -> None:
         param = params.get(m.ours)
         if param is None:  # another pipeline stage's
             continue
-        param.copy_(_local_tensor(files, m, param).to(device=param.device, dtype=param.dtype))
+        _fill(files, m, param)
     model.hf_untrained = {k: files.read(k) for k in files.keys() if untrained(k, cfg)}
     model.hf_config = llava_config(path).to_dict()
