@@ -104,8 +104,12 @@ class LseMerge:
 
 
 def _dirty(kh: torch.Tensor, vh: torch.Tensor) -> bool:
-    """Whether the K/V in hand hold a non-finite value (one scalar read per block in hand)."""
-    return not bool(torch.isfinite(kh).all() & torch.isfinite(vh).all())
+    """Whether the K/V in hand may hold a non-finite value: their fp32 sum is not finite
+    (one reduction each, no bool copy; one scalar read per block in hand). A NaN or inf
+    always makes the sum non-finite; finite values whose sum overflows only send the
+    block down the cleaning path, which is exact too, just slower."""
+    total = kh.sum(dtype=torch.float32) + vh.sum(dtype=torch.float32)
+    return not bool(torch.isfinite(total))
 
 
 def _inputs(qh, kh, vh, p: BlockPair, masks, k_shift: int, dirty: bool):
