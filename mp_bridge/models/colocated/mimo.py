@@ -155,7 +155,7 @@ class ColocatedMimoModel(nn.Module):
                 llm, pp_group=groups.llm_pp, loss_group=groups.llm_dp_cp, schedule=schedule
             )
             if llm.tied_parameters():
-                self._embed_group = _embedding_group(groups)
+                self._embed_group = groups.embedding_group()
         elif microbatches != 1:
             raise ValueError(
                 f"microbatches={microbatches} needs a pipelined LLM (a TPLLMStage on an LLM "
@@ -354,24 +354,6 @@ class ColocatedMimoModel(nn.Module):
         """
         for group, params in self.gradient_buckets():
             _all_reduce_grads(params, group)
-
-
-def _embedding_group(groups: MimoGroups) -> dist.ProcessGroup:
-    """``groups.llm_embed`` (``groups.llm_pp`` when it is ``None`` and pp = 2) on a first
-    or last stage of a tied pipeline; ``ValueError`` unless it holds exactly this rank's
-    pipeline's first and last rank (local check)."""
-    pipe = sorted(dist.get_process_group_ranks(groups.llm_pp))
-    group = groups.llm_embed
-    if group is None and len(pipe) == 2:
-        group = groups.llm_pp
-    got = None if group is None else sorted(dist.get_process_group_ranks(group))
-    if got != [pipe[0], pipe[-1]]:
-        raise ValueError(
-            f"groups.llm_embed on rank {dist.get_rank()} holds ranks {got} but a tied head "
-            f"at pp={len(pipe)} sums the embedding's gradient over this pipeline's first "
-            f"and last rank {[pipe[0], pipe[-1]]}; build the groups with make_mimo_groups"
-        )
-    return group
 
 
 def _check_tp(cfg, encoder: GridLayout, llm: GridLayout) -> None:

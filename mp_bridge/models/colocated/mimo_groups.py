@@ -192,6 +192,24 @@ class MimoGroups:
         """One process: a :class:`LocalBridge` and no process group."""
         return cls(None, None, LocalBridge(), None, None, None, None, None)
 
+    def embedding_group(self) -> dist.ProcessGroup:
+        """On a first or last stage of a tied pipeline: ``llm_embed`` (``llm_pp`` when it
+        is ``None`` and pp = 2); ``ValueError`` unless it holds exactly this rank's
+        pipeline's first and last rank (local check)."""
+        pipe = sorted(dist.get_process_group_ranks(self.llm_pp))
+        group = self.llm_embed
+        if group is None and len(pipe) == 2:
+            group = self.llm_pp
+        got = None if group is None else sorted(dist.get_process_group_ranks(group))
+        if got != [pipe[0], pipe[-1]]:
+            raise ValueError(
+                f"groups.llm_embed on rank {dist.get_rank()} holds ranks {got} but a tied "
+                f"head at pp={len(pipe)} sums the embedding's gradient over this pipeline's "
+                f"first and last rank {[pipe[0], pipe[-1]]}; build the groups with "
+                "make_mimo_groups"
+            )
+        return group
+
     def destroy(self) -> None:
         """Free the bridge's groups, then every group of the grids it owns (idempotent).
 
