@@ -10,6 +10,21 @@ from mp_bridge.models.hf.hf_save import hf_tensors
 from mp_bridge.models.hf.hf_synthetic import llava_inputs as hf_llava_inputs
 
 
+def tied_copies_equal(model) -> int | None:
+    """On the first and last stage of a tied pipeline: whether this rank's embedding shard
+    and its copy on the other end stage are bitwise equal (one all-gather over
+    ``model.groups.llm_embed``), as 1 / 0; ``None`` on other ranks (no collective)."""
+    import torch.distributed as dist
+
+    tied = model.llm.tied_parameters()
+    if not tied:
+        return None
+    local = tied[0].detach()
+    both = [torch.empty_like(local) for _ in range(2)]
+    dist.all_gather(both, local.contiguous(), group=model.groups.llm_embed)
+    return int(torch.equal(both[0], both[1]))
+
+
 def llava_inputs(cfg, images_per_sample=(1, 2, 0), seq=16, pad=(0, 0, 4), seed=0):
     """HF's ``input_ids [B, S]``, ``pixel_values``, ``attention_mask`` right-padded by
     ``pad[i]`` and ``labels`` (:func:`mp_bridge.models.hf.hf_synthetic.llava_inputs`)."""

@@ -69,8 +69,6 @@ def _validate_hf(args: argparse.Namespace, validate) -> tuple[GridLayout, GridLa
         raise ValueError(
             f"--llm pp={pp} needs one text layer per stage; {args.hf} has {cfg.llm_layers}"
         )
-    if pp > 1 and cfg.tie_embeddings:
-        raise ValueError(f"{args.hf} ties its head to the embedding: use an --llm without pp")
     args.config = cfg
     return enc, llm
 

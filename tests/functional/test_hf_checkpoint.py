@@ -26,7 +26,7 @@ from mp_bridge.models import build_colocated_mimo, destroy_colocated_mimo  # noq
 from mp_bridge.models.hf import config_from_hf, export_hf, import_hf, load_hf  # noqa: E402
 from mp_bridge.models.hf.tiny import tiny_llava  # noqa: E402
 from mp_bridge.testing import DistributedWorld  # noqa: E402
-from tests.hf_llava import assert_same_hf_dirs  # noqa: E402
+from tests.hf_llava import assert_same_hf_dirs, tied_copies_equal  # noqa: E402
 
 world = DistributedWorld(8)
 
@@ -49,7 +49,7 @@ def _build(cfg, layout):
     return build_colocated_mimo(cfg, *grids, **options), grids
 
 
-def _round_trip(text, vision, tie, first, second, via_import):
+def _round_trip(text, vision, tie, first, second, via_import, check=None):
     root = _shared_dir("hf-ckpt-")
     hf_dir, ckpt_a, ckpt_b, out = (f"{root}/{n}" for n in ("hf", "a", "b", "out"))
     if dist.get_rank() == 0:
@@ -68,6 +68,8 @@ def _round_trip(text, vision, tie, first, second, via_import):
     model, grids = _build(cfg, second)  # random weights, no HF record
     try:
         checkpoint.load(ckpt_a, model)
+        if check is not None:
+            check(model)
         assert model.hf_config["text_config"]["model_type"] == text
         checkpoint.save(ckpt_b, model, step=2)
     finally:
@@ -88,3 +90,23 @@ def test_clip_llama_untied_cp2_to_pp2_exports_bitwise():
 @world.case
 def test_siglip_qwen2_tied_imported_to_tp4_sp_exports_bitwise():
     return _round_trip("qwen2", "siglip", True, None, TP4_SP, via_import=True)
+
+
+def _copies_loaded_equal(model) -> None:
+    assert tied_copies_equal(model) in (None, 1)
+
+
+@world.case
+def test_siglip_qwen2_tied_pp2_to_tp4_sp_exports_bitwise():
+    """A tied head at PP 2 (the embedding on the first stage, its copy on the last: one
+    ``model.llm.embed.weight`` in the checkpoint) loaded at PP 1 / TP 4 / SP."""
+    return _round_trip("qwen2", "siglip", True, LLM_PP2, TP4_SP, via_import=False)
+
+
+@world.case
+def test_siglip_qwen2_tied_imported_to_pp2_loads_both_copies():
+    """One process's tied checkpoint loaded at PP 2 fills the embedding and the last
+    stage's copy equal; saved at PP 2 and exported, transformers' tensors bitwise."""
+    return _round_trip(
+        "qwen2", "siglip", True, None, LLM_PP2, via_import=True, check=_copies_loaded_equal
+    )

@@ -41,7 +41,7 @@ from mp_bridge.models.hf.hf_save import hf_tensors  # noqa: E402
 from mp_bridge.models.hf.tiny import tiny_llava  # noqa: E402
 from mp_bridge.models.parallel.sharding import gather_full_state  # noqa: E402
 from mp_bridge.testing import DistributedWorld  # noqa: E402
-from tests.hf_llava import grad_errors, llava_inputs  # noqa: E402
+from tests.hf_llava import grad_errors, llava_inputs, tied_copies_equal  # noqa: E402
 
 world = DistributedWorld(8)
 LOSS_RTOL, GRAD_ATOL, WEIGHT_RTOL = 1e-5, 1e-4, 1e-4
@@ -96,13 +96,8 @@ def _step(model, local):
     return loss
 
 
-#: every model at every layout, but a tied head at pp > 1 (refused: test_llm_stages)
-CASES = {
-    f"{m}-{lay}": (MODELS[m], LAYOUTS[lay])
-    for m in MODELS
-    for lay in LAYOUTS
-    if not (MODELS[m][2] and LAYOUTS[lay][1].get("pp", 1) > 1)
-}
+#: every model at every layout (a tied head at pp 2: the last stage's embedding copy)
+CASES = {f"{m}-{lay}": (MODELS[m], LAYOUTS[lay]) for m in MODELS for lay in LAYOUTS}
 
 
 @world.parametrize("case", list(CASES.values()), ids=list(CASES))
@@ -164,6 +159,42 @@ def test_five_adam_steps_match_transformers_five_steps():
             worst = max(worst, (diff / float(want.abs().max()), key))
     assert worst[0] <= WEIGHT_RTOL, worst
     return {"losses": ours, "weight_rel": worst}
+
+
+@world.case
+def test_a_tied_head_at_pp2_trains_like_transformers_and_its_copies_stay_equal():
+    """Tied SigLIP + Qwen2 at LLM TP2/PP2/DP2: three Adam steps give transformers' losses,
+    the first stage's embedding and the last stage's copy stay bitwise equal, and both
+    equal transformers' trained (tied) weight to the five-step test's bound."""
+    enc, llm, options = LAYOUTS["llm_pp2"]
+    hf, cfg, model, grids, (ids, pixels, mask, labels), local = _setup(
+        "qwen2", "siglip", True, (2, 1, 0, 1), enc, llm, options
+    )
+    hf_optim = torch.optim.Adam(hf.parameters(), lr=1e-3)
+    optim = torch.optim.Adam(model.parameters(), lr=1e-3)
+    ours, theirs, equal = [], [], []
+    try:
+        for _ in range(3):
+            hf_optim.zero_grad(set_to_none=True)
+            optim.zero_grad(set_to_none=True)
+            loss = hf(input_ids=ids, pixel_values=pixels, attention_mask=mask, labels=labels).loss
+            loss.backward()
+            hf_optim.step()
+            theirs.append(loss.item())
+            ours.append(_step(model, local).item())
+            optim.step()
+            equal.append(tied_copies_equal(model))
+        embed = model.llm.to_full()["embed.weight"]  # this rank's stage: first or last
+    finally:
+        destroy_colocated_mimo(model, *grids)
+    assert equal == [1, 1, 1], equal  # every rank is on the first or the last stage
+    assert all(abs(a - b) <= LOSS_RTOL * abs(b) for a, b in zip(ours, theirs)), (ours, theirs)
+    assert theirs[-1] < theirs[0]
+    want = hf.get_input_embeddings().weight.detach()
+    assert hf.get_output_embeddings().weight is hf.get_input_embeddings().weight
+    rel = float((embed - want).abs().max() / want.abs().max())
+    assert rel <= WEIGHT_RTOL, rel
+    return {"losses": ours, "embed_rel": rel}
 
 
 def _tp4_shard_elements() -> int:
@@ -241,16 +272,24 @@ def test_packed_documents_under_cp_match_hf_rows():
     return {"loss": got.item()}
 
 
-@world.parametrize("layout", ["llm_pp2", "tp4_sp"])
-def test_save_hf_at_the_layout_gives_back_the_hf_tensors_bitwise(layout):
+SAVE_CASES = [
+    "clip_llama_untied-llm_pp2",
+    "clip_llama_untied-tp4_sp",
+    "siglip_qwen2_tied_ragged-llm_pp2",
+]
+
+
+@world.parametrize("case", SAVE_CASES)
+def test_save_hf_at_the_layout_gives_back_the_hf_tensors_bitwise(case):
     """``load_hf`` then ``save_hf`` on 8 ranks (TP shards gathered; at PP 2 the second
-    stage's tensors sent to rank 0) writes what transformers' ``save_pretrained`` wrote."""
+    stage's tensors sent to rank 0) writes what transformers' ``save_pretrained`` wrote
+    (a tied head: the embedding once, held by both end stages; no ``lm_head.weight``)."""
     from safetensors.torch import load_file
 
     from mp_bridge.models.hf import save_hf
 
-    enc, llm, options = LAYOUTS[layout]
-    hf, cfg, model, grids, _, _ = _setup("llama", "clip", False, (1, 1, 1, 1), enc, llm, options)
+    (text, vision, tie, images), (enc, llm, options) = CASES[case]
+    hf, cfg, model, grids, _, _ = _setup(text, vision, tie, images, enc, llm, options)
     out = [tempfile.mkdtemp(prefix="hf-out-") if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(out, src=0)
     try:
@@ -261,6 +300,8 @@ def test_save_hf_at_the_layout_gives_back_the_hf_tensors_bitwise(layout):
         return None
     after = load_file(f"{out[0]}/model/model.safetensors")
     want = {k: t.detach() for k, t in hf.state_dict().items()}
+    if tie:  # save_pretrained leaves the tied head to the embedding
+        del want["lm_head.weight"]
     got = {disk_to_module(k): t for k, t in after.items()}
     assert sorted(got) == sorted(want)
     assert all(torch.equal(got[k], want[k]) and got[k].dtype == want[k].dtype for k in want)

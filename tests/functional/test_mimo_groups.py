@@ -162,3 +162,21 @@ def test_make_mimo_groups_refuses_a_layout_before_any_group():
             make_grid(tp=2, dp=2, create=()),
         )
     assert _live_groups() == before
+
+
+@world.parametrize("pp", [2, 4])
+def test_the_embedding_group_holds_each_pipelines_first_and_last_stage(pp):
+    """Megatron's embedding group (a tied head's gradient sum): pp 2 reuses the pp group;
+    pp 4 (one pipeline, ranks 0..3) makes ``[0, 3]``, middle stages get ``None``, and
+    ``destroy`` frees it with the rest. pp 2 x dp 2 (rank = pp + 2 dp): ``[0, 1]``, ``[2, 3]``."""
+    enc, llm = make_grid(dp=4, create=()), make_grid(pp=pp, dp=4 // pp, create=())
+    before = _live_groups()
+    groups = make_mimo_groups(enc, llm)
+    rank, got = dist.get_rank(), groups.llm_embed
+    want = {2: {0: [0, 1], 1: [0, 1], 2: [2, 3], 3: [2, 3]}, 4: {0: [0, 3], 3: [0, 3]}}[pp]
+    assert (None if got is None else dist.get_process_group_ranks(got)) == want.get(rank), rank
+    assert (got is groups.llm_pp) == (pp == 2)
+    assert len(groups.owned) == (pp == 4 and rank in (0, 3))
+    groups.destroy()
+    assert _live_groups() == before and groups.owned == []
+    groups.destroy()  # idempotent

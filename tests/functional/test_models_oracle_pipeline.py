@@ -5,7 +5,8 @@ microbatches) on 8 ranks against the same model in one process (no PP).
 gradient, every parameter's synced first-step gradient and every weight after the last
 step (each rank its own stage's LLM parameters; worst over the world). Layouts: encoder
 tp2·dp4 -> LLM tp2·pp2·dp2, tp1·dp8 -> tp1·cp2·pp2·dp2, tp2·dp4 -> tp2·pp4·dp1; M = 1, 2,
-4; uniform and ragged images, plain and packed text, SP on and off, both flows.
+4; uniform and ragged images, plain and packed text, SP on and off, both flows, a tied head
+(at pp4: the first stage's embedding and the last stage's copy against the one tied weight).
 
 Tolerances are ``test_models_oracle``'s, for the same reason: the pipelined step computes
 the same fp32 math in another summation order (per-microbatch partial sums added in
@@ -20,6 +21,8 @@ microbatch documents; see ``models/colocated/pipelined.py``).
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 
@@ -65,15 +68,19 @@ CASES = {
     "C-M2-routed-sp": dict(C, microbatches=2, flow="routed", sequence_parallel=True),
     "C-M4-gather-sp-packed": dict(C, microbatches=4, sequence_parallel=True, batch="packed"),
     "C-M4-routed-ragged": dict(C, microbatches=4, flow="routed", batch="ragged"),
+    # a tied head: the last stage's embedding copy, summed over groups.llm_embed (pp 4:
+    # a group of its own per pipeline, first and last stage)
+    "C-M2-gather-tied": dict(C, microbatches=2, tied=True),
 }
 BATCHES = {"ragged": _ragged, "packed": _packed}
 
 
 def _parity(case: dict):
     kw = dict(case)
+    cfg = dataclasses.replace(CFG, tie_embeddings=kw.pop("tied", False))
     if "batch" in kw:
         kw["batch"] = BATCHES[kw["batch"]]()
-    return run_parity(CFG, device=current_device(), **kw)
+    return run_parity(cfg, device=current_device(), **kw)
 
 
 @world.parametrize("case", list(CASES), ids=list(CASES))

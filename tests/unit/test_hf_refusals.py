@@ -159,14 +159,6 @@ def test_hf_batch_labels_default_and_shift(saved):
     assert batch.images.shape == (3, 4, 48)  # one image per sample: uniform
 
 
-def test_a_tied_head_across_pipeline_stages_is_refused():
-    from mp_bridge.models.parallel.llm_stages import TPLLMStage
-
-    cfg = config_from_hf(tiny_llava(tie=True).config, seq_len=16)
-    with pytest.raises(ValueError, match="tie_embeddings=True with 2 pipeline stages"):
-        TPLLMStage(cfg, stage=0, n_stages=2)
-
-
 def test_kv_heads_that_do_not_split_over_tp_are_named():
     cfg = config_from_hf(tiny_llava().config, seq_len=16)
     with pytest.raises(ValueError, match="llm_kv_heads=4 is not divisible by llm tp=8"):

@@ -55,6 +55,29 @@ def test_stages_hold_every_reference_parameter_once(n_stages):
     assert sorted(names) == sorted(n for n, _ in ref.named_parameters())
 
 
+@pytest.mark.parametrize("n_stages", [2, 3])
+def test_a_tied_head_has_its_embedding_copy_on_the_last_stage(n_stages):
+    """Megatron's tied pipeline: the last stage registers its own ``embed`` and ties the
+    head to it, so the reference's one name ``embed.weight`` is on the first and the last
+    stage (loaded equal), and no stage holds a ``head.weight`` of its own."""
+    cfg = MimoConfig(llm_layers=4, tie_embeddings=True)
+    ref = ReferenceLLM(cfg)
+    stages = [TPLLMStage.from_full(ref, cfg, stage=s, n_stages=n_stages) for s in range(n_stages)]
+    first, *middle, last = stages
+    assert last.head.weight is last.embed.weight is not first.embed.weight
+    assert torch.equal(last.embed.weight, first.embed.weight)
+    assert torch.equal(first.embed.weight, ref.embed.weight)
+    assert [p is s.embed.weight for s in (first, last) for p in s.tied_parameters()] == [True] * 2
+    assert all(not s.tied_parameters() and not hasattr(s, "embed") for s in middle)
+    names = [set(dict(s.named_parameters())) for s in stages]
+    assert "head.weight" not in set().union(*names)
+    assert set().union(*names) == {n for n, _ in ref.named_parameters()}
+    assert names[0] & names[-1] == {"embed.weight"}
+    with pytest.raises(RuntimeError, match="only stage 0 embeds ids"):
+        last.embed_tokens(torch.zeros(1, 2, dtype=torch.long))
+    assert TPLLMStage(cfg, stage=0, n_stages=1).tied_parameters() == []
+
+
 def test_building_a_stage_draws_no_random_numbers():
     # A stage's default inits (embedding, head) depend on the stage; were they drawn from
     # the global generator, data drawn after the build would differ between stages.

@@ -21,7 +21,10 @@ Because ``masked_mean``'s backward is the identity, each rank's backward yields 
 gradient of the *global* loss restricted to its own tokens. :meth:`sync_gradients` then
 sums encoder/projection gradients over the encoder DP group and LLM gradients over the
 LLM DP x CP group (plus TP for sequence-parallel norms), one flattened all-reduce per
-group, so an optimizer step equals the single-process step on the global batch.
+group, so an optimizer step equals the single-process step on the global batch. A
+pipelined LLM with a tied head (``cfg.tie_embeddings``, pp > 1) also sums the gradients of
+the first stage's embedding and the last stage's copy over ``groups.llm_embed``, after
+the DP x CP sum: both copies then hold the single-process gradient of the tied weight.
 """
 
 from __future__ import annotations
@@ -146,10 +149,13 @@ class ColocatedMimoModel(nn.Module):
         if isinstance(llm, TPLLMStage):
             used.append(("groups.llm_pp", groups.llm_pp, "llm_pp"))
         check_members(groups, used)
+        self._embed_group = None
         if isinstance(llm, TPLLMStage):
             self.pipeline = LLMPipeline(
                 llm, pp_group=groups.llm_pp, loss_group=groups.llm_dp_cp, schedule=schedule
             )
+            if llm.tied_parameters():
+                self._embed_group = groups.embedding_group()
         elif microbatches != 1:
             raise ValueError(
                 f"microbatches={microbatches} needs a pipelined LLM (a TPLLMStage on an LLM "
@@ -322,7 +328,9 @@ class ColocatedMimoModel(nn.Module):
 
     # ------------------------------------------------------------ gradient sync
     def gradient_buckets(self) -> list[tuple[dist.ProcessGroup, list[nn.Parameter]]]:
-        """``(group, params)`` pairs whose gradients :meth:`sync_gradients` sums."""
+        """``(group, params)`` pairs whose gradients :meth:`sync_gradients` sums, in order;
+        the last, on the first and last stage of a tied pipeline: the embedding copy over
+        the embedding group (after its DP x CP sum)."""
         encoder_params = [*self.encoder.parameters(), *self.projection.parameters()]
         llm_params = list(self.llm.parameters())
         sp_params = [p for p in llm_params if getattr(p, "sequence_parallel", False)]
@@ -330,6 +338,7 @@ class ColocatedMimoModel(nn.Module):
             (self.groups.encoder_dp, encoder_params),
             (self.groups.llm_dp_cp, llm_params),
             (self.llm.tp_group, sp_params),
+            (self._embed_group, self.llm.tied_parameters() if self.pipeline else []),
         ]
         return [(g, ps) for g, ps in buckets if ps and group_size(g) > 1]
 

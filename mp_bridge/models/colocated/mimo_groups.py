@@ -17,7 +17,15 @@ llm_tp        llm ``tp``      vocab layers, linears, loss, SP norms' gradient sy
 llm_cp        llm ``cp``      CP attention, partition adapter, bridge backward
 llm_dp_cp     llm ``dp, cp``  loss denominator, LLM gradient sync (per tp, pp)
 llm_pp        llm ``pp``      the LLM pipeline's stages (only when pp > 1)
+llm_embed     llm ``pp`` ends a tied head's gradient sum (pp > 1, first and last
+                              stage only; pp = 2: ``llm_pp`` itself)
 ============  ==============  ==================================================
+
+``llm_embed`` is Megatron's embedding group: for each ``(tp, cp, dp)`` coordinate, the
+first and the last stage of its pipeline (the lowest and highest rank of each ``pp``
+group). With ``pp = 2`` that is the ``pp`` group, reused; with ``pp > 2`` one group per
+pipeline is made with ``dist.new_group`` (every rank, in pipeline order), owned by the
+:class:`MimoGroups` and freed by its ``destroy``; middle stages get ``None``.
 
 Example (8 ranks, ``encoder_grid = make_grid(tp=2, dp=4)``, ``llm_grid = make_grid(tp=2,
 cp=2, dp=2)``): rank 5 gets ``encoder_tp`` ``[4, 5]``, ``encoder_dp`` ``[1, 3, 5, 7]``,
@@ -26,6 +34,7 @@ cp=2, dp=2)``): rank 5 gets ``encoder_tp`` ``[4, 5]``, ``encoder_dp`` ``[1, 3, 5
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -67,6 +76,7 @@ _WHERE = {
     "llm_cp": "llm_grid.get_pg('cp')",
     "llm_dp_cp": "llm_grid.get_pg(['dp', 'cp'])",
     "llm_pp": "llm_grid.get_pg('pp')",
+    "llm_embed": "make_mimo_groups(encoder_grid, llm_grid).llm_embed",
 }
 
 
@@ -168,10 +178,13 @@ class MimoGroups:
     llm_cp: dist.ProcessGroup | None
     llm_dp_cp: dist.ProcessGroup | None
     llm_pp: dist.ProcessGroup | None = None
+    llm_embed: dist.ProcessGroup | None = None
+    #: groups made here that no grid holds (``llm_embed`` at pp > 2), freed by destroy
+    owned: list = dataclasses.field(default_factory=list, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "bridge", as_bridge(self.bridge))
-        for name in (*ENCODER_AXES, *LLM_AXES, *PP_AXES):
+        for name in (*ENCODER_AXES, *LLM_AXES, *PP_AXES, "llm_embed"):
             check_group(f"MimoGroups.{name}", getattr(self, name), fix=f"e.g. {_WHERE[name]}")
 
     @classmethod
@@ -179,12 +192,33 @@ class MimoGroups:
         """One process: a :class:`LocalBridge` and no process group."""
         return cls(None, None, LocalBridge(), None, None, None, None, None)
 
+    def embedding_group(self) -> dist.ProcessGroup:
+        """On a first or last stage of a tied pipeline: ``llm_embed`` (``llm_pp`` when it
+        is ``None`` and pp = 2); ``ValueError`` unless it holds exactly this rank's
+        pipeline's first and last rank (local check)."""
+        pipe = sorted(dist.get_process_group_ranks(self.llm_pp))
+        group = self.llm_embed
+        if group is None and len(pipe) == 2:
+            group = self.llm_pp
+        got = None if group is None else sorted(dist.get_process_group_ranks(group))
+        if got != [pipe[0], pipe[-1]]:
+            raise ValueError(
+                f"groups.llm_embed on rank {dist.get_rank()} holds ranks {got} but a tied "
+                f"head at pp={len(pipe)} sums the embedding's gradient over this pipeline's "
+                f"first and last rank {[pipe[0], pipe[-1]]}; build the groups with "
+                "make_mimo_groups"
+            )
+        return group
+
     def destroy(self) -> None:
         """Free the bridge's groups, then every group of the grids it owns (idempotent).
 
         Collective like :func:`make_mimo_groups`: every rank of the world calls it.
         """
         self.bridge.destroy()
+        owned, self.owned[:] = list(self.owned), []
+        for pg in owned:
+            dist.destroy_process_group(pg)
         for grid in (self.llm_grid, self.encoder_grid):
             if grid is not None:
                 destroy_grid(grid)
@@ -236,8 +270,28 @@ def make_mimo_groups(encoder_grid: Any, llm_grid: Any) -> MimoGroups:
         for grid, table in tables
         for field, axes in table.items()
     }
-    bridge = ColocatedBridgeCommunicator(encoder_grid, llm_grid)
-    return MimoGroups(encoder_grid, llm_grid, bridge, **groups)
+    owned: list[dist.ProcessGroup] = []
+    if llm.axis_size("pp") > 1:
+        groups["llm_embed"] = _embedding_group(llm, groups["llm_pp"], owned)
+    bridge = ColocatedBridgeCommunicator(encoder_grid, llm_grid)  # its barrier: ours too
+    return MimoGroups(encoder_grid, llm_grid, bridge, **groups, owned=owned)
+
+
+def _embedding_group(llm: GridLayout, pp_group, owned: list) -> dist.ProcessGroup | None:
+    """This rank's embedding group (module docstring): ``pp_group`` when pp = 2, else one
+    new group per pipeline, made on every rank of the world in the same order (collective),
+    the ones this rank is in appended to ``owned``; ``None`` off the first/last stage."""
+    if llm.axis_size("pp") == 2:
+        return pp_group
+    rank, mine = dist.get_rank(), None
+    pipelines = sorted({tuple(sorted(llm.group_of(r, ["pp"]))) for r in llm.ranks})
+    for pipe in pipelines:
+        ends = [pipe[0], pipe[-1]]
+        pg = dist.new_group(ends)
+        if rank in ends:
+            mine = pg
+            owned.append(pg)
+    return mine
 
 
 def groups_of_bridge(

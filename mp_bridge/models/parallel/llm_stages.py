@@ -4,7 +4,15 @@ Stage ``p`` of ``n`` holds the blocks :func:`stage_layers` gives it, keyed by th
 *global* index (``blocks.<i>``), so every parameter keeps :class:`ReferenceLLM`'s name
 and a stage loads its part of a full state dict directly. Stage 0 also holds ``embed``;
 the last stage ``norm`` and ``head``. Same math as :class:`TPLLM`, split at block
-boundaries:
+boundaries.
+
+A tied head (``cfg.tie_embeddings``) with ``n_stages > 1`` is Megatron's: the last stage
+holds its own copy of the embedding, registered as ``embed`` too (so its name is
+``embed.weight`` on both stages, :class:`ReferenceLLM`'s one name), and the head is tied
+to that copy. Both copies load the same values; after backward the owner of the model
+sums their gradients over the embedding group (the first and last stage of one
+``(tp, cp, dp)`` coordinate; :meth:`TPLLMStage.tied_parameters`), so they take the same
+optimizer step and stay equal.
 
 - stage 0: (the caller embeds with :meth:`TPLLMStage.embed_tokens` and places image rows,
   then partitions) ``[b, s_local(/tp with SP), h]`` -> its blocks;
@@ -85,12 +93,6 @@ class TPLLMStage(FullStateMixin, nn.Module):
         check_group("cp_group", cp_group)
         check_bool("sequence_parallel", sequence_parallel)
         cfg.check_tp(llm_tp=group_size(tp_group))
-        if cfg.tie_embeddings and n_stages > 1:
-            raise ValueError(
-                f"tie_embeddings=True with {n_stages} pipeline stages: the embedding (stage 0) "
-                "and the head (last stage) would need their gradients summed across stages, "
-                "which this model does not do; use pp=1 or an untied head"
-            )
         self.layers = stage_layers(cfg.llm_layers, n_stages, stage)
         self.stage, self.n_stages = stage, n_stages
         self.cfg, self.tp_group, self.cp_group = cfg, tp_group, cp_group
@@ -99,7 +101,7 @@ class TPLLMStage(FullStateMixin, nn.Module):
         core = functools.partial(
             context_parallel_attention, cp_group=cp_group, causal=True, comm=cp_comm
         )
-        if self.is_first:
+        if self.is_first or (self.is_last and cfg.tie_embeddings):  # the last: the head's copy
             self.embed = VocabParallelEmbedding(cfg.vocab_size, cfg.llm_hidden, tp_group=tp_group)
         self.blocks = nn.ModuleDict(
             {
@@ -125,7 +127,7 @@ class TPLLMStage(FullStateMixin, nn.Module):
             self.head = VocabParallelLMHead(
                 cfg.llm_hidden, cfg.vocab_size, tp_group=tp_group,
                 sequence_parallel=self.sequence_parallel, seq_dim=1,
-                tie_to=self.embed if cfg.tie_embeddings else None,  # one stage only
+                tie_to=self.embed if cfg.tie_embeddings else None,
             )  # fmt: skip
 
     @property
@@ -135,6 +137,14 @@ class TPLLMStage(FullStateMixin, nn.Module):
     @property
     def is_last(self) -> bool:
         return self.stage == self.n_stages - 1
+
+    def tied_parameters(self) -> list[nn.Parameter]:
+        """The embedding copy whose gradient the embedding group sums: ``[embed.weight]``
+        on the first and the last stage of a tied pipeline (``n_stages > 1``), else
+        ``[]``. Its gradient after backward is this stage's use only (the embedding's on
+        the first stage, the head's on the last)."""
+        tied = self.cfg.tie_embeddings and self.n_stages > 1 and (self.is_first or self.is_last)
+        return [self.embed.weight] if tied else []
 
     @classmethod
     def from_full(cls, reference: nn.Module, cfg, *, device: torch.device | None = None, **kwargs):
