@@ -104,12 +104,15 @@ class LseMerge:
 
 
 def _dirty(kh: torch.Tensor, vh: torch.Tensor) -> bool:
-    """Whether the K/V in hand may hold a non-finite value: their fp32 sum is not finite
-    (one reduction each, no bool copy; one scalar read per block in hand). A NaN or inf
-    always makes the sum non-finite; finite values whose sum overflows only send the
-    block down the cleaning path, which is exact too, just slower."""
-    total = kh.sum(dtype=torch.float32) + vh.sum(dtype=torch.float32)
-    return not bool(torch.isfinite(total))
+    """Whether the K/V in hand may hold a non-finite value (one scalar read per block in
+    hand). fp32 / bf16: their sums in their own dtype (one reduction each, accumulated in
+    fp32 by the kernels, no copy) are not finite; a NaN or inf always makes a sum
+    non-finite, and finite values whose sum overflows (past ~3e38) only send the block down
+    the cleaning path, which is exact too. fp16 sums overflow at 65504: the exact
+    element check."""
+    if kh.dtype == torch.float16:
+        return not bool(torch.isfinite(kh).all() & torch.isfinite(vh).all())
+    return not bool(torch.isfinite(kh.sum() + vh.sum()))
 
 
 def _inputs(qh, kh, vh, p: BlockPair, masks, k_shift: int, dirty: bool):
