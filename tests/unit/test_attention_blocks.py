@@ -135,3 +135,17 @@ def test_16k_image_tokens_under_a_3_gib_address_space():
         "F.scaled_dot_product_attention(*(t.view(64, 256, H, D).transpose(1, 2) for t in "
         "(qs, ks, vs))).transpose(1, 2).reshape(1, S, H, D)",
     )
+
+
+def test_a_gradient_buffer_copied_into_is_zero_where_no_pair_covers_a_row():
+    # Rows each in one pair get their gradient copied in, so the buffer starts uninitialized
+    # but for the rows no pair covers: those (query rows 3..4 and 7, key rows 0..1) are zero.
+    from mp_bridge.layers.attention.local_attention import _grad_buffer
+
+    t = torch.full((1, 2, 8, 4), float("nan"))
+    pieces = [BlockPair(0, 3, 2, 5, CAUSAL), BlockPair(5, 7, 5, 8, CAUSAL)]
+    for keys, uncovered in ((False, [3, 4, 7]), (True, [0, 1])):
+        buf = _grad_buffer(t, True, pieces, keys=keys)
+        assert buf.dtype == t.dtype
+        assert bool((buf[:, :, uncovered] == 0).all()), (keys, buf[0, 0, :, 0])
+    assert torch.equal(_grad_buffer(t, False, pieces, keys=False), torch.zeros(t.shape))

@@ -11,6 +11,7 @@ of ``s_q × s_k`` elements is built (a ``MASKED`` piece's mask is one block pair
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from mp_bridge.checks import forbid_double_backward
@@ -58,18 +59,43 @@ class _LocalAttention(torch.autograd.Function):
                     scale=ctx.scale,
                 )  # fmt: skip
                 return heads_first(dq), heads_first(dk), heads_first(dv), None, None, None
-        # fp32 sums, or the input dtype where every row is in one pair (0 + x is exact)
+        # fp32 sums, or, where every row is in one pair, the input dtype, the piece's
+        # gradient copied in and only the rows no pair covers zeroed
         once = (ctx.once[0], ctx.once[1], ctx.once[1])
         grads = tuple(
-            torch.zeros(t.shape, dtype=t.dtype if one else torch.float32, device=t.device)
-            for t, one in zip((qh, kh, vh), once)
+            _grad_buffer(t, one, ctx.pieces, keys=i > 0)
+            for i, (t, one) in enumerate(zip((qh, kh, vh), once))
         )
         pieces_backward(
             heads_first(grad_out), qh, kh, vh, out, lse, ctx.pieces, grads,
-            scale=ctx.scale, masks=ctx.masks,
+            scale=ctx.scale, masks=ctx.masks, assign=ctx.once,
         )  # fmt: skip
         dq, dk, dv = (heads_first(g).to(t.dtype) for g, t in zip(grads, (q, k, v)))
         return dq, dk, dv, None, None, None
+
+
+def _grad_buffer(t: torch.Tensor, once: bool, pieces: list[BlockPair], *, keys: bool):
+    """``[b, h, s, d]`` for the gradient of ``t`` (heads first): zeros in fp32 where pieces
+    sum; where each row is in at most one piece (``once``), uninitialized in ``t``'s dtype
+    but for the rows no piece covers, zeroed here (the pieces copy in the rest)."""
+    if not once:
+        return torch.zeros(t.shape, dtype=torch.float32, device=t.device)
+    out = torch.empty(t.shape, dtype=t.dtype, device=t.device)
+    covered = np.zeros(t.shape[2], dtype=bool)
+    for p in pieces:
+        if keys:
+            covered[p.k0 : p.k1] = True
+        else:
+            covered[p.q0 : p.q1] = True
+    for start, stop in _runs_of(~covered):
+        out[:, :, start:stop].zero_()
+    return out
+
+
+def _runs_of(flags: np.ndarray) -> list[tuple[int, int]]:
+    """``[start, stop)`` of each run of True in ``flags``."""
+    edges = np.flatnonzero(np.diff(np.concatenate(([0], flags.astype(np.int8), [0]))))
+    return list(zip(edges[::2].tolist(), edges[1::2].tolist()))
 
 
 def local_attention(

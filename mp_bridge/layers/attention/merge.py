@@ -171,9 +171,14 @@ def pieces_backward(
     scale: float,
     masks: PositionMask | None = None,
     k_shift: int = 0,
+    assign: tuple[bool, bool] = (False, False),
 ) -> None:
-    """Add every piece's ``(dq, dk, dv)`` into the fp32 ``grads`` (``[b, h, s, d]`` each)."""
+    """Add every piece's ``(dq, dk, dv)`` into ``grads`` (``[b, h, s, d]`` each; fp32 where
+    pieces sum). ``assign`` (query rows, key rows): every such row is in at most one piece,
+    so its gradient is copied in, not added (the caller zeroes only uncovered rows)."""
     dq, dk, dv = grads
+    put_q = torch.Tensor.copy_ if assign[0] else torch.Tensor.add_
+    put_kv = torch.Tensor.copy_ if assign[1] else torch.Tensor.add_
     dirty = _dirty(kh, vh)
     for p in pieces:
         rows = slice(p.q0, p.q1)
@@ -183,6 +188,6 @@ def pieces_backward(
             gh[:, :, rows], qh[:, :, rows], k, v, oh[:, :, rows], lse[:, :, rows],
             causal=p.kind == CAUSAL, scale=scale, mask=mask,
         )  # fmt: skip
-        dq[:, :, rows] += pq
-        dk[:, :, keys] += pk
-        dv[:, :, keys] += pv
+        put_q(dq[:, :, rows], pq)
+        put_kv(dk[:, :, keys], pk)
+        put_kv(dv[:, :, keys], pv)
