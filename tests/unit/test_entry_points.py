@@ -157,6 +157,8 @@ EXEMPT: dict[str, str] = {
     "mp_bridge.models.ColocatedMimoModel.gradient_buckets": "lists (group, params); no collective",
     "mp_bridge.models.MimoGroups.__init__": _NO_COLLECTIVE,
     "mp_bridge.models.MimoGroups.destroy": "teardown: releases its own groups",
+    "mp_bridge.models.MimoGroups.embedding_group": "reads group ranks "
+    "(get_process_group_ranks) and checks them locally; no collective",
     "mp_bridge.models.destroy_colocated_mimo": "teardown: releases groups",
 }
 
