@@ -96,6 +96,26 @@ def _step(model, local):
     return loss
 
 
+def _adam_steps(hf, model, local, hf_batch_, steps, after=lambda: None):
+    """``steps`` Adam steps (lr 1e-3) of transformers' model on its whole batch and of ours
+    on this rank's shards; ``after()`` follows each. Returns (our losses, theirs)."""
+    ids, pixels, mask, labels = hf_batch_
+    hf_optim = torch.optim.Adam(hf.parameters(), lr=1e-3)
+    optim = torch.optim.Adam(model.parameters(), lr=1e-3)
+    ours, theirs = [], []
+    for _ in range(steps):
+        hf_optim.zero_grad(set_to_none=True)
+        optim.zero_grad(set_to_none=True)
+        loss = hf(input_ids=ids, pixel_values=pixels, attention_mask=mask, labels=labels).loss
+        loss.backward()
+        hf_optim.step()
+        theirs.append(loss.item())
+        ours.append(_step(model, local).item())
+        optim.step()
+        after()
+    return ours, theirs
+
+
 #: every model at every layout (a tied head at pp 2: the last stage's embedding copy)
 CASES = {f"{m}-{lay}": (MODELS[m], LAYOUTS[lay]) for m in MODELS for lay in LAYOUTS}
 
@@ -126,19 +146,8 @@ def test_five_adam_steps_match_transformers_five_steps():
     hf, cfg, model, grids, (ids, pixels, mask, labels), local = _setup(
         "qwen2", "clip", False, (1, 1, 1, 1), enc, llm, options
     )
-    hf_optim = torch.optim.Adam(hf.parameters(), lr=1e-3)
-    optim = torch.optim.Adam(model.parameters(), lr=1e-3)
-    ours, theirs = [], []
     try:
-        for _ in range(5):
-            hf_optim.zero_grad(set_to_none=True)
-            optim.zero_grad(set_to_none=True)
-            loss = hf(input_ids=ids, pixel_values=pixels, attention_mask=mask, labels=labels).loss
-            loss.backward()
-            hf_optim.step()
-            theirs.append(loss.item())
-            ours.append(_step(model, local).item())
-            optim.step()
+        ours, theirs = _adam_steps(hf, model, local, (ids, pixels, mask, labels), 5)
         full = model.to_full()
     finally:
         destroy_colocated_mimo(model, *grids)
@@ -170,20 +179,12 @@ def test_a_tied_head_at_pp2_trains_like_transformers_and_its_copies_stay_equal()
     hf, cfg, model, grids, (ids, pixels, mask, labels), local = _setup(
         "qwen2", "siglip", True, (2, 1, 0, 1), enc, llm, options
     )
-    hf_optim = torch.optim.Adam(hf.parameters(), lr=1e-3)
-    optim = torch.optim.Adam(model.parameters(), lr=1e-3)
-    ours, theirs, equal = [], [], []
+    equal = []
     try:
-        for _ in range(3):
-            hf_optim.zero_grad(set_to_none=True)
-            optim.zero_grad(set_to_none=True)
-            loss = hf(input_ids=ids, pixel_values=pixels, attention_mask=mask, labels=labels).loss
-            loss.backward()
-            hf_optim.step()
-            theirs.append(loss.item())
-            ours.append(_step(model, local).item())
-            optim.step()
-            equal.append(tied_copies_equal(model))
+        ours, theirs = _adam_steps(
+            hf, model, local, (ids, pixels, mask, labels), 3,
+            after=lambda: equal.append(tied_copies_equal(model)),
+        )  # fmt: skip
         embed = model.llm.to_full()["embed.weight"]  # this rank's stage: first or last
     finally:
         destroy_colocated_mimo(model, *grids)
