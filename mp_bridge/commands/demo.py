@@ -173,6 +173,9 @@ def _validate(args: argparse.Namespace) -> tuple[GridLayout, GridLayout]:
         encoder_tp=enc["tp"], llm_tp=llm["tp"], seq_factor=factor, llm_pp=llm["pp"]
     )
     args.config.check_tp(encoder_tp=enc["tp"], llm_tp=llm["tp"])  # holds by construction
+    args.config.check_cp_comm(
+        getattr(args, "cp_comm", "all_gather"), llm_tp=llm["tp"], llm_cp=llm["cp"]
+    )
     for flag, dp in (("--encoder", enc["dp"]), ("--llm", llm["dp"])):
         if args.batch_size % dp:
             raise ValueError(

@@ -64,6 +64,10 @@ def _validate_hf(args: argparse.Namespace, validate) -> tuple[GridLayout, GridLa
     seq_len = -(-SEQ_LEN // factor) * factor
     cfg = config_from_hf(args.hf, seq_len=seq_len)
     cfg.check_tp(encoder_tp=enc.axis_size("tp"), llm_tp=llm.axis_size("tp"))
+    cfg.check_cp_comm(
+        getattr(args, "cp_comm", "all_gather"), llm_tp=llm.axis_size("tp"),
+        llm_cp=llm.axis_size("cp"),
+    )  # fmt: skip
     pp = llm.axis_size("pp")
     if pp > cfg.llm_layers:
         raise ValueError(

@@ -216,3 +216,22 @@ def test_double_backward_and_bad_modes_raise_before_any_collective():
         with pytest.raises(ValueError, match=r"kv_block=0 must be an int >= 1"):
             context_parallel_attention(q, q, q, cp_group=group, position_ids=pos, kv_block=0)
     assert counter.counts() == {}
+
+
+@world.case
+def test_a_model_whose_heads_do_not_split_for_a2a_is_refused_at_build():
+    """LLM TP 2 / CP 2 with 2 K/V heads: each TP rank holds 1, which ``comm="a2a"`` cannot
+    split over CP 2. ``build_colocated_mimo`` names the counts before creating any group
+    (no collective), instead of the first forward failing inside attention."""
+    from mp_bridge.grid import destroy_grid, make_grid
+    from mp_bridge.models import MimoConfig, build_colocated_mimo
+
+    cfg = MimoConfig(llm_kv_heads=2)  # 8 q heads: 4 per TP rank, 1 K/V head per TP rank
+    enc = make_grid(tp=2, dp=2, create=("tp", "dp"))
+    llm = make_grid(tp=2, cp=2, dp=1, create=("tp", "cp", "dp", ("dp", "cp")))
+    with CollectiveCounter() as counter:
+        with pytest.raises(ValueError, match=r"q heads 4 and k/v heads 1 must each divide by 2"):
+            build_colocated_mimo(cfg, enc, llm, cp_comm="a2a")
+    assert counter.counts() == {}
+    destroy_grid(enc)
+    destroy_grid(llm)

@@ -58,6 +58,10 @@ def test_synthetic_batches_are_seeded_ragged_and_read_by_hf_batch(hf_dir):
         (["--save", "ckpt"], "--save does not apply to --hf"),
         (["--images", "long-tail"], "--images long-tail does not apply to --hf"),
         (["--llm", "tp=8"], "llm_kv_heads=4 is not divisible by llm tp=8"),
+        (
+            ["--llm", "tp=2,cp=4", "--cp-comm", "a2a"],
+            r"q heads 4 and k/v heads 2 must each divide by 4",
+        ),
         (["--llm", "tp=2,pp=4"], "--llm pp=4 needs one text layer per stage; .* has 2"),
         (["--batch-size", "6"], "--batch-size 6 does not split over --encoder dp=4"),
     ],

@@ -121,6 +121,9 @@ def test_config_and_input_errors():
         MimoConfig(image_token_id=99)
     with pytest.raises(ValueError, match="llm_heads=8 is not divisible by llm tp=3"):
         CFG.check_tp(llm_tp=3)
+    with pytest.raises(ValueError, match=r"q heads 2 and k/v heads 2 must each divide by 4"):
+        CFG.check_cp_comm("a2a", llm_tp=4, llm_cp=4)
+    CFG.check_cp_comm("ring", llm_tp=4, llm_cp=4)  # only a2a splits heads over CP
     torch.manual_seed(0)
     model = _single_process(ReferenceMimo(CFG))
     batch = synthetic_batch(CFG, 2, seed=0)

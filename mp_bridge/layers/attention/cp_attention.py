@@ -129,7 +129,10 @@ def _check_positions(position_ids: torch.Tensor, b: int, s: int) -> torch.Tensor
     return pos.to(torch.int64)
 
 
-def _check_comm(comm: object, hq: int, hk: int, n: int) -> str:
+def check_comm_heads(comm: object, hq: int, hk: int, n: int) -> str:
+    """``comm`` if it is one of :data:`COMM_MODES` and, for ``"a2a"``, the local head
+    counts ``hq`` / ``hk`` both divide by the CP size ``n``; else ``ValueError`` naming
+    them (local: models call it at build time, before any collective)."""
     if comm not in COMM_MODES:
         raise ValueError(f"comm={comm!r} is not one of {COMM_MODES}; the default is 'all_gather'")
     if comm == "a2a" and (hq % n or hk % n):
@@ -318,7 +321,7 @@ def context_parallel_attention(
     hk = k.shape[2]
     check_bool("causal", causal)
     n, rank = group_size(cp_group), group_rank(cp_group)
-    comm = _check_comm(comm, hq, hk, n)
+    comm = check_comm_heads(comm, hq, hk, n)
     kv_block = _check_kv_block(kv_block)
     parsed = _parse_layout(layout, cu_seqlens, n, b, s)
     if position_ids is None and causal and parsed is None:

@@ -269,7 +269,10 @@ class ColocatedMimoModel(nn.Module):
         """Shard a single-process ``ReferenceMimo`` over the groups of
         ``make_mimo_groups(encoder_grid, llm_grid)``; see :meth:`from_groups` (collective)."""
         cfg = reference if isinstance(reference, MimoConfig) else reference.cfg
-        _check_tp(cfg, *(GridLayout.from_grid(g) for g in (encoder_grid, llm_grid)))
+        _check_tp(
+            cfg, *(GridLayout.from_grid(g) for g in (encoder_grid, llm_grid)),
+            kwargs.get("cp_comm", "all_gather"),
+        )  # fmt: skip
         return cls.from_groups(reference, make_mimo_groups(encoder_grid, llm_grid), **kwargs)
 
     @classmethod
@@ -356,9 +359,11 @@ class ColocatedMimoModel(nn.Module):
             _all_reduce_grads(params, group)
 
 
-def _check_tp(cfg, encoder: GridLayout, llm: GridLayout) -> None:
-    """The config's head counts must split over both TP sizes (local check)."""
+def _check_tp(cfg, encoder: GridLayout, llm: GridLayout, cp_comm: str) -> None:
+    """The config's head counts must split over both TP sizes, and under ``cp_comm="a2a"``
+    each TP rank's heads over CP (local check, before any group is created)."""
     cfg.check_tp(encoder_tp=encoder.axis_size("tp"), llm_tp=llm.axis_size("tp"))
+    cfg.check_cp_comm(cp_comm, llm_tp=llm.axis_size("tp"), llm_cp=llm.axis_size("cp"))
 
 
 @dataclass(frozen=True)

@@ -215,6 +215,14 @@ class MimoConfig:
         the linears weigh ``2·enc_hidden + enc_ffn`` against attention's ``t`` per token."""
         return 2.0 * self.enc_hidden + self.enc_ffn
 
+    def check_cp_comm(self, cp_comm: str, *, llm_tp: int = 1, llm_cp: int = 1) -> None:
+        """Raise ``ValueError`` when ``cp_comm`` is not a CP mode or, for ``"a2a"``, when a
+        TP rank's q or k/v heads (``llm_heads / tp``, ``llm_kv_heads / tp``) do not divide
+        by ``llm_cp`` (local; call after :meth:`check_tp`)."""
+        from mp_bridge.layers.attention.cp_attention import check_comm_heads
+
+        check_comm_heads(cp_comm, self.llm_heads // llm_tp, self.kv_heads // llm_tp, llm_cp)
+
     def check_tp(self, *, encoder_tp: int = 1, llm_tp: int = 1) -> None:
         """Raise ``ValueError`` naming the size when a TP size does not divide the model."""
         checks = (

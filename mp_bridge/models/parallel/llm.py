@@ -89,6 +89,7 @@ class TPLLM(FullStateMixin, nn.Module):
         check_group("tp_group", tp_group)
         check_group("cp_group", cp_group)
         cfg.check_tp(llm_tp=group_size(tp_group))
+        cfg.check_cp_comm(cp_comm, llm_tp=group_size(tp_group), llm_cp=group_size(cp_group))
         self.cfg, self.tp_group, self.cp_group = cfg, tp_group, cp_group
         config = parallel_config(tp_group, sequence_parallel=sequence_parallel)
         self.sequence_parallel = config.sequence_parallel  # False when TP = 1

@@ -93,6 +93,7 @@ class TPLLMStage(FullStateMixin, nn.Module):
         check_group("cp_group", cp_group)
         check_bool("sequence_parallel", sequence_parallel)
         cfg.check_tp(llm_tp=group_size(tp_group))
+        cfg.check_cp_comm(cp_comm, llm_tp=group_size(tp_group), llm_cp=group_size(cp_group))
         self.layers = stage_layers(cfg.llm_layers, n_stages, stage)
         self.stage, self.n_stages = stage, n_stages
         self.cfg, self.tp_group, self.cp_group = cfg, tp_group, cp_group
