@@ -144,3 +144,33 @@ def test_a_vocab_shard_gets_its_rows_and_zero_padding_rows(tmp_path):
     want = hf.state_dict()["model.language_model.embed_tokens.weight"]
     assert torch.equal(param[: cfg.vocab_size], want)
     assert torch.equal(param[cfg.vocab_size :], torch.zeros(2, cfg.llm_hidden))
+
+
+def test_a_bf16_model_trained_in_fp32_comes_back_from_pretrained_in_fp32(tmp_path):
+    """Loaded from bf16 weights into fp32 parameters and moved off the bf16 grid (a
+    training step's worth): ``config.json`` names float32, so ``from_pretrained`` (dtype
+    "auto") builds fp32 and gets every trained tensor bitwise; untrained tensors stay
+    bf16 in the file and are widened exactly."""
+    from mp_bridge.models.hf import disk_to_module, hf_mappings
+    from mp_bridge.models.hf.hf_save import hf_tensors
+
+    hf = tiny_llava("qwen2", "clip").to(torch.bfloat16)
+    path = str(tmp_path / "bf16")
+    hf.save_pretrained(path)
+    cfg, ours = _loaded(path)
+    assert all(p.dtype == torch.float32 for p in ours.parameters())
+    with torch.no_grad():
+        for p in ours.parameters():
+            p.add_(torch.randn_like(p) * 1e-4)  # not representable in bf16
+    out = str(tmp_path / "out")
+    save_hf(out, ours)
+    back = LlavaForConditionalGeneration.from_pretrained(out)
+    state, params = back.state_dict(), dict(ours.named_parameters())
+    assert all(t.dtype == torch.float32 for t in state.values())
+    for m in hf_mappings(cfg):
+        for key, want in zip(m.hf, hf_tensors(m, params[m.ours].detach())):
+            assert torch.equal(state[disk_to_module(key)], want), key
+    untrained = load_file(os.path.join(path, "model.safetensors"))
+    assert len(ours.hf_untrained) > 5  # feature layer -2: the last layer, post_layernorm
+    for key in ours.hf_untrained:
+        assert torch.equal(state[disk_to_module(key)], untrained[key].float()), key

@@ -22,7 +22,7 @@ from mp_bridge.checkpoint.publish import publish, staging_dir
 from mp_bridge.models.hf.name_map import HFMapping
 from mp_bridge.models.hf.safetensors_files import SINGLE_FILE, StreamingSafetensorsWriter
 
-__all__ = ["check_hf_target", "hf_header", "write_hf_directory"]
+__all__ = ["check_hf_target", "config_with_dtype", "hf_header", "write_hf_directory"]
 
 Header = list[tuple[str, torch.dtype, tuple[int, ...]]]
 
@@ -38,6 +38,22 @@ def check_hf_target(path: str, who: str) -> None:
             f"{who} will not replace {path!r}: it is a file or a directory "
             "without config.json; pass a new path or an HF model directory"
         )
+
+
+def config_with_dtype(config: dict, trained: Iterable[torch.dtype]) -> dict:
+    """A copy of ``config`` whose ``dtype`` (and a transformers 4 ``torch_dtype``, when
+    present) names the widest floating dtype of the ``trained`` tensors: the dtype
+    ``from_pretrained`` then builds the model in (its default ``dtype="auto"`` reads it).
+    Without it, a model loaded from bf16 and trained in fp32 would come back as bf16.
+    The untrained tensors keep their dtype in the file; ``from_pretrained`` casts them."""
+    floats = [d for d in trained if d.is_floating_point]
+    if not floats:
+        return dict(config)
+    name = str(max(floats, key=lambda d: d.itemsize)).removeprefix("torch.")
+    out = {**config, "dtype": name}
+    if "torch_dtype" in out:
+        out["torch_dtype"] = name
+    return out
 
 
 def hf_header(

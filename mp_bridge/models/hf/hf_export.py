@@ -30,7 +30,12 @@ from mp_bridge.checkpoint import read_checkpoint
 from mp_bridge.checkpoint.keys import HF_UNTRAINED, MODEL, model_key
 from mp_bridge.checkpoint.ranks import dcp_quietly
 from mp_bridge.models.hf.hf_config import config_from_hf
-from mp_bridge.models.hf.hf_directory import check_hf_target, hf_header, write_hf_directory
+from mp_bridge.models.hf.hf_directory import (
+    check_hf_target,
+    config_with_dtype,
+    hf_header,
+    write_hf_directory,
+)
 from mp_bridge.models.hf.hf_save import hf_tensors
 from mp_bridge.models.hf.name_map import HFMapping, hf_mappings
 
@@ -107,10 +112,9 @@ def export_hf(checkpoint: str | os.PathLike, out: str | os.PathLike) -> None:
     untrained = {
         k[len(HF_UNTRAINED) :]: md for k, md in saved.items() if k.startswith(HF_UNTRAINED)
     }
+    dtypes = {m.ours: saved[model_key(m.ours)].properties.dtype for m in mappings}
     header = hf_header(
-        mappings,
-        {m.ours: saved[model_key(m.ours)].properties.dtype for m in mappings},
-        {k: (md.properties.dtype, tuple(md.size)) for k, md in untrained.items()},
+        mappings, dtypes, {k: (md.properties.dtype, tuple(md.size)) for k, md in untrained.items()}
     )
     tensors = _tensors(info.path, mappings, saved, untrained)
-    write_hf_directory(out, info.hf_config, header, tensors)
+    write_hf_directory(out, config_with_dtype(info.hf_config, dtypes.values()), header, tensors)

@@ -9,7 +9,8 @@ into its HF tensors by the same runs :func:`load_hf` reads (:mod:`.name_map`) an
 them into ``model.safetensors`` (:func:`write_hf_directory`: header first, so no rank
 holds more than one full tensor beyond its own shards). The untrained tensors
 (``model.hf_untrained``) follow. ``config.json`` is the config :func:`load_hf` read
-(``model.hf_config``) or the ``config=`` given. The directory is published by rename, so
+(``model.hf_config``) or the ``config=`` given, its ``dtype`` set to the trained
+parameters' (:func:`config_with_dtype`). The directory is published by rename, so
 ``path`` holds a whole model or the old one.
 ``LlavaForConditionalGeneration.from_pretrained(path)`` then loads the same bits.
 """
@@ -23,7 +24,12 @@ import torch.distributed as dist
 from torch import nn
 
 from mp_bridge.layers import gather_shard, shard_spec
-from mp_bridge.models.hf.hf_directory import check_hf_target, hf_header, write_hf_directory
+from mp_bridge.models.hf.hf_directory import (
+    check_hf_target,
+    config_with_dtype,
+    hf_header,
+    write_hf_directory,
+)
 from mp_bridge.models.hf.hf_load import model_config, model_parameters
 from mp_bridge.models.hf.name_map import HFMapping, hf_mappings
 
@@ -108,7 +114,7 @@ def save_hf(path: str, model: nn.Module, *, config: dict | None = None) -> None:
     writer = not dist.is_initialized() or dist.get_rank() == 0
     tensors = _gathered(mappings, params, extra, owners, writer)
     if writer:
-        write_hf_directory(path, config, header, tensors)
+        write_hf_directory(path, config_with_dtype(config, dtypes.values()), header, tensors)
     else:
         for _ in tensors:  # the gathers, collective with the writer's
             pass
