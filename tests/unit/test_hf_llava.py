@@ -32,6 +32,31 @@ CASES = [
 ]
 
 
+# Shapes and options the tiny default does not take: text / vision / LlavaConfig overrides.
+VARIANTS = {
+    "multi-query (1 K/V head)": ("llama", "clip", {"num_key_value_heads": 1}, {}, {}),
+    "K/V heads == heads, qkv bias": ("qwen2", "siglip", {"num_key_value_heads": 8}, {}, {}),
+    "odd vocab, 6 heads of 8": (
+        "llama", "clip",
+        {"vocab_size": 97, "hidden_size": 48, "num_attention_heads": 6, "num_key_value_heads": 2},
+        {}, {},
+    ),
+    "9 patches, 2 vision heads, gelu": (
+        "mistral", "siglip", {},
+        {"image_size": 12, "num_attention_heads": 2, "hidden_act": "gelu"}, {},
+    ),
+    "8x8 patches, no projector bias": (
+        "llama", "clip", {}, {"image_size": 16, "patch_size": 8},
+        {"multimodal_projector_bias": False, "vision_feature_layer": 3},
+    ),
+    "rope_theta 1e6, rms eps 1e-3": (
+        "qwen2", "clip",
+        {"rope_parameters": {"rope_type": "default", "rope_theta": 1e6}, "rms_norm_eps": 1e-3},
+        {}, {"vision_feature_select_strategy": "full"},
+    ),
+}  # fmt: skip
+
+
 def _saved(tmp_path, text="llama", vision="clip", tie=False, attn="eager", **overrides):
     hf = tiny_llava(text, vision, tie=tie, attn_implementation=attn, **overrides)
     path = str(tmp_path / "hf")
@@ -46,13 +71,9 @@ def _loaded(path, seq_len=16):
     return cfg, model
 
 
-@pytest.mark.parametrize("text,vision,tie,attn,overrides,images", CASES)
-def test_loss_and_every_gradient_match_transformers(
-    tmp_path, text, vision, tie, attn, overrides, images
-):
-    hf, path = _saved(tmp_path, text, vision, tie, attn, **overrides)
-    cfg, ours = _loaded(path)
-    ids, pixels, mask, labels = llava_inputs(cfg, images)
+def _assert_loss_and_gradients_match(hf, path, images, seq=16):
+    cfg, ours = _loaded(path, seq_len=seq)
+    ids, pixels, mask, labels = llava_inputs(cfg, images, seq=seq)
     want = hf(input_ids=ids, pixel_values=pixels, attention_mask=mask, labels=labels).loss
     want.backward()
     batch = hf_batch(cfg, ids, pixels, labels, mask)
@@ -63,6 +84,24 @@ def test_loss_and_every_gradient_match_transformers(
     assert len(errors) > 30 and max(errors.values()) <= 1e-4, max(
         errors.items(), key=lambda e: e[1]
     )
+
+
+@pytest.mark.parametrize("text,vision,tie,attn,overrides,images", CASES)
+def test_loss_and_every_gradient_match_transformers(
+    tmp_path, text, vision, tie, attn, overrides, images
+):
+    hf, path = _saved(tmp_path, text, vision, tie, attn, **overrides)
+    _assert_loss_and_gradients_match(hf, path, images)
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_config_variants_match_transformers(tmp_path, variant):
+    text, vision, text_overrides, vision_overrides, llava_overrides = VARIANTS[variant]
+    hf, path = _saved(
+        tmp_path, text, vision, attn="sdpa", text_overrides=text_overrides,
+        vision_overrides=vision_overrides, **llava_overrides,
+    )  # fmt: skip
+    _assert_loss_and_gradients_match(hf, path, (2, 0, 1), seq=24)
 
 
 def test_packed_documents_restart_rotary_positions_as_separate_hf_rows(tmp_path):

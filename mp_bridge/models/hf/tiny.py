@@ -5,7 +5,8 @@ oracle of the HF tests and ``mp-bridge hf tiny``.
 ``LlavaForConditionalGeneration`` in fp32 with a grouped-query text model (hidden 32, 8
 heads, 4 K/V heads: splits up to TP 4), 8x8 images in 4x4 patches (4 patches per
 image), 3 vision layers of which ``vision_feature_layer=-2`` runs 2, and a 64-token vocab
-whose last id is the image token.
+whose last id is the image token. ``text_overrides`` / ``vision_overrides`` go to the
+text and vision configs (e.g. ``num_key_value_heads=1``, ``image_size=12``).
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ def tiny_llava(
     tie: bool = False,
     seed: int = 0,
     attn_implementation: str = "eager",
+    text_overrides: dict | None = None,
+    vision_overrides: dict | None = None,
     **llava_overrides,
 ):
     """A random ``LlavaForConditionalGeneration`` (see the module); ``llava_overrides`` go
@@ -48,12 +51,15 @@ def tiny_llava(
     )  # fmt: skip
     if text == "mistral":
         text_kwargs["sliding_window"] = None
-    vision_config = visions[vision](
+    text_kwargs.update(text_overrides or {})
+    vision_kwargs = dict(
         hidden_size=16, intermediate_size=32, num_hidden_layers=3, num_attention_heads=4,
         image_size=8, patch_size=4, num_channels=3,
     )  # fmt: skip
+    vision_kwargs.update(vision_overrides or {})
+    llava_overrides.setdefault("image_token_id", text_kwargs["vocab_size"] - 1)
     config = LlavaConfig(
-        vision_config=vision_config, text_config=texts[text](**text_kwargs), image_token_id=63,
+        vision_config=visions[vision](**vision_kwargs), text_config=texts[text](**text_kwargs),
         tie_word_embeddings=tie, **llava_overrides,
     )  # fmt: skip
     config._attn_implementation = attn_implementation
