@@ -53,7 +53,15 @@ LAYOUTS = {
     "fan_in_cp2_routed": (dict(tp=2, dp=4), dict(tp=2, cp=2, dp=2), {"flow": "routed"}),
     "llm_pp2": (dict(tp=2, dp=4), dict(tp=2, pp=2, dp=2), {"microbatches": 2}),
     "tp4_sp": (dict(tp=4, dp=2), dict(tp=4, dp=2), {"sequence_parallel": True}),
-}
+    # beyond the layouts: Ulysses over CP 4 from an encoder at TP 4, and a pipeline
+    # of CP ring stages fed by a fan-in to one LLM replica
+    "enc_tp4_to_cp4_a2a_routed": (
+        dict(tp=4, dp=2), dict(cp=4, dp=2), {"flow": "routed", "cp_comm": "a2a"},
+    ),
+    "llm_tp2_cp2_pp2_ring": (
+        dict(tp=2, dp=4), dict(tp=2, cp=2, pp=2), {"microbatches": 2, "cp_comm": "ring"},
+    ),
+}  # fmt: skip
 #: text, vision, tied head, images per sample (4 samples: the encoder DP 4 blocks)
 MODELS = {
     "clip_llama_untied": ("llama", "clip", False, (1, 1, 1, 1)),
@@ -85,7 +93,10 @@ def _setup(text, vision, tie, images, enc, llm, options):
     load_hf(path, model)
     rank = dist.get_rank()
     enc_dp, llm_dp = (GridLayout.from_grid(g).coords(rank)["dp"] for g in grids)
-    local = (batch.encoder_shard(enc_dp, enc.get("dp", 1)), batch.llm_shard(llm_dp, llm["dp"]))
+    local = (
+        batch.encoder_shard(enc_dp, enc.get("dp", 1)),
+        batch.llm_shard(llm_dp, llm.get("dp", 1)),
+    )
     return hf, cfg, model, grids, (ids, pixels, mask, labels), local
 
 
