@@ -36,7 +36,7 @@ CASES = [
 VARIANTS = {
     "multi-query (1 K/V head)": ("llama", "clip", {"num_key_value_heads": 1}, {}, {}),
     "K/V heads == heads, qkv bias": ("qwen2", "siglip", {"num_key_value_heads": 8}, {}, {}),
-    "odd vocab, 6 heads of 8": (
+    "vocab 97, hidden 48 in 6 heads": (
         "llama", "clip",
         {"vocab_size": 97, "hidden_size": 48, "num_attention_heads": 6, "num_key_value_heads": 2},
         {}, {},
