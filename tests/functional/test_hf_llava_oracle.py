@@ -129,6 +129,12 @@ def _adam_steps(hf, model, local, hf_batch_, steps, after=lambda: None):
 
 #: every model at every layout (a tied head at pp 2: the last stage's embedding copy)
 CASES = {f"{m}-{lay}": (MODELS[m], LAYOUTS[lay]) for m in MODELS for lay in LAYOUTS}
+#: balanced encoders move whole images between encoder DP replicas: a CLIP "default" tower
+#: (as many placeholders as patches), images skewed so that the balancer moves some
+CASES["clip_llama_skewed-balance_routed"] = (
+    ("llama", "clip", False, (3, 0, 1, 0)),
+    (dict(tp=2, dp=4), dict(tp=2, cp=2, dp=2), {"flow": "routed", "balance": True}),
+)
 
 
 @world.parametrize("case", list(CASES.values()), ids=list(CASES))
@@ -137,6 +143,16 @@ def test_loss_and_every_hf_gradient_at_the_layout(case):
     hf, cfg, model, grids, (ids, pixels, mask, labels), local = _setup(
         text, vision, tie, images, enc, llm, options
     )
+    plans = []  # balanced encoders: the plans, to check that images did move
+    if model.balancer is not None:
+        balance = model.balancer.balance
+
+        def recorded(*args):
+            rows, plan = balance(*args)
+            plans.append(plan)
+            return rows, plan
+
+        model.balancer.balance = recorded
     try:
         want = hf(input_ids=ids, pixel_values=pixels, attention_mask=mask, labels=labels).loss
         want.backward()
@@ -148,6 +164,7 @@ def test_loss_and_every_hf_gradient_at_the_layout(case):
     errors = grad_errors(None, hf, cfg, full_grads=grads)
     worst = max(errors.items(), key=lambda e: e[1])
     assert worst[1] <= GRAD_ATOL, worst
+    assert not options.get("balance") or plans[0].moved_images > 0, "nothing was balanced"
     return {"loss": got.item(), "grad_err": worst[1], "compared": len(errors)}
 
 
