@@ -164,7 +164,8 @@ def test_loss_and_every_hf_gradient_at_the_layout(case):
     errors = grad_errors(None, hf, cfg, full_grads=grads)
     worst = max(errors.items(), key=lambda e: e[1])
     assert worst[1] <= GRAD_ATOL, worst
-    assert not options.get("balance") or plans[0].moved_images > 0, "nothing was balanced"
+    if options.get("balance"):  # the case exercises the balanced path, or proves nothing
+        assert plans and plans[0].moved_images > 0, f"nothing was balanced: {plans}"
     return {"loss": got.item(), "grad_err": worst[1], "compared": len(errors)}
 
 
